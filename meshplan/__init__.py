@@ -1,0 +1,57 @@
+"""meshplan: auto-parallel planner and compiler for PyTorch training.
+
+    import meshplan as mp
+    cluster = mp.Cluster.preset("dgx-h100", nodes=8)
+    model = mp.models.build("llama3-70b", device="meta")
+    est = mp.estimate(model, cluster, layout={"tp": 8, "pp": 4, "dp": 2}, seq_len=8192, global_batch=512)
+
+Heavy parts (torch, the tracer, the runtime) are imported lazily on first use, so importing
+meshplan for planning stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute); resolved on first access
+_LAZY = {
+    "Cluster": ("meshplan.cluster", "Cluster"),
+    "GPUSpec": ("meshplan.cluster", "GPUSpec"),
+    "Layout": ("meshplan.cost_models.layout", "Layout"),
+    "Estimate": ("meshplan.cost_models.estimate", "Estimate"),
+    "ModelProfile": ("meshplan.planner.profile", "ModelProfile"),
+    "estimate": ("meshplan.api", "estimate"),
+    "profile": ("meshplan.api", "profile"),
+    "trace": ("meshplan.planner.trace", "trace"),
+    "profile_from_config": ("meshplan.planner.analytic", "profile_from_config"),
+    "MeshplanError": ("meshplan.errors", "MeshplanError"),
+}
+_SUBMODULES = ("models", "cluster", "errors", "planner", "cost_models", "kernels", "runtime", "reports")
+
+__all__ = sorted(list(_LAZY) + list(_SUBMODULES))
+
+if TYPE_CHECKING:  # pragma: no cover
+    from meshplan.api import estimate, profile
+    from meshplan.cluster import Cluster, GPUSpec
+    from meshplan.cost_models.estimate import Estimate
+    from meshplan.cost_models.layout import Layout
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"meshplan.{name}")
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

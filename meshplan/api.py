@@ -1,0 +1,63 @@
+"""Public entry points that take user-level objects (an nn.Module, a preset name, a cluster)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from meshplan.cost_models.estimate import Estimate, estimate_profile
+from meshplan.cost_models.layout import Layout
+from meshplan.errors import ConfigError
+from meshplan.planner.profile import ModelProfile
+
+__all__ = ["estimate", "profile", "resolve_cluster"]
+
+# The cost model needs the architecture, not long sequences: profiles are traced at a short
+# sequence (shapes scale linearly in tokens, attention is recomputed for the real seq_len).
+TRACE_SEQ_LEN = 128
+
+
+def profile(model: Any, *, seq_len: int = TRACE_SEQ_LEN, **trace_kwargs) -> ModelProfile:
+    """A `ModelProfile` for an nn.Module (traced on meta/fake tensors), a preset name, a config
+    mapping, or a profile (returned as is)."""
+    if isinstance(model, ModelProfile):
+        return model
+    if isinstance(model, Mapping):
+        from meshplan.planner.analytic import profile_from_config
+        return profile_from_config(model, seq_len=seq_len)
+    if isinstance(model, str):
+        from meshplan import models
+        model = models.build(model, device="meta")
+    from meshplan.planner.trace import trace   # torch-heavy: only when a module must be traced
+    return trace(model, seq_len=min(seq_len, TRACE_SEQ_LEN), **trace_kwargs)
+
+
+def resolve_cluster(cluster: Any):
+    from meshplan.cluster import Cluster
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str):
+        return Cluster.preset(cluster)
+    raise ConfigError(f"cluster must be a meshplan.Cluster or a preset name, not {type(cluster).__name__}; "
+                      "e.g. meshplan.Cluster.preset('dgx-h100', nodes=4)")
+
+
+def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None = None, *, seq_len: int,
+             global_batch: int, precision: str = "bf16") -> Estimate:
+    """Score one layout: predicted step time, throughput, MFU and per-GPU memory.
+
+    model: an nn.Module (any device, usually meta), a preset name ("llama3-70b"), a config
+    mapping, or a ModelProfile. layout: a Layout or a dict with keys tp, cp, ep, etp, pp, vp, dp,
+    zero, mbs, recompute, schedule (missing keys default; dp defaults to what fills the cluster).
+    """
+    cl = resolve_cluster(cluster)
+    if layout is None:
+        layout = {}
+    if not isinstance(layout, Layout):
+        layout = dict(layout)
+        if "dp" not in layout:
+            rest = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1)
+            if cl.num_gpus % rest == 0:
+                layout["dp"] = cl.num_gpus // rest
+        layout = Layout.from_dict(layout)
+    prof = profile(model, seq_len=seq_len)
+    return estimate_profile(prof, cl, layout, seq_len=seq_len, global_batch=global_batch, precision=precision)

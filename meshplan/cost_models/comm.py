@@ -1,0 +1,107 @@
+"""Collective communication time over a hierarchical topology (scale-up domain + network).
+
+Pure functions: (collective, bytes, group geometry, cluster) -> seconds. Model (cost_models.md §7):
+
+- Inside one scale-up domain a ring collective of total size S on n ranks takes
+  `latency + factor(n) * S / busbw`, with nccl-tests factors 2(n-1)/n (all-reduce) and
+  (n-1)/n (all-gather, reduce-scatter, all-to-all), busbw the domain's achieved ring busbw
+  (NVLS busbw for all-reduce on >= 5 GPUs where the switch supports it; per-link bandwidth
+  times n-1 on full-mesh fabrics like xGMI, where small groups get less).
+- A group spanning D domains with g ranks in each is done hierarchically (derived, §7):
+  the intra-domain part as above on g ranks, and the inter-domain part on S/g bytes per NIC
+  over D "nodes" at the per-GPU network busbw (rail-optimised: one NIC per GPU, g NICs work in
+  parallel). All-to-all sends the fraction (n-g)/n of its bytes over the network.
+- Latency: alpha-beta with NCCL's ring step counts: base + steps * per-hop latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.cost_models.constants import NVLS_MIN_GPUS, P2P_EFF, XGMI_EFF
+
+__all__ = ["Group", "group", "collective_time", "p2p_time", "intra_busbw"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communicator: `size` ranks, `per_domain` of them in each of `domains` scale-up domains."""
+
+    size: int
+    per_domain: int
+    domains: int
+
+
+def group(cluster, size: int, stride: int) -> Group:
+    """Geometry of a group of `size` ranks spaced `stride` apart in (node-major) rank order."""
+    if size <= 1:
+        return Group(1, 1, 1)
+    per, dom = cluster.placement(size, stride)
+    return Group(size, per, dom)
+
+
+def intra_busbw(cluster, n: int, kind: str) -> float:
+    """Achieved busbw (GB/s) of a collective on n ranks inside one scale-up domain."""
+    gpu = cluster.gpu
+    if gpu.per_peer_gb_s:                      # full mesh: only n-1 of the links are used
+        bw = gpu.per_peer_gb_s * (n - 1) * XGMI_EFF
+        return min(bw, gpu.scaleup_busbw_gb_s) if gpu.scaleup_busbw_gb_s else bw
+    if kind == "all_reduce" and gpu.nvls_busbw_gb_s and n >= NVLS_MIN_GPUS:
+        return gpu.nvls_busbw_gb_s
+    return gpu.scaleup_busbw_gb_s
+
+
+def _factor(kind: str, n: int) -> float:
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    return (n - 1) / n
+
+
+def _latency(cluster, kind: str, n: int, hop_us: float) -> float:
+    steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
+    return (cluster.base_latency_us + steps * hop_us) * 1e-6
+
+
+def collective_time(kind: str, nbytes: float, g: Group, cluster) -> float:
+    """Seconds for one collective whose total buffer is `nbytes` (nccl-tests' S: the all-reduce
+    buffer, the all-gather OUTPUT, the reduce-scatter INPUT, an all-to-all's send buffer)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; known: {KINDS}")
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    GB = 1e9
+    t = 0.0
+    if g.per_domain > 1:
+        n = g.per_domain
+        bw = intra_busbw(cluster, n, kind) * GB
+        if kind == "all_to_all":
+            # the share of the send buffer addressed to peers inside this domain
+            t_intra = nbytes * (n - 1) / g.size / bw
+        else:
+            t_intra = _factor(kind, n) * nbytes / bw
+        t += t_intra + _latency(cluster, kind, n, cluster.scaleup_latency_us)
+    if g.domains > 1:
+        D = g.domains
+        nic = cluster.nic_gb_s * GB
+        if kind == "all_to_all":
+            off = nbytes * (g.size - g.per_domain) / g.size        # bytes this GPU sends off-domain
+            t_inter = off / nic
+            # intra and inter legs of an all-to-all run concurrently: the slower one dominates
+            t = max(t, t_inter) + _latency(cluster, kind, D, cluster.net_latency_us)
+            return t
+        per_nic = nbytes / g.per_domain                            # each NIC carries its rail's share
+        t += _factor(kind, D) * per_nic / nic + _latency(cluster, kind, D, cluster.net_latency_us)
+    return t
+
+
+def p2p_time(nbytes: float, cluster, *, cross_domain: bool) -> float:
+    """One send/recv of `nbytes` between two ranks."""
+    if nbytes <= 0:
+        return 0.0
+    if cross_domain:
+        return cluster.net_latency_us * 1e-6 + nbytes / (cluster.nic_gb_s * 1e9)
+    gpu = cluster.gpu
+    link = (gpu.per_peer_gb_s or gpu.scaleup_gb_s) * P2P_EFF
+    return cluster.scaleup_latency_us * 1e-6 + nbytes / (link * 1e9)

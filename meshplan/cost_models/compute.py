@@ -1,0 +1,52 @@
+"""Per-GPU compute time of one layer for one micro-batch: roofline GEMMs, flash attention,
+memory-bound element-wise work (cost_models.md §1, §9).
+
+All functions are pure: (shapes, dtype, cluster) -> seconds.
+"""
+
+from __future__ import annotations
+
+from meshplan.cost_models import constants as K
+
+__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate"]
+
+
+def matmul_rate(cluster, fp8: bool) -> float:
+    """Achieved FLOP/s of a large GEMM (MAMF), BF16 or FP8."""
+    gpu = cluster.gpu
+    if fp8:
+        return gpu.fp8_tflops * 1e12 * gpu.fp8_gemm_efficiency * K.TRAINING_GEMM_EFF
+    return gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency * K.TRAINING_GEMM_EFF
+
+
+def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count: float = 1.0) -> float:
+    """`count` GEMMs of (m x k) @ (k x n): max(compute, HBM traffic) plus a fixed per-kernel cost
+    that makes small GEMMs inefficient (Calculon-style shape dependence)."""
+    if m <= 0 or n <= 0 or k <= 0 or count <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k
+    elt = K.FP8 if fp8 else K.BF16
+    nbytes = (m * k + k * n) * elt + m * n * K.BF16
+    t_compute = flops / matmul_rate(cluster, fp8)
+    t_memory = nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+    fixed = K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
+    extra = 0.0
+    if fp8:   # quantise both inputs (fused cast + amax), memory-bound
+        extra = (m * k + k * n) * K.FP8_CAST_BYTES_PER_ELEMENT / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+    return count * (max(t_compute, t_memory) + fixed + extra)
+
+
+def attention_time(flops_fwd: float, cluster, *, backward: bool) -> float:
+    """Flash attention (BF16) on `flops_fwd` forward FLOPs; backward does ATTN_BWD_FLOP_RATIO x."""
+    if flops_fwd <= 0:
+        return 0.0
+    rate = matmul_rate(cluster, fp8=False)
+    if backward:
+        return flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
+    return flops_fwd / (rate * K.ATTN_FWD_EFF)
+
+
+def elementwise_time(nbytes: float, cluster) -> float:
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)

@@ -1,0 +1,100 @@
+"""Named constants of the cost model, each with where it comes from.
+
+"derived" = follows from a formula or a spec; "measured" = a published measurement;
+"fitted" = chosen by `benchmarks/validate_published.py --fit` on the FIT split of
+../shared/data/published_runs.csv (rows are split by a hash of their id; the error on the other
+rows is reported separately). Re-fit by running that script; never tune to a single row.
+"""
+
+from __future__ import annotations
+
+# ---- bytes ----------------------------------------------------------------------------------
+BF16 = 2
+FP32 = 4
+FP8 = 1
+
+# Mixed-precision training state per parameter (Megatron-LM defaults, cost_models.md §3, §5):
+PARAM_BYTES = BF16            # bf16 working weights
+GRAD_BYTES = FP32             # fp32 main gradients (Megatron accumulates and reduces grads in fp32)
+OPTIMIZER_BYTES = 12          # fp32 master weights + Adam m + v
+
+# Adam step: reads grad (4) + master (4) + m (4) + v (4), writes master, m, v (12) and the
+# bf16 weight (2) => 30 bytes per parameter shard of HBM traffic (derived).
+OPTIMIZER_STEP_BYTES = 30
+
+# ---- compute --------------------------------------------------------------------------------
+# Achieved fraction of the MAMF (best large-GEMM) rate inside real training steps: GEMMs of
+# transformer shapes, interleaved with other kernels (cache/clock effects, no autotuned shapes).
+# Megatron-LM's H100 table (cost_models.md §9) reaches 41-49% MFU while MAMF is 80% of peak.
+TRAINING_GEMM_EFF = 0.85                                                            # fitted
+
+# Time a GEMM kernel needs beyond FLOPs/achieved-peak: launch, prologue/epilogue and wave
+# quantisation make small GEMMs inefficient (Calculon's step table, cost_models.md §1, shows
+# efficiency falling from 0.95 to 0.6 below ~1 GFLOP on A100). Modelled as a fixed time per GEMM.
+GEMM_FIXED_S = 12e-6                                                               # fitted
+
+# Flash-attention efficiency relative to the GPU's achieved dense GEMM rate (fwd; bwd slower).
+# FlashAttention-2 reaches ~50-73% of peak fwd on A100/H100 (Dao 2023, Tables); relative to
+# MAMF (~80% of peak) that is roughly 0.7-0.9.
+ATTN_FWD_EFF = 0.80                                                                 # fitted
+ATTN_BWD_EFF = 0.65                                                                 # fitted
+# FlashAttention's backward does 5 of the forward's 2 matmul-equivalents => 2.5x fwd FLOPs
+# (Dao et al. 2022, Alg. 2/4), vs Megatron's 2x model-FLOP convention.
+ATTN_BWD_FLOP_RATIO = 2.5                                                           # derived
+
+# Unfused ("eager") attention materialises the b*a*s*s score tensor: QK^T writes it (2 B), the
+# scale+mask+softmax reads and writes it (4 B), dropout reads/writes it and a 1-byte mask (5 B),
+# PV reads it (2 B) => ~13 bytes per score element forward, twice that backward (derived);
+# activation memory stores scores, softmax, dropout output and mask: 5 bytes per element
+# (Korthikanti et al. Table 2, the 5as/h term).
+EAGER_ATTN_BYTES_PER_SCORE = 13.0
+EAGER_ATTN_STORED_BYTES_PER_SCORE = 5.0
+
+# Memory-bound (element-wise, norm, softmax) work per layer per token, in units of hidden-size
+# bf16 tensors read+written, forward. Counted from a fused Megatron/TE block: ~2 norms (fused
+# with residual adds), rope on q/k, activation function, bias/dropout-add: ~24 h-sized passes
+# forward with SwiGLU; backward costs twice the forward traffic (derived estimate; see
+# `compute.elementwise_bytes_per_token`).
+ELEMENTWISE_PASSES = 24.0                                                          # derived
+HBM_EFF = 0.80       # achieved fraction of HBM bandwidth by streaming kernels (STREAM-like copies reach 80-90% on H100) # measured range
+
+# FP8 GEMMs add quantisation of both inputs (read bf16, write fp8 + amax) per GEMM: ~3 bytes per
+# element of each input, done in fused kernels (Transformer Engine). Derived.
+FP8_CAST_BYTES_PER_ELEMENT = 3.0
+# Per-GEMM fixed cost is larger for FP8 (scaling-factor updates, extra kernels): fitted.
+FP8_GEMM_FIXED_S = 20e-6                                                            # fitted
+
+# ---- communication --------------------------------------------------------------------------
+# nccl-tests busbw factors (cost_models.md §7).
+# Bandwidth for small groups on an NVSwitch: ring busbw is flat from 2 to 8 GPUs (~370 GB/s on H100,
+# NVIDIA/nccl #1455); NVLS only helps all-reduce at >= 5 GPUs.
+NVLS_MIN_GPUS = 5
+# xGMI full mesh: a group of n GPUs uses n-1 links of per_peer_gb_s each; measured 312.9 GB/s busbw
+# on 8x MI300X and 47.7 GB/s on 2 (cost_models.md §7) => efficiency 312.9/(7*64)=0.70, 47.7/64=0.75.
+XGMI_EFF = 0.72                                                                     # derived
+# Point-to-point send/recv achieves about the ring busbw fraction of line rate (~80%, nccl #1442).
+P2P_EFF = 0.80                                                                      # measured
+
+# Fraction of DP gradient reduce-scatter / parameter all-gather hidden behind backward/forward
+# compute when overlap is on (Megatron --overlap-grad-reduce / --overlap-param-gather, FSDP2
+# prefetch). Compute slows while NCCL kernels share SMs (Calculon processor_usage 0.15 NVLink).
+DP_OVERLAP_EFF = 0.85                                                               # fitted
+COMM_COMPUTE_SLOWDOWN = 0.05  # compute slowed this much while overlapped comm runs (Calculon: 0.02-0.15) # fitted
+# TP comm hidden by --tp-comm-overlap (userbuffers ring-exchange; Megatron docs report most of
+# it hidden on H100). Without that flag TP comm is fully exposed.
+TP_OVERLAP_HIDDEN = 0.70                                                            # fitted
+# Ring-attention KV exchange overlaps with the attention compute of the previous chunk.
+CP_OVERLAP = True
+
+# ---- step-level overheads -------------------------------------------------------------------
+# Per-step fixed cost: data loading, logging, grad-norm/clip reductions, launch gaps at the
+# start and end of the step.
+STEP_OVERHEAD_S = 0.05                                                              # fitted
+# Per-layer, per-micro-batch launch/synchronisation overhead not in any kernel (CPU launch gaps,
+# small kernels): visible when layers are tiny.
+LAYER_OVERHEAD_S = 40e-6                                                            # fitted
+
+# ---- memory ---------------------------------------------------------------------------------
+# (The CUDA context, NCCL buffers and allocator fragmentation are the cluster's memory_reserved_gb.)
+# Transformer Engine keeps an FP8 copy (and transpose) of each weight between micro-batches.
+FP8_WEIGHT_CACHE_BYTES = 2

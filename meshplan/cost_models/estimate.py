@@ -1,0 +1,301 @@
+"""Compose per-layer costs into a training step: `estimate_profile(profile, cluster, layout, ...)`.
+
+T_step = m * t_slowest_rank + bubble(schedule) + exposed PP p2p + exposed DP/FSDP
+         + optimizer step + fixed step overhead                       (cost_models.md §9)
+where t_rank is one micro-batch's forward + backward (+ recompute) over the rank's chunks,
+including the exposed TP/CP/EP communication inside each layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.comm import collective_time, group, p2p_time
+from meshplan.cost_models.compute import elementwise_time, gemm_time
+from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
+from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
+from meshplan.cost_models.layout import Layout, check_layout
+from meshplan.cost_models.memory import state_bytes
+from meshplan.cost_models.pipeline import in_flight, pipeline_time
+from meshplan.errors import ConfigError
+from meshplan.planner.profile import ModelProfile
+
+__all__ = ["Estimate", "estimate_profile", "PRECISIONS"]
+
+PRECISIONS = ("bf16", "fp16", "fp8")
+# Memory is reported in GiB (2^30 bytes), the unit torch.cuda and nvidia-smi use; the "80 GB" of an
+# H100 is 80 GiB. The cluster's usable memory already excludes the CUDA context, NCCL buffers and
+# allocator fragmentation (meshplan.cluster).
+GB = 2 ** 30
+# Logits on the last stage: bf16 logits + fp32 copy for the loss + fp32 gradient (derived).
+_LOGIT_BYTES = K.BF16 + 2 * K.FP32
+TIME_KEYS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "overhead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Predicted cost of one training step of one layout, per GPU."""
+
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float        # Megatron convention: fwd+bwd, no recompute, causal attention halved
+    hardware_tflops_per_gpu: float     # + recomputed forward passes
+    mfu: float                         # model FLOP/s / dense BF16 peak (FP8 runs included)
+    hfu: float
+    peak_memory_gb: float
+    memory_gb: dict[str, float]        # by category, on the pipeline rank with the peak
+    memory_by_stage: tuple[dict[str, float], ...]   # by category for each pipeline rank
+    capacity_gb: float
+    fits: bool
+    time_s: dict[str, float]           # step time split: compute, exposed tp/cp/ep/pp/dp, bubble, optimizer, overhead
+    comm_s: dict[str, float]           # total communication time per dimension (hidden + exposed)
+    num_microbatches: int
+    peak_stage: int
+    layout: dict[str, Any]
+    seq_len: int
+    global_batch: int
+    precision: str
+    model: str
+    cluster: str
+    num_gpus: int
+    bottleneck: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory_by_stage"] = list(d["memory_by_stage"])
+        d["notes"] = list(d["notes"])
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Estimate":
+        d = dict(d)
+        d["memory_by_stage"] = tuple(d["memory_by_stage"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+    def summary(self) -> str:
+        t = self.time_s
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items() if v > 0)
+        mem = ", ".join(f"{k} {v:.1f}" for k, v in self.memory_gb.items() if v > 0.05)
+        return (f"{self.model} on {self.num_gpus}x {self.cluster} [{Layout.from_dict(self.layout).short()}] "
+                f"{self.precision}\n"
+                f"  step {self.step_time_s:.3f} s = {parts}\n"
+                f"  {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, "
+                f"MFU {self.mfu * 100:.1f}%\n"
+                f"  memory {self.peak_memory_gb:.1f} / {self.capacity_gb:.1f} GB on stage {self.peak_stage} "
+                f"({mem}) -> {'fits' if self.fits else 'DOES NOT FIT'}\n"
+                f"  bottleneck: {self.bottleneck}")
+
+
+def _policy_for(layout: Layout, index_in_rank: int) -> str:
+    rc = layout.recompute
+    if isinstance(rc, str):
+        return rc
+    return "full" if index_in_rank < rc else "none"
+
+
+def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, global_batch: int,
+                     precision: str = "bf16", fp8_modules: frozenset | None = None) -> Estimate:
+    """Score one layout. Pure: (profile, cluster, layout, shapes) -> Estimate."""
+    L = Layout.coerce(layout)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision {precision!r}: use one of {PRECISIONS}")
+    fp8 = precision == "fp8"
+    if fp8 and not cluster.gpu.fp8_tflops:
+        raise ConfigError(f"{cluster.gpu.name} has no FP8 matrix units; use precision='bf16'")
+    stage_layers = check_layout(L, profile, cluster, seq_len=seq_len, global_batch=global_batch)
+    m = global_batch // (L.dp * L.mbs)
+    ctx = Context.build(cluster, L, seq_len, fp8)
+    blocks = profile.layer_blocks()
+    p, v = L.pp, L.vp
+    T = ctx.tokens
+    sp_div = L.tp if L.sp else 1
+
+    # --- which layers each pipeline rank holds (virtual stage s lives on rank s % p) -------
+    starts = [sum(stage_layers[:s]) for s in range(len(stage_layers))]
+    rank_layers: list[list[int]] = [[] for _ in range(p)]
+    for s, (st, n) in enumerate(zip(starts, stage_layers)):
+        rank_layers[s % p].extend(range(st, st + n))
+
+    cache: dict[tuple[int, str], Any] = {}
+
+    def cost(i: int, policy: str):
+        key = (profile.layers[i], policy)
+        if key not in cache:
+            cache[key] = layer_cost(blocks[i], ctx, policy=policy)
+        return cache[key]
+
+    # --- per-rank time and memory ---------------------------------------------------------
+    tp_g = ctx.tp
+    rank_fb, rank_w, rank_parts = [], [], []
+    rank_mem: list[dict[str, float]] = []
+    emb_params = profile.embedding_params / L.tp
+    head_params = (profile.head_params if profile.head_params else
+                   (profile.embedding_params if profile.tied_embeddings and p > 1 else 0)) / L.tp
+    for r in range(p):
+        fwd = bwd = rcmp = wgrad = 0.0
+        parts = {k: 0.0 for k in ("compute", "tp", "cp", "ep")}
+        act = 0.0
+        largest_full = 0.0
+        dense_params = expert_params = 0.0
+        for j, i in enumerate(rank_layers[r]):
+            b = blocks[i]
+            pol = _policy_for(L, j)
+            c = cost(i, pol)
+            fwd += c.fwd_s
+            bwd += c.bwd_s
+            rcmp += c.recompute_s
+            wgrad += c.wgrad_s
+            parts["compute"] += c.compute_s
+            for k in ("tp", "cp", "ep"):
+                parts[k] += c.exposed_s[k]
+            act += activation_bytes(b, ctx, policy=pol)
+            if pol == "full":
+                largest_full = max(largest_full, activation_bytes(b, ctx, policy="none"))
+            dense_params += (b.params - b.expert_params) / L.tp
+            expert_params += b.expert_params / (L.ep * L.etp)
+        comm_layers = {k: sum(cost(i, _policy_for(L, j)).comm_s[k] for j, i in enumerate(rank_layers[r]))
+                       for k in ("tp", "cp", "ep")}
+        # embedding on rank 0, final norm + output layer + loss on the last rank
+        extra_f = extra_b = extra_tp = 0.0
+        if r == 0:
+            e = elementwise_time(2 * K.BF16 * profile.hidden * T / sp_div, cluster)
+            extra_f += e
+            extra_b += 2 * e
+            dense_params += emb_params
+        if r == p - 1:
+            fp8_head = False   # the output layer stays in BF16 (standard FP8 recipes)
+            g = gemm_time(T, profile.vocab / L.tp, profile.hidden, cluster, fp8=fp8_head)
+            ce = elementwise_time(3 * _LOGIT_BYTES * T * profile.vocab / L.tp, cluster)
+            extra_f += g + ce
+            extra_b += 2 * g + ce
+            wgrad += g
+            dense_params += head_params + profile.other_params / L.tp
+            if L.tp > 1:   # gather the sequence-parallel hidden state before the output layer
+                size = K.BF16 * T * profile.hidden
+                t_tp = collective_time("all_gather" if L.sp else "all_reduce", size, tp_g, cluster)
+                extra_tp = 2 * t_tp
+                parts["tp"] += extra_tp
+                comm_layers["tp"] += extra_tp
+        parts["compute"] += extra_f + extra_b
+        extra_f += extra_tp / 2
+        extra_b += extra_tp / 2
+        fb = fwd + bwd + rcmp + extra_f + extra_b
+        rank_fb.append(fb)
+        rank_w.append(wgrad)
+        rank_parts.append((parts, comm_layers, fwd + extra_f, bwd + rcmp + extra_b, dense_params, expert_params,
+                           act, largest_full))
+
+    # --- pipeline -------------------------------------------------------------------------
+    busy, bubble = pipeline_time(L.schedule, m, v, rank_fb, rank_w)
+    slow = max(range(p), key=lambda r: rank_fb[r])
+    parts_slow, comm_slow = rank_parts[slow][0], rank_parts[slow][1]
+    pp_exposed = pp_total = 0.0
+    if p > 1:
+        size = K.BF16 * T * profile.hidden / sp_div
+        cross = group(cluster, p, L.tp * L.cp * L.dp).domains > 1   # neighbouring stages in other domains
+        hop = p2p_time(size, cluster, cross_domain=cross)
+        pp_total = 2 * m * v * hop                     # each micro-batch crosses every boundary fwd and bwd
+        pp_exposed = 2 * (p * v - 1) * hop             # fill and drain put the hops on the critical path
+
+    # --- data parallel / FSDP -------------------------------------------------------------
+    dp_group = group(cluster, L.dp * L.cp, L.tp)
+    edp_group = group(cluster, L.edp, L.ep * L.etp)
+    dp_exposed_max = dp_total_max = opt_max = 0.0
+    for r in range(p):
+        parts, _, t_f, t_b, dparams, eparams, _, _ = rank_parts[r]
+        ag = collective_time("all_gather", K.PARAM_BYTES * dparams, dp_group, cluster) + \
+            collective_time("all_gather", K.PARAM_BYTES * eparams, edp_group, cluster)
+        rs = collective_time("reduce_scatter", K.GRAD_BYTES * dparams, dp_group, cluster) + \
+            collective_time("reduce_scatter", K.GRAD_BYTES * eparams, edp_group, cluster)
+        eta = K.DP_OVERLAP_EFF
+        if L.zero == 0:
+            ar = collective_time("all_reduce", K.GRAD_BYTES * dparams, dp_group, cluster) + \
+                collective_time("all_reduce", K.GRAD_BYTES * eparams, edp_group, cluster)
+            total, exposed = ar, max(0.0, ar - eta * t_b)
+        elif L.zero in (1, 2):
+            total = ag + rs
+            exposed = max(0.0, rs - eta * t_b) + max(0.0, ag - eta * t_f)
+        else:   # FSDP: gather for forward and again for backward, reduce-scatter, every micro-batch
+            n_layers = max(1, len(rank_layers[r]))
+            per_mb = max(0.0, ag - eta * t_f) + max(0.0, ag + rs - eta * t_b) + 2 * ag / n_layers
+            total, exposed = m * (2 * ag + rs), m * per_mb
+        shard_d = L.dp * L.cp if L.zero >= 1 else 1
+        shard_e = L.edp if L.zero >= 1 else 1
+        opt = K.OPTIMIZER_STEP_BYTES * (dparams / shard_d + eparams / shard_e) / \
+            (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+        dp_exposed_max = max(dp_exposed_max, exposed)
+        dp_total_max = max(dp_total_max, total)
+        opt_max = max(opt_max, opt)
+
+    # --- memory per pipeline rank ---------------------------------------------------------
+    mem_stages: list[dict[str, float]] = []
+    for r in range(p):
+        _, _, _, _, dparams, eparams, act, largest_full = rank_parts[r]
+        sd = state_bytes(dparams, L.dp * L.cp, L.zero)
+        se = state_bytes(eparams, L.edp, L.zero)
+        mem = {k: sd[k] + se[k] for k in sd}
+        if L.zero >= 3 and rank_layers[r]:
+            big = max(blocks[i].params for i in rank_layers[r])
+            mem["weights"] += 2 * K.PARAM_BYTES * big / L.tp          # current + prefetched layer
+            mem["gradients"] += K.GRAD_BYTES * big / L.tp
+        activ = act * in_flight(L.schedule, m, p, v, r) + largest_full
+        if r == 0:
+            activ += K.BF16 * profile.hidden * T / sp_div * in_flight(L.schedule, m, p, v, r)
+        if r == p - 1:
+            activ += _LOGIT_BYTES * T * profile.vocab / L.tp
+        mem["activations"] = activ
+        mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * (dparams + eparams) if fp8 else 0.0
+        mem_stages.append({k: val / GB for k, val in mem.items()})
+    totals = [sum(s.values()) for s in mem_stages]
+    peak_stage = max(range(p), key=lambda r: totals[r])
+    peak = totals[peak_stage]
+    capacity = cluster.usable_memory_gb
+
+    # --- assemble -------------------------------------------------------------------------
+    step = busy + bubble + pp_exposed + dp_exposed_max + opt_max + K.STEP_OVERHEAD_S
+    time_s = {"compute": m * parts_slow["compute"],
+              "tp": m * parts_slow["tp"], "cp": m * parts_slow["cp"], "ep": m * parts_slow["ep"],
+              "pp": pp_exposed, "dp": dp_exposed_max, "bubble": bubble,
+              "optimizer": opt_max, "overhead": K.STEP_OVERHEAD_S}
+    # the busy time also includes layer overheads folded into compute; keep the split summing to the step
+    time_s["compute"] += step - sum(time_s.values())
+    comm_s = {"tp": m * comm_slow["tp"], "cp": m * comm_slow["cp"], "ep": m * comm_slow["ep"],
+              "pp": pp_total, "dp": dp_total_max}
+    n = cluster.num_gpus
+    tokens = float(seq_len) * global_batch
+    mflops = model_flops_per_step(profile, seq_len, global_batch)
+    hflops = mflops + recompute_flops_per_step(profile, seq_len, global_batch, L)
+    peak_flops = cluster.gpu.bf16_tflops * 1e12
+    model_tflops = mflops / step / n / 1e12
+    hw_tflops = hflops / step / n / 1e12
+    bottleneck = _bottleneck(time_s, step, peak, capacity)
+    return Estimate(
+        step_time_s=step, tokens_per_s_per_gpu=tokens / step / n,
+        model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,
+        mfu=model_tflops * 1e12 / peak_flops, hfu=hw_tflops * 1e12 / peak_flops,
+        peak_memory_gb=peak, memory_gb=dict(mem_stages[peak_stage]), memory_by_stage=tuple(mem_stages),
+        capacity_gb=capacity, fits=peak <= capacity, time_s=time_s, comm_s=comm_s,
+        num_microbatches=m, peak_stage=peak_stage, layout=L.to_dict(), seq_len=seq_len,
+        global_batch=global_batch, precision=precision, model=profile.name, cluster=cluster.name,
+        num_gpus=n, bottleneck=bottleneck)
+
+
+def _bottleneck(time_s: dict[str, float], step: float, peak: float, capacity: float) -> str:
+    if peak > capacity:
+        return f"memory: needs {peak:.1f} GB per GPU, {capacity:.1f} GB available"
+    worst = max((k for k in time_s if k not in ("compute", "overhead")), key=lambda k: time_s[k])
+    share = time_s[worst] / step
+    if share < 0.05:
+        return f"compute-bound ({time_s['compute'] / step * 100:.0f}% of the step is compute)"
+    names = {"tp": "exposed tensor-parallel communication", "cp": "exposed context-parallel communication",
+             "ep": "expert all-to-all", "pp": "pipeline p2p", "dp": "exposed data-parallel communication",
+             "bubble": "pipeline bubble", "optimizer": "optimizer step"}
+    return f"{names[worst]} ({share * 100:.0f}% of the step)"

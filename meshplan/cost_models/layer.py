@@ -1,0 +1,256 @@
+"""Cost of one transformer layer for one micro-batch on one GPU: compute, per-dimension
+communication (total and exposed), and stored activations.
+
+The sharding pattern assumed here is Megatron's (column-parallel QKV/FC1, row-parallel out/FC2,
+sequence-parallel norms, vocab-parallel embedding/output, experts over EP x ETP, ring attention
+over CP); the planner's intra-block ILP rediscovers the same pattern for traced models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.comm import Group, collective_time, group, p2p_time
+from meshplan.cost_models.compute import attention_time, elementwise_time, gemm_time, matmul_rate
+from meshplan.cost_models.flops import attention_fwd_flops_per_token
+from meshplan.planner.profile import BlockProfile
+
+__all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes"]
+
+_COL = ("attn_qkv", "mlp_in", "shared_in", "other")     # output dim split over TP
+_ROW = ("attn_out", "mlp_out", "shared_out")             # input dim split over TP
+# element-wise passes over h-wide bf16 tensors per layer forward: 2 norms (read x, write y) +
+# 2 residual adds (read 2, write 1) = 10 (derived)
+_NORM_RESIDUAL_PASSES = 10.0
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything per-layer costs need, computed once per (profile, cluster, layout, shape)."""
+
+    cluster: object
+    layout: object
+    seq_len: int
+    fp8: bool
+    tokens: float            # rows of the GEMMs on one GPU per micro-batch: mbs * seq / cp
+    tp: Group
+    cp: Group
+    ep: Group
+    etp: Group
+    fp8_modules: frozenset = field(default_factory=frozenset)
+
+    @classmethod
+    def build(cls, cluster, layout, seq_len: int, fp8: bool) -> "Context":
+        L = layout
+        return cls(cluster=cluster, layout=L, seq_len=seq_len, fp8=fp8,
+                   tokens=L.mbs * seq_len / L.cp,
+                   tp=group(cluster, L.tp, 1), cp=group(cluster, L.cp, L.tp),
+                   ep=group(cluster, L.ep, L.etp), etp=group(cluster, L.etp, 1))
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    fwd_s: float             # forward compute + exposed comm
+    bwd_s: float             # backward compute + exposed comm (no recompute)
+    recompute_s: float       # forward work redone in backward under the layer's recompute policy
+    wgrad_s: float           # the weight-gradient GEMMs inside bwd_s (zero-bubble schedules defer them)
+    comm_s: dict             # dim -> total comm seconds (fwd + bwd [+ recompute])
+    exposed_s: dict          # dim -> exposed comm seconds
+    compute_s: float         # pure compute (fwd + bwd + recompute), no comm
+
+
+def _tp_div(c: Context) -> int:
+    return c.layout.tp
+
+
+def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
+    """Bytes stored for backward by one layer for one micro-batch on one GPU.
+
+    Generalised Korthikanti count (cost_models.md §4) from the traced geometry: per token,
+    norm inputs and the two GEMM inputs that TP does not shard (8h, divided by tp under SP),
+    Q/K/V and attention output (4h_q + 4h_kv), fp32 log-sum-exp (4 bytes/head), MLP
+    intermediates (6f gated / 4f GELU), MoE copies; FP8 stores linear inputs in 1 byte.
+    policy: "none" | "selective" (core attention + activation function recomputed) | "full".
+    """
+    L = c.layout
+    tp, T = L.tp, c.tokens
+    sp_div = tp if L.sp else 1
+    h = b.hidden
+    if policy == "full":
+        return K.BF16 * h * T / sp_div           # only the layer input
+    if b.heads and not L.flash_attention and policy != "selective":
+        # materialised scores of the local heads (selective recompute exists to drop exactly these)
+        scores = K.EAGER_ATTN_STORED_BYTES_PER_SCORE * (b.heads / tp) * T * c.seq_len
+    else:
+        scores = 0.0
+    half = 0.5 if c.fp8 else 1.0                  # FP8 (TE) stores GEMM inputs in 1 byte
+    rep = (2 * K.BF16 * h                         # two norm inputs
+           + 2 * K.BF16 * h * half) / sp_div      # QKV-in and FC1/router-in
+    shard = 0.0
+    if b.heads:
+        shard += K.BF16 * (2 * b.q_dim + 2 * b.kv_dim)           # Q, K, V (k and v: h_kv each)
+        if policy != "selective":
+            shard += K.BF16 * b.q_dim * half + K.FP32 * b.heads    # attn output (out-proj input) + LSE
+    f_mult_store = 3 if b.gated else 2            # gated: gate, up, act-out; GELU: fc1-out, act-out
+    if b.ffn_hidden:
+        f = b.ffn_hidden
+        store = K.BF16 * f * (f_mult_store - 1) + (0 if policy == "selective" else K.BF16 * f * half)
+        shard += store
+    per_token = rep + shard / tp
+    if b.is_moe:
+        etp = L.etp
+        fm = b.moe_ffn_hidden
+        moe = b.topk * (K.BF16 * h * half                                     # permuted expert inputs
+                        + (K.BF16 * fm * (f_mult_store - 1)
+                           + (0 if policy == "selective" else K.BF16 * fm * half)) / etp
+                        + K.BF16 * h)                                        # expert outputs before combine
+        moe += K.FP32 * b.experts * 2                                       # router logits + probs
+        if b.shared_ffn_hidden:
+            fs = b.shared_ffn_hidden
+            moe += (K.BF16 * fs * (f_mult_store - 1) + K.BF16 * fs * half) / tp
+        per_token += moe / sp_div                 # MoE tokens are the SP-sharded ones
+    return per_token * T + scores
+
+
+def _gemms(b: BlockProfile, c: Context) -> tuple[float, float]:
+    """(forward seconds, weight-grad seconds) of the layer's GEMMs on one GPU."""
+    L, T = c.layout, c.tokens
+    tp = L.tp
+    fwd = wgrad = 0.0
+    for li in b.linears:
+        fp8 = c.fp8 and li.role != "router"
+        if li.role == "router":
+            t = gemm_time(T / tp, li.out_features, li.in_features, c.cluster)
+        elif li.role in ("expert_in", "expert_out"):
+            local = max(1.0, li.count / L.ep)                       # experts held by this GPU
+            rows = (T / tp) * L.ep * L.etp * li.tokens_per_token     # tokens per local expert (balanced)
+            n, k = li.out_features, li.in_features
+            if li.role == "expert_in":
+                n = n / L.etp
+            else:
+                k = k / L.etp
+            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=local)
+        else:
+            n, k = li.out_features, li.in_features
+            if li.role in _ROW:
+                k = k / tp
+            else:
+                n = n / tp
+            t = gemm_time(T * li.tokens_per_token, n, k, c.cluster, fp8=fp8, count=li.count)
+        fwd += t
+        wgrad += t
+    return fwd, wgrad
+
+
+def _elementwise_bytes(b: BlockProfile, c: Context) -> float:
+    """Forward HBM bytes of the memory-bound ops of one layer on one GPU."""
+    L, T = c.layout, c.tokens
+    sp_div = L.tp if L.sp else 1
+    h = b.hidden
+    nbytes = _NORM_RESIDUAL_PASSES * K.BF16 * h * T / sp_div
+    if b.heads:   # rotary on q and k: read + write
+        nbytes += 2 * K.BF16 * (b.q_dim + b.kv_dim) * T / L.tp
+    act_passes = 3 if b.gated else 2              # gated: read gate+up, write out; GELU: read, write
+    if b.ffn_hidden:
+        nbytes += act_passes * K.BF16 * b.ffn_hidden * T / L.tp
+    if b.is_moe:
+        tok = T / sp_div
+        nbytes += 4 * b.topk * K.BF16 * h * tok                           # permute + unpermute (r+w)
+        nbytes += act_passes * K.BF16 * b.moe_ffn_hidden * b.topk * tok / L.etp
+        if b.shared_ffn_hidden:
+            nbytes += act_passes * K.BF16 * b.shared_ffn_hidden * T / L.tp
+    return nbytes
+
+
+def _tp_comm(b: BlockProfile, c: Context) -> float:
+    """TP (+SP) collective seconds for ONE forward pass of the layer (backward is the same)."""
+    L = c.layout
+    if L.tp == 1:
+        return 0.0
+    size = K.BF16 * c.tokens * b.hidden          # the full (unsharded) activation tensor
+    n_sub = (1 if b.heads else 0) + (1 if (b.ffn_hidden or b.shared_ffn_hidden) else 0)
+    if L.sp:
+        one = collective_time("all_gather", size, c.tp, c.cluster) + \
+            collective_time("reduce_scatter", size, c.tp, c.cluster)
+    else:
+        one = collective_time("all_reduce", size, c.tp, c.cluster)
+    t = n_sub * one
+    if b.is_moe and L.etp > 1:
+        tok = c.tokens / L.tp * b.topk * L.etp
+        sz = K.BF16 * tok * b.hidden
+        t += collective_time("all_gather", sz, c.etp, c.cluster) + \
+            collective_time("reduce_scatter", sz, c.etp, c.cluster)
+    return t
+
+
+def _ep_comm(b: BlockProfile, c: Context) -> float:
+    """All-to-all seconds for ONE forward pass (dispatch + combine); backward is the same."""
+    if not b.is_moe or c.layout.ep == 1:
+        return 0.0
+    tok = c.tokens / c.layout.tp
+    size = b.topk * tok * b.hidden * K.BF16
+    dispatch = size * (0.5 if c.fp8 else 1.0)    # FP8 dispatch halves the dispatch payload
+    return collective_time("all_to_all", dispatch, c.ep, c.cluster) + \
+        collective_time("all_to_all", size, c.ep, c.cluster)
+
+
+def _cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float) -> tuple[float, float, float, float]:
+    """Ring attention: (fwd total, fwd exposed, bwd total, bwd exposed) seconds."""
+    L = c.layout
+    if L.cp == 1 or not b.heads:
+        return 0.0, 0.0, 0.0, 0.0
+    kv = 2 * K.BF16 * c.tokens * b.kv_dim / L.tp          # one chunk's K and V
+    cross = c.cp.domains > 1
+    step = p2p_time(kv, c.cluster, cross_domain=cross)
+    steps = L.cp - 1
+    fwd_total = steps * step
+    bwd_total = 2 * steps * step                          # KV again + dKV travelling back
+    fwd_exp = steps * max(0.0, step - t_attn_fwd / L.cp)
+    bwd_exp = steps * max(0.0, 2 * step - t_attn_bwd / L.cp)
+    return fwd_total, fwd_exp, bwd_total, bwd_exp
+
+
+def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
+    L = c.layout
+    g_fwd, g_wgrad = _gemms(b, c)
+    attn_flops = attention_fwd_flops_per_token(b, c.seq_len) * c.tokens / L.tp
+    if L.flash_attention:
+        a_fwd = attention_time(attn_flops, c.cluster, backward=False)
+        a_bwd = attention_time(attn_flops, c.cluster, backward=True)
+    else:
+        # two batched GEMMs at matmul efficiency (no causal skipping) + memory-bound softmax passes
+        full = 2 * attn_flops if b.causal else attn_flops
+        score_bytes = K.EAGER_ATTN_BYTES_PER_SCORE * (b.heads / L.tp) * c.tokens * c.seq_len
+        a_fwd = full / matmul_rate(c.cluster, False) + elementwise_time(score_bytes, c.cluster)
+        a_bwd = 2 * a_fwd
+    e_fwd = elementwise_time(_elementwise_bytes(b, c), c.cluster)
+    compute_fwd = g_fwd + a_fwd + e_fwd + K.LAYER_OVERHEAD_S
+    compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + K.LAYER_OVERHEAD_S   # dgrad + wgrad GEMMs
+
+    tp_one = _tp_comm(b, c)
+    tp_hidden = K.TP_OVERLAP_HIDDEN if L.tp_comm_overlap else 0.0
+    ep_one = _ep_comm(b, c)
+    cp_f, cp_fx, cp_b, cp_bx = _cp_comm(b, c, a_fwd, a_bwd)
+
+    if policy == "full":
+        recompute = compute_fwd + tp_one * (1 - tp_hidden) + ep_one + cp_fx
+        rc_comm = {"tp": tp_one, "ep": ep_one, "cp": cp_f}
+    elif policy == "selective":
+        recompute = a_fwd
+        rc_comm = {}
+    else:
+        recompute = 0.0
+        rc_comm = {}
+    comm = {"tp": 2 * tp_one + rc_comm.get("tp", 0.0),
+            "ep": 2 * ep_one + rc_comm.get("ep", 0.0),
+            "cp": cp_f + cp_b + rc_comm.get("cp", 0.0)}
+    exposed = {"tp": comm["tp"] * (1 - tp_hidden),
+               "ep": comm["ep"],
+               "cp": cp_fx + cp_bx + (cp_fx if policy == "full" else 0.0)}
+    fwd = compute_fwd + tp_one * (1 - tp_hidden) + ep_one + cp_fx
+    bwd = compute_bwd + tp_one * (1 - tp_hidden) + ep_one + cp_bx
+    return LayerCost(fwd_s=fwd, bwd_s=bwd, recompute_s=recompute, wgrad_s=g_wgrad,
+                     comm_s=comm, exposed_s=exposed,
+                     compute_s=compute_fwd + compute_bwd + (compute_fwd if policy == "full" else
+                                                            a_fwd if policy == "selective" else 0.0))

@@ -1,0 +1,222 @@
+"""`Layout`: the parallel degrees and execution choices that the cost model scores.
+
+A layout is what a user (or the search) chooses; `check_layout` validates it against a model
+profile, a cluster and a batch, raising `LayoutError` messages that say what would work.
+
+Rank order (fastest-varying first) follows Megatron-LM's default "tp-cp-ep-dp-pp": a TP group is
+`tp` consecutive ranks, a CP group has stride `tp`, the DP group stride `tp*cp`, PP stride
+`tp*cp*dp`. Experts are folded over the same `dp*cp*tp` ranks (Megatron-Core "MoE parallel
+folding"): an ETP group is `etp` consecutive ranks, an EP group has stride `etp`, and the rest of
+those ranks form the expert-data-parallel (EDP) group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from meshplan.errors import ConfigError, LayoutError
+
+__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "divisors"]
+
+# Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
+# (Qi et al., ICLR'24): 1F1B memory, about a third of its bubble; "zbv" is ZB-V (zero bubble,
+# 1x memory, two chunks per rank in a V); "gpipe" keeps every micro-batch in flight.
+SCHEDULES = ("1f1b", "interleaved", "zb", "zbv", "gpipe")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    pp: int = 1
+    vp: int = 1
+    dp: int = 1
+    zero: int = 1            # 0 DDP, 1 distributed optimizer, 2 + sharded grads, 3 FSDP full shard
+    mbs: int = 1
+    recompute: str | int = "none"   # "none" | "selective" | "full" | N = full recompute of N layers per stage
+    schedule: str = "1f1b"
+    sp: bool | None = None   # sequence parallel; default: on whenever tp > 1
+    tp_comm_overlap: bool = False   # Megatron --tp-comm-overlap (userbuffers)
+    flash_attention: bool = True    # False: attention scores are materialised (pre-2022 stacks)
+    stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (pp*vp entries); None = even split
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "mbs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"layout {name}={v!r}: must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"layout zero={self.zero!r}: must be 0 (DDP), 1 (sharded optimizer), "
+                              "2 (+ sharded gradients) or 3 (FSDP full shard)")
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE:
+                raise ConfigError(f"layout recompute={self.recompute!r}: use one of {RECOMPUTE} "
+                                  "or a number of fully recomputed layers per stage")
+        elif isinstance(self.recompute, bool) or not isinstance(self.recompute, int) or self.recompute < 0:
+            raise ConfigError(f"layout recompute={self.recompute!r}: a layer count must be >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"layout schedule={self.schedule!r}: use one of {SCHEDULES}")
+        if self.vp > 1 and self.schedule not in ("interleaved", "zbv"):
+            # vp only means something for a schedule that has several chunks per rank
+            object.__setattr__(self, "schedule", "interleaved")
+        if self.schedule == "interleaved" and self.vp == 1:
+            raise ConfigError("schedule 'interleaved' needs vp > 1 (virtual stages per pipeline rank)")
+        if self.schedule == "zbv" and self.vp not in (1, 2):
+            raise ConfigError("schedule 'zbv' places exactly 2 chunks per rank (vp=2)")
+        if self.schedule == "zbv":
+            object.__setattr__(self, "vp", 2)
+        if self.sp is None:
+            object.__setattr__(self, "sp", self.tp > 1)
+        if self.stage_layers is not None:
+            sl = tuple(int(x) for x in self.stage_layers)
+            if len(sl) != self.pp * self.vp or min(sl) < 0:
+                raise ConfigError(f"stage_layers has {len(sl)} entries; it needs pp*vp = {self.pp * self.vp} "
+                                  "non-negative layer counts")
+            object.__setattr__(self, "stage_layers", sl)
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree: the dense part's dp*cp*tp ranks regrouped as ep*etp*edp."""
+        return max(1, (self.dp * self.cp * self.tp) // (self.ep * self.etp))
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vp
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["stage_layers"] is not None:
+            d["stage_layers"] = list(d["stage_layers"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Layout":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown layout key(s) {unknown}; known keys: {sorted(known)}")
+        d = dict(d)
+        if d.get("stage_layers") is not None:
+            d["stage_layers"] = tuple(d["stage_layers"])
+        return cls(**d)
+
+    @classmethod
+    def coerce(cls, layout: "Layout | Mapping[str, Any]") -> "Layout":
+        return layout if isinstance(layout, Layout) else cls.from_dict(layout)
+
+    def short(self) -> str:
+        parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}"]
+        if self.vp > 1:
+            parts.append(f"vp{self.vp}")
+        parts.append(f"dp{self.dp}")
+        if self.ep > 1 or self.etp > 1:
+            parts.append(f"ep{self.ep}")
+            if self.etp > 1:
+                parts.append(f"etp{self.etp}")
+        parts += [f"z{self.zero}", f"mbs{self.mbs}", f"rc={self.recompute}", self.schedule]
+        return " ".join(parts)
+
+
+def _opts(n: int, limit: int | None = None) -> str:
+    ds = divisors(n)
+    if limit:
+        ds = [d for d in ds if d <= limit]
+    return ", ".join(map(str, ds[:12])) + (" ..." if len(ds) > 12 else "")
+
+
+def split_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Even contiguous split, remainder on the middle stages (the first holds embeddings and the
+    most in-flight activations, the last holds the output layer and loss)."""
+    base, rem = divmod(num_layers, stages)
+    counts = [base] * stages
+    order = sorted(range(stages), key=lambda i: (i in (0, stages - 1), abs(i - (stages - 1) / 2)))
+    for i in order[:rem]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch: int) -> tuple[int, ...]:
+    """Validate `layout` for this model/cluster/batch. Returns the layers per virtual stage.
+
+    Every failure is a LayoutError naming the quantity and listing values that would work.
+    """
+    L = layout
+    n = cluster.num_gpus
+    if L.world != n:
+        raise LayoutError(f"tp*cp*pp*dp = {L.tp}*{L.cp}*{L.pp}*{L.dp} = {L.world}, but the cluster has {n} GPUs; "
+                          f"pick degrees whose product is {n} (e.g. dp={n // (L.tp * L.cp * L.pp)} if that divides)")
+    if seq_len < 1 or global_batch < 1:
+        raise LayoutError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be positive")
+    blocks = profile.layer_blocks()
+    attn = [b for b in blocks if b.heads]
+    if attn:
+        heads = min(b.heads for b in attn)
+        kv = min(b.kv_heads for b in attn)
+        if heads % L.tp:
+            raise LayoutError(f"tp={L.tp} does not divide the {heads} attention heads; use tp in {{{_opts(heads)}}}")
+        if kv % L.tp:
+            raise LayoutError(f"tp={L.tp} does not divide the {kv} key/value heads (GQA groups); "
+                              f"use tp in {{{_opts(kv)}}}")
+    for b in blocks:
+        for width, what in ((b.ffn_hidden, "MLP hidden size"), (b.moe_ffn_hidden, "expert hidden size")):
+            tdeg = L.etp if what == "expert hidden size" else L.tp
+            if width and width % tdeg:
+                raise LayoutError(f"{'etp' if tdeg is L.etp else 'tp'}={tdeg} does not divide the {what} {width}; "
+                                  f"use one of {{{_opts(width, 64)}}}")
+    if profile.vocab % L.tp:
+        raise LayoutError(f"tp={L.tp} does not divide the vocabulary ({profile.vocab}); pad the vocabulary to a "
+                          f"multiple of {L.tp} (Megatron pads to 128*tp) or use tp in {{{_opts(profile.vocab, 64)}}}")
+    moe = [b for b in blocks if b.is_moe]
+    if moe:
+        e = min(b.experts for b in moe)
+        if e % L.ep:
+            raise LayoutError(f"ep={L.ep} does not divide the {e} experts; use ep in {{{_opts(e)}}}")
+        fold = L.dp * L.cp * L.tp
+        if fold % (L.ep * L.etp):
+            raise LayoutError(f"ep*etp = {L.ep * L.etp} must divide dp*cp*tp = {fold} (experts are folded over "
+                              f"the same ranks as the dense layers); use ep*etp in {{{_opts(fold)}}}")
+    elif L.ep > 1 or L.etp > 1:
+        raise LayoutError(f"ep={L.ep}, etp={L.etp} but the model has no MoE layers; use ep=1, etp=1")
+    chunk = 2 * L.cp if L.cp > 1 else 1   # load-balanced causal CP splits the sequence into 2*cp chunks
+    if seq_len % chunk:
+        raise LayoutError(f"cp={L.cp} needs seq_len divisible by 2*cp = {chunk} (load-balanced causal split); "
+                          f"seq_len {seq_len} is not")
+    if L.sp and L.tp > 1 and (seq_len // L.cp) % L.tp:
+        raise LayoutError(f"sequence parallelism needs seq_len/cp = {seq_len // L.cp} divisible by tp={L.tp}")
+    if global_batch % (L.dp * L.mbs):
+        ok = [m for m in divisors(global_batch // L.dp) if m <= 64] if global_batch % L.dp == 0 else []
+        hint = f"use mbs in {{{', '.join(map(str, ok))}}}" if ok else \
+            f"dp={L.dp} does not divide global_batch {global_batch}; choose dp among {{{_opts(global_batch)}}}"
+        raise LayoutError(f"global_batch {global_batch} is not divisible by dp*mbs = {L.dp}*{L.mbs}; {hint}")
+    m = global_batch // (L.dp * L.mbs)
+    if L.schedule == "interleaved" and m < L.pp:
+        raise LayoutError(f"the interleaved schedule needs at least pp={L.pp} micro-batches per step; "
+                          f"global_batch/(dp*mbs) = {m}: lower mbs or dp, or use vp=1")
+    nl = profile.num_layers
+    if L.stage_layers is not None:
+        if sum(L.stage_layers) != nl:
+            raise LayoutError(f"stage_layers sums to {sum(L.stage_layers)} but the model has {nl} layers")
+        return L.stage_layers
+    stages = L.pp * L.vp
+    if stages > nl:
+        raise LayoutError(f"pp*vp = {stages} stages but the model has only {nl} layers; use pp*vp <= {nl}")
+    if nl % stages:
+        good = [d for d in divisors(nl) if d <= 128]
+        raise LayoutError(f"{nl} layers do not split evenly into pp*vp = {L.pp}*{L.vp} = {stages} stages; use pp*vp in "
+                          f"{{{', '.join(map(str, good))}}} or pass stage_layers=(...) for an uneven split")
+    if isinstance(L.recompute, int) and not isinstance(L.recompute, bool) and L.recompute > nl // L.pp:
+        raise LayoutError(f"recompute={L.recompute} layers per stage, but a pipeline rank holds only {nl // L.pp}")
+    return (nl // stages,) * stages

@@ -1,0 +1,50 @@
+"""Pipeline schedules: bubble time and micro-batches in flight (cost_models.md §6).
+
+Given per-rank times for one micro-batch (forward + backward of all the rank's chunks),
+the step's pipeline time is `m * t_slowest + bubble`. With uniform ranks the bubble is:
+  1F1B / GPipe   (p-1)(t_F+t_B)                          Narayanan et al. SC'21 §2.2
+  interleaved    (p-1)(t_F+t_B)/v                        ibid.
+  ZB-H1 ("zb")   (p-1)(t_F+t_B-2 t_W)                    Qi et al. ICLR'24
+  ZB-V ("zbv")   ~0 once m >= 2p; (p-1)(t_F+t_B-2t_W) below that (the V needs enough micro-batches)
+For uneven ranks the (p-1)*t term becomes sum(t_r) - max(t_r): the fill and drain walk every rank.
+"""
+
+from __future__ import annotations
+
+__all__ = ["pipeline_time", "in_flight"]
+
+
+def pipeline_time(schedule: str, m: int, vp: int, rank_fb: list[float], rank_w: list[float]) -> tuple[float, float]:
+    """(busy time of the slowest rank, bubble) for one step.
+
+    rank_fb[r]: forward+backward seconds of rank r for one micro-batch (all its chunks);
+    rank_w[r]: the weight-gradient part of that backward.
+    """
+    p = len(rank_fb)
+    t_max = max(rank_fb)
+    busy = m * t_max
+    if p == 1:
+        return busy, 0.0
+    fill = sum(rank_fb) - t_max
+    if schedule == "interleaved":
+        bubble = fill / vp
+    elif schedule in ("zb", "zbv"):
+        w = sum(rank_w) - max(rank_w)
+        bubble = max(0.0, fill - 2 * w)
+        if schedule == "zbv":
+            bubble = bubble / vp if m < 2 * p else 0.0
+    else:   # "1f1b", "gpipe"
+        bubble = fill
+    return busy, bubble
+
+
+def in_flight(schedule: str, m: int, p: int, vp: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of
+    (all of the rank's layers for one micro-batch)."""
+    if schedule == "gpipe":
+        return float(m)
+    base = float(min(m, p - rank))
+    if schedule == "interleaved":
+        # Megatron: the first stage holds p micro-batches of its layers x (1 + (p-1)/(p*v))
+        return base * (1 + (p - 1 - rank) / (p * vp))
+    return base

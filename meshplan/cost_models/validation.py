@@ -1,0 +1,276 @@
+"""Check the cost model against measured runs (../shared/data/published_runs.csv).
+
+For each row meshplan can express: build the model (meshplan.models on the meta device, traced;
+or the analytic profile with `traced=False`), the cluster and the published layout, run
+`estimate`, convert the prediction to the row's own metric and FLOP convention, and compare.
+
+Normalisation rules (data/README.md), applied per SOURCE, never per row:
+- Megatron SC'21 (Narayanan et al.), MT-NLG, BLOOM: "TFLOP/s" is Eq. 3 of SC'21,
+  96*B*s*L*h^2*(1 + s/6h + V/16Lh), which counts the recompute forward (hardware FLOPs).
+- Megatron-Core README (2024), NeMo 24.07: model FLOPs of Megatron's formula at that time, with
+  core attention counted in full (not causal-halved).
+- Megatron-MoE-ModelZoo (2025): Megatron's current formula, causal attention halved.
+- MosaicML llm-foundry MFU: 3*(2*params*s + 4*L*h*s^2) per sequence over the dense BF16 peak.
+- Korthikanti et al.: measured step time, compared directly.
+Unstated settings get the source's documented default: no SP and no flash attention before 2022
+(SC'21, MT-NLG, BLOOM, Korthikanti "full" rows), micro-batch 1, vocabulary 51200 for Megatron GPT
+rows without one, the distributed optimizer (zero=1) for NeMo / Megatron-Core 2024+, plain DDP
+(zero=0) for 2021 Megatron; an unstated recompute is the cheapest of none / selective / full that
+fits by meshplan's own memory model; an unstated interleaving degree is 1.
+Rows that give no layout at all (strong-scaling summaries, OPT) cannot be expressed and are skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV"]
+
+DEFAULT_CSV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "published_runs.csv"
+
+_GPU = (("a100", "a100-80gb"), ("h100", "h100-sxm"), ("h200", "h200"), ("b200", "b200"))
+# model-name fragments -> meshplan preset supplying fields the CSV leaves empty (head_dim, vocab)
+_PRESET_FILL = (("qwen3-235b", "qwen3-235b-a22b"), ("qwen3-30b", "qwen3-30b-a3b"),
+                ("mixtral 8x22b", "mixtral-8x22b"), ("mixtral 8x7b", "mixtral-8x7b"),
+                ("llama3-70b", "llama3-70b"), ("llama3-8b", "llama3-8b"), ("deepseek-v3", "deepseek-v3"))
+
+
+@dataclass
+class Row:
+    id: str
+    source: str
+    raw: dict[str, str]
+
+    def get(self, key: str) -> str:
+        return (self.raw.get(key) or "").strip()
+
+    def num(self, key: str) -> int | None:
+        v = self.get(key)
+        try:
+            return int(float(v)) if v else None
+        except ValueError:
+            return None
+
+    @property
+    def family(self) -> str:
+        """Source family, which decides conventions."""
+        i = self.id
+        for prefix in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "opt", "mtnlg", "nemo2407",
+                       "nemo-longseq", "modelzoo", "mosaic"):
+            if i.startswith(prefix):
+                return prefix
+        return "other"
+
+
+@dataclass
+class RowResult:
+    row: Row
+    metric: str
+    measured: float
+    predicted: float | None = None
+    skipped: str = ""
+    fits: bool = True
+    layout: dict[str, Any] = field(default_factory=dict)
+    estimate: Any = None
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted is None:
+            return None
+        return (self.predicted - self.measured) / self.measured
+
+
+def load_rows(path: Path | str = DEFAULT_CSV) -> list[Row]:
+    with open(path, newline="") as f:
+        return [Row(id=r["id"], source=r["source"], raw=r) for r in csv.DictReader(f)]
+
+
+def split_of(row_id: str) -> str:
+    """Deterministic fit/test split by a hash of the row id (about one third fit)."""
+    return "fit" if int(hashlib.sha1(row_id.encode()).hexdigest(), 16) % 3 == 0 else "test"
+
+
+def _gpu(row: Row) -> str | None:
+    g = row.get("gpu").lower()
+    for frag, gid in _GPU:
+        if frag in g:
+            return gid
+    return None
+
+
+def model_config(row: Row) -> dict[str, Any] | None:
+    """meshplan model config for the row (None when the architecture is not given)."""
+    L, h, a = row.num("layers"), row.num("hidden"), row.num("heads")
+    if not (L and h and a):
+        return None
+    fam = row.family
+    name = row.get("model").lower()
+    preset = None
+    for frag, p in _PRESET_FILL:
+        if frag in name:
+            preset = p
+    cfg: dict[str, Any] = {"layers": L, "hidden": h, "heads": a, "kv_heads": row.num("kv_heads") or a}
+    gpt_style = fam in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "mtnlg", "mosaic") or \
+        name.startswith(("gpt", "nemotron"))
+    if gpt_style:
+        cfg.update(family="gpt", ffn_hidden=row.num("ffn") or 4 * h, activation="gelu", norm="layernorm",
+                   position="rope" if fam in ("mcore-readme", "mosaic") else "learned", bias=fam != "mosaic")
+    else:
+        cfg.update(family="llama", ffn_hidden=row.num("ffn"), activation="swiglu", norm="rmsnorm")
+    cfg["vocab"] = row.num("vocab")
+    if row.num("moe_experts"):
+        cfg.update(family="moe", experts=row.num("moe_experts"), topk=row.num("moe_topk"),
+                   moe_ffn_hidden=row.num("moe_ffn"))
+    if preset:
+        from meshplan.models import config as preset_config
+        pc = preset_config(preset)
+        for key in ("head_dim", "vocab", "shared_experts", "dense_layers", "ffn_hidden", "kv_heads"):
+            if not cfg.get(key) and getattr(pc, key, None):
+                cfg[key] = getattr(pc, key)
+        cfg["head_dim"] = pc.head_dim
+    if not cfg.get("vocab"):
+        if gpt_style:
+            cfg["vocab"] = 51200      # Megatron GPT-2 BPE vocabulary padded (SC'21, Korthikanti)
+        else:
+            return None
+    if not cfg.get("ffn_hidden"):
+        return None
+    return cfg
+
+
+def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
+    fam = row.family
+    tp, pp, cp, vp = row.num("tp"), row.num("pp"), row.num("cp") or 1, row.num("vp") or 1
+    notes = row.get("notes")
+    zero_txt = row.get("zero").lower()
+    if tp is None and pp is None:
+        mps = re.search(r"model-parallel size (\d+)", notes)
+        if mps:   # SC'21 Table 2 gives only the model-parallel size; Table 1 uses TP=8 within a node
+            tp, pp = 8, int(mps.group(1)) // 8
+        elif "zero-3" in zero_txt or "fsdp" in zero_txt and "fsdp-only" in notes.lower():
+            tp, pp = 1, 1
+        else:
+            return "no parallel layout given"
+    tp, pp = tp or 1, pp or 1
+    if n % (tp * pp * cp):
+        return f"tp*pp*cp = {tp * pp * cp} does not divide {n} GPUs"
+    dp = n // (tp * pp * cp)
+    if "zero-3" in zero_txt or "full_shard" in zero_txt or zero_txt.startswith("fsdp"):
+        zero = 3
+    elif "zero-1" in zero_txt or "distributed" in zero_txt:
+        zero = 1
+    elif fam in ("megatron-sc21", "korthikanti", "mtnlg"):
+        zero = 0 if fam != "mtnlg" else 1
+    else:
+        zero = 1
+    rc_txt = row.get("recompute").lower()
+    recompute = "full" if rc_txt.startswith("full") else "selective" if rc_txt.startswith("selective") else \
+        "none" if rc_txt.startswith("none") else None
+    old = fam in ("megatron-sc21", "mtnlg", "bloom") or (fam == "korthikanti" and "no seq" in rc_txt)
+    sp = tp > 1 and not old
+    flash = fam not in ("megatron-sc21", "mtnlg", "bloom", "korthikanti", "opt")
+    mbs = row.num("mbs") or 1
+    lay = dict(tp=tp, pp=pp, cp=cp, vp=vp, dp=dp, zero=zero, mbs=mbs, sp=sp, flash_attention=flash,
+               tp_comm_overlap="--tp-comm-overlap" in notes)
+    if cfg["layers"] % (pp * vp):
+        # the run split layers unevenly (e.g. BLOOM: 70 layers + 2 embedding stages on pp=12)
+        from meshplan.cost_models.layout import split_layers
+        lay["stage_layers"] = split_layers(cfg["layers"], pp * vp)
+    if cfg.get("experts"):
+        lay["ep"] = row.num("ep") or 1
+        lay["etp"] = row.num("etp") or 1
+    if recompute:
+        lay["recompute"] = recompute
+    return lay
+
+
+def _megatron_eq3(cfg: dict[str, Any], s: int, B: int) -> float:
+    L, h, V = cfg["layers"], cfg["hidden"], cfg["vocab"]
+    return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: float) -> float:
+    """The prediction in the row's metric and FLOP convention."""
+    from meshplan.cost_models.flops import model_flops_per_step
+    metric = row.get("metric")
+    s, B = est.seq_len, est.global_batch
+    t = est.step_time_s
+    fam = row.family
+    if metric == "step_time_s":
+        return t
+    if metric == "tokens_per_sec_per_gpu":
+        return est.tokens_per_s_per_gpu
+    if fam in ("megatron-sc21", "mtnlg", "bloom"):
+        return _megatron_eq3(cfg, s, B) / t / n / 1e12
+    if fam == "mosaic":
+        per_seq = 3 * (2 * prof.total_params * s + 4 * cfg["layers"] * cfg["hidden"] * s * s)
+        return per_seq * B / t / n / (peak_tflops * 1e12) * 100
+    causal = fam == "modelzoo"
+    flops = model_flops_per_step(prof, s, B, causal_half=causal)
+    tflops = flops / t / n / 1e12
+    if metric == "mfu_pct":
+        return tflops / peak_tflops * 100
+    return tflops
+
+
+def run_row(row: Row, *, traced: bool = True, profiles: dict | None = None) -> RowResult:
+    """Estimate one row. `profiles` caches profiles by architecture across rows."""
+    from meshplan.cluster import Cluster
+    from meshplan.cost_models.estimate import estimate_profile
+    metric, value = row.get("metric"), row.get("value")
+    res = RowResult(row=row, metric=metric, measured=float(value) if value else float("nan"))
+    gpu = _gpu(row)
+    n = row.num("num_gpus")
+    s, B = row.num("seq"), row.num("gbs")
+    cfg = model_config(row)
+    if not gpu or not n or not s or not B:
+        res.skipped = "GPU, GPU count, sequence length or global batch not given"
+        return res
+    if cfg is None:
+        res.skipped = "architecture not given"
+        return res
+    lay = _layout(row, cfg, n)
+    if isinstance(lay, str):
+        res.skipped = lay
+        return res
+    precision = "fp8" if "fp8" in row.get("precision").lower() else "bf16"
+    key = repr(sorted(cfg.items()))
+    profiles = profiles if profiles is not None else {}
+    candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
+    last = None
+    if key not in profiles:
+        profiles[key] = model_profile(cfg, traced=traced)
+    prof = profiles[key]
+    gpn = 8 if n >= 8 else n
+    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=gpn)
+    from meshplan.errors import MeshplanError
+    for cand in candidates:
+        try:
+            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision)
+        except MeshplanError as e:
+            res.skipped = f"layout rejected: {e}"
+            return res
+        last = (est, prof, cand)
+        if est.fits:
+            break
+    est, prof, cand = last
+    res.layout, res.estimate, res.fits = cand, est, est.fits
+    res.predicted = _convert(row, est, prof, cfg, n, cluster.gpu.bf16_tflops)
+    return res
+
+
+def model_profile(cfg: dict[str, Any], *, traced: bool = True):
+    """Profile of the row's architecture: meshplan's model built on the meta device and traced
+    (the real path), or the analytic builder (fast, for what-if sweeps)."""
+    if traced:
+        from meshplan import models
+        from meshplan.api import profile
+        kw = {k: v for k, v in cfg.items() if k != "family"}
+        return profile(models.build(cfg["family"], device="meta", **kw))
+    from meshplan.planner.analytic import profile_from_config
+    return profile_from_config(cfg)

@@ -1,0 +1,219 @@
+"""`ModelConfig`: the architecture of a reference decoder-only transformer.
+
+One config describes three families that share one implementation:
+
+- ``"gpt"``: GPT-3 / Megatron GPT (learned positions, LayerNorm, GELU MLP of 4h, MHA, biases,
+  tied embeddings).
+- ``"llama"``: Llama 2/3 (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied output).
+- ``"moe"``: the Llama block with a mixture-of-experts MLP in every layer after the first
+  ``dense_layers`` (Mixtral, Qwen3-MoE, DeepSeek-V3).
+
+Fields left as ``None`` are derived in ``__post_init__`` from the family and the other sizes, so
+``ModelConfig(family="llama", layers=2, hidden=256, heads=4, vocab=1000)`` is complete. A preset
+stores only the fields it sets; overriding ``hidden`` of a preset therefore re-derives
+``head_dim`` and ``ffn_hidden`` unless the preset fixed them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshplan.errors import ConfigError
+
+__all__ = ["ModelConfig", "FAMILIES", "CONFIG_KEYS"]
+
+FAMILIES = ("gpt", "llama", "moe")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+ROUTERS = ("softmax", "sigmoid")
+
+# Per-family defaults for the switches the user did not set.
+_FAMILY_DEFAULTS = {
+    "gpt": dict(norm="layernorm", activation="gelu", position="learned", bias=True, tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+    "moe": dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+}
+
+# SwiGLU width rule of the Llama reference code: 2/3 of 4h (same parameters as a 4h GELU MLP),
+# rounded up to a multiple of 256 (Llama 2 `multiple_of=256`: 4096 -> 11008).
+_SWIGLU_MULTIPLE_OF = 256
+
+
+def _swiglu_default(hidden: int) -> int:
+    width = int(2 * 4 * hidden / 3)
+    return _SWIGLU_MULTIPLE_OF * ((width + _SWIGLU_MULTIPLE_OF - 1) // _SWIGLU_MULTIPLE_OF)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (see the module docstring for the families).
+
+    Sizes: ``layers`` blocks of width ``hidden``; ``heads`` query heads of ``head_dim`` and
+    ``kv_heads`` key/value heads (GQA when fewer than ``heads``); a dense MLP of inner width
+    ``ffn_hidden``; ``vocab`` tokens; positions up to ``seq_len``.
+    MoE (``family="moe"``): ``experts`` routed experts of inner width ``moe_ffn_hidden``, each
+    token picks ``topk``; ``shared_experts`` always-on experts (one SwiGLU MLP of width
+    ``shared_experts * moe_ffn_hidden``); the first ``dense_layers`` blocks keep the dense MLP.
+    """
+
+    family: str = "llama"
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    kv_heads: int | None = None        # None -> heads (MHA)
+    head_dim: int | None = None        # None -> hidden // heads
+    ffn_hidden: int | None = None      # None -> 4h (gelu) or the Llama SwiGLU rule
+    seq_len: int = 2048
+    experts: int = 0
+    topk: int = 0
+    moe_ffn_hidden: int | None = None  # None -> ffn_hidden
+    shared_experts: int = 0
+    dense_layers: int = 0
+    norm: str | None = None            # None -> family default
+    activation: str | None = None
+    position: str | None = None
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None
+    bias: bool | None = None
+    router: str = "softmax"
+    norm_eps: float = 1e-5
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        for key in ("layers", "hidden", "heads", "vocab", "seq_len"):
+            _check_int(key, getattr(self, key), minimum=1)
+        for key in ("experts", "topk", "shared_experts", "dense_layers"):
+            _check_int(key, getattr(self, key), minimum=0)
+        for key, value in _FAMILY_DEFAULTS[self.family].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        self._derive_sizes()
+        for key in ("kv_heads", "head_dim", "ffn_hidden", "moe_ffn_hidden"):
+            _check_int(key, getattr(self, key), minimum=1)
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("router", self.router, ROUTERS)
+        for key in ("tie_embeddings", "bias"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be True or False, got {getattr(self, key)!r}")
+        for key in ("rope_theta", "norm_eps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{key} must be a positive number, got {value!r}")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"name must be a string, got {self.name!r}")
+        if self.heads % self.kv_heads:
+            divisors = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
+            raise ConfigError(
+                f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}: each key/value head "
+                f"serves a whole group of query heads; use kv_heads in {divisors}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"rotary positions rotate pairs of channels, so head_dim must be even (got {self.head_dim}); "
+                f"use head_dim={self.head_dim + 1} or position='learned'")
+        self._check_moe()
+
+    def _derive_sizes(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ConfigError(
+                    f"hidden={self.hidden} is not divisible by heads={self.heads}, so head_dim cannot be "
+                    f"derived; set head_dim explicitly or pick heads dividing {self.hidden}")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.ffn_hidden is None:
+            width = 4 * self.hidden if self.activation == "gelu" else _swiglu_default(self.hidden)
+            object.__setattr__(self, "ffn_hidden", width)
+        if self.moe_ffn_hidden is None:
+            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+
+    def _check_moe(self) -> None:
+        if self.family != "moe":
+            if self.experts or self.topk or self.shared_experts or self.dense_layers:
+                raise ConfigError(
+                    f"experts/topk/shared_experts/dense_layers are set but family={self.family!r} has no "
+                    f"mixture-of-experts layers; use family='moe'")
+            return
+        if self.experts < 1:
+            raise ConfigError("family='moe' needs experts >= 1 routed experts (e.g. experts=8, topk=2)")
+        if not 1 <= self.topk <= self.experts:
+            raise ConfigError(
+                f"topk={self.topk} must be between 1 and experts={self.experts}: each token is sent to topk "
+                f"distinct experts")
+        if self.dense_layers > self.layers:
+            raise ConfigError(
+                f"dense_layers={self.dense_layers} exceeds layers={self.layers}; use 0..{self.layers}")
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.family == "moe"
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) uses the MoE MLP."""
+        return self.is_moe and index >= self.dense_layers
+
+    def replace(self, **changes: object) -> ModelConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        _check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameters of the model this config builds, counted from the formulas (tied weights once)."""
+        return self._count(active=False)
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: routed experts counted ``topk`` times instead of ``experts``."""
+        return self._count(active=True)
+
+    def _count(self, *, active: bool) -> int:
+        h, b = self.hidden, int(self.bias)
+        norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
+        q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = h * q_dim + 2 * h * kv_dim + q_dim * h + b * (q_dim + 2 * kv_dim + h)
+        gates = 3 if self.activation == "swiglu" else 2
+
+        def mlp(width: int, bias: bool) -> int:
+            return gates * h * width + int(bias) * ((gates - 1) * width + h)
+
+        dense_block = 2 * norm + attention + mlp(self.ffn_hidden, self.bias)
+        moe_block = 2 * norm + attention + h * self.experts  # router: no bias
+        routed = self.topk if active else self.experts
+        moe_block += routed * mlp(self.moe_ffn_hidden, False)
+        if self.shared_experts:
+            moe_block += mlp(self.shared_experts * self.moe_ffn_hidden, False)
+        moe_layers = self.layers - self.dense_layers if self.is_moe else 0
+        total = (self.layers - moe_layers) * dense_block + moe_layers * moe_block
+        total += self.vocab * h + norm
+        total += self.seq_len * h if self.position == "learned" else 0
+        total += 0 if self.tie_embeddings else self.vocab * h  # output projection: never a bias
+        return total
+
+
+CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def _check_keys(keys: object) -> None:
+    unknown = sorted(set(keys) - set(CONFIG_KEYS))  # type: ignore[arg-type]
+    if unknown:
+        raise ConfigError(
+            f"unknown model config key(s) {', '.join(unknown)}; allowed keys: {', '.join(CONFIG_KEYS)}")
+
+
+def _check_int(key: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not supported; use one of {', '.join(choices)}")

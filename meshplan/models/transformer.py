@@ -1,0 +1,158 @@
+"""Reference decoder-only transformer: GPT-3 and Llama from one code path, MoE blocks optional.
+
+A plain single-device model, written the way users write them (nanoGPT / torchtitan style):
+no parallelism inside. Module names are the contract other tools see:
+
+    Transformer
+      tok_embeddings  nn.Embedding(vocab, h)
+      pos_embeddings  nn.Embedding(seq_len, h)            (position="learned" only, else None)
+      layers          nn.ModuleList of Block
+        attention_norm, attention (wq, wk, wv, wo), ffn_norm,
+        feed_forward    FeedForward (w1, w2[, w3])  or  MoE (router, experts, shared_experts)
+      norm
+      output          nn.Linear(h, vocab, bias=False)     (weight tied to tok_embeddings if asked)
+
+Attention reshapes with -1 for the head count, so a tensor-parallel runtime can shard wq/wk/wv
+column-wise and wo row-wise without touching this code. `tok_embeddings`, `norm` and `output`
+may be set to None by a pipeline-parallel runtime; forward then passes hidden states through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshplan.errors import ConfigError
+from meshplan.models.config import ModelConfig
+from meshplan.models.layers import FeedForward, apply_rope, make_norm, rope_tables
+from meshplan.models.moe import MoE
+
+__all__ = ["Transformer", "Block", "Attention", "FeedForward", "causal_lm_loss", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # label value skipped by the loss (PyTorch / Hugging Face convention)
+INIT_STD = 0.02      # GPT-2 / GPT-3 / Megatron init_method_std
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped key/value heads (MHA when kv_heads == heads)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.use_rope = config.position == "rope"
+        q_dim, kv_dim = config.heads * config.head_dim, config.kv_heads * config.head_dim
+        self.wq = nn.Linear(config.hidden, q_dim, bias=config.bias)
+        self.wk = nn.Linear(config.hidden, kv_dim, bias=config.bias)
+        self.wv = nn.Linear(config.hidden, kv_dim, bias=config.bias)
+        self.wo = nn.Linear(q_dim, config.hidden, bias=config.bias)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)                 # (B, T, heads, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)                 # (B, T, kv_heads, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.use_rope and rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, n, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))          # (B, T, h)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.attention_norm = make_norm(config)
+        self.attention = Attention(config)
+        self.ffn_norm = make_norm(config)
+        if config.is_moe_layer(index):
+            self.feed_forward: nn.Module = MoE(config)
+        else:
+            self.feed_forward = FeedForward(
+                config.hidden, config.ffn_hidden, activation=config.activation, bias=config.bias)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: forward(input_ids (B, T)) -> logits (B, T, vocab)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab, config.hidden)
+        self.pos_embeddings = nn.Embedding(config.seq_len, config.hidden) if config.position == "learned" else None
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.layers))
+        self.norm: nn.Module | None = make_norm(config)
+        self.output: nn.Linear | None = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.tie_weights()
+        if config.position == "rope":
+            cos, sin = rope_tables(config)
+            # Derived from the config, so not saved in checkpoints (recomputed by init_weights).
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[1]
+        if T > self.config.seq_len:
+            raise ConfigError(
+                f"sequence of {T} tokens is longer than the model's seq_len={self.config.seq_len}; "
+                f"build the model with seq_len>={T}")
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # (B, T, h)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(T, device=h.device))
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope_cos is not None else None
+        for layer in self.layers:
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h     # (B, T, vocab)
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the token embedding when the config says so.
+
+        Called again by `init_weights` because `Module.to_empty()` unties shared parameters.
+        """
+        if self.config.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every weight in place (deterministic for a given torch seed / generator).
+
+        Normal(0, 0.02) for embeddings and linears; the projections that write into the residual
+        stream (wo, w2) use 0.02 / sqrt(2 * layers), as GPT-2 and Megatron-LM do, so the
+        residual's variance does not grow with depth. Also recomputes the rotary tables, so a
+        model built on the meta device and materialised with `to_empty()` becomes usable (and
+        re-ties the embedding, which `to_empty()` unties).
+        """
+        self.tie_weights()
+        residual_std = INIT_STD / math.sqrt(2 * self.config.layers)
+        for name, module in self.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if leaf in ("wo", "w2") else INIT_STD
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+            elif isinstance(module, MoE):
+                module.init_weights(INIT_STD, residual_std, generator=generator)
+        if self.rope_cos is not None:
+            cos, sin = rope_tables(self.config, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross entropy over labels != -100; labels are already aligned with logits (B, T)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)

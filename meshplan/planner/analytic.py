@@ -1,0 +1,120 @@
+"""A `ModelProfile` from architecture numbers alone (no nn.Module, no torch).
+
+The tracer is the general path; this builder describes the same standard decoder from its
+config, for what-if sweeps over architectures nobody has written down as a module and as an
+independent check of the tracer (tests assert that both agree on meshplan's own models).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+from meshplan.errors import ConfigError
+from meshplan.planner.profile import BlockProfile, LinearInfo, ModelProfile
+
+__all__ = ["profile_from_config"]
+
+_KEYS = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "experts", "topk",
+         "moe_ffn_hidden", "shared_experts", "dense_layers", "head_dim", "gated", "norm", "bias",
+         "tie_embeddings", "position", "seq_len", "name", "max_positions")
+
+
+def _dense_block(h: int, heads: int, kv: int, hd: int, f: int, gated: bool, bias: bool, norm: str) -> dict[str, Any]:
+    q, k = heads * hd, kv * hd
+    lin = [LinearInfo(name="attention.wq", in_features=h, out_features=q, role="attn_qkv", bias=bias),
+           LinearInfo(name="attention.wk", in_features=h, out_features=k, role="attn_qkv", bias=bias),
+           LinearInfo(name="attention.wv", in_features=h, out_features=k, role="attn_qkv", bias=bias),
+           LinearInfo(name="attention.wo", in_features=q, out_features=h, role="attn_out", bias=bias)]
+    norm_params = 2 * h * (2 if norm == "layernorm" else 1)
+    return dict(hidden=h, heads=heads, kv_heads=kv, head_dim=hd, causal=True, norm=norm,
+                linears=lin, norm_params=norm_params)
+
+
+def _mlp(prefix: str, h: int, f: int, gated: bool, bias: bool, role_in: str, role_out: str,
+         count: int = 1, tpt: float = 1.0) -> list[LinearInfo]:
+    lin = [LinearInfo(name=f"{prefix}.w1", in_features=h, out_features=f, role=role_in, count=count,
+                      tokens_per_token=tpt, bias=bias)]
+    if gated:
+        lin.append(LinearInfo(name=f"{prefix}.w3", in_features=h, out_features=f, role=role_in, count=count,
+                              tokens_per_token=tpt, bias=bias))
+    lin.append(LinearInfo(name=f"{prefix}.w2", in_features=f, out_features=h, role=role_out, count=count,
+                          tokens_per_token=tpt, bias=bias))
+    return lin
+
+
+def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = None) -> ModelProfile:
+    """Build a profile from config names (`layers, hidden, ffn_hidden, heads, kv_heads, vocab,
+    experts, topk, moe_ffn_hidden, shared_experts, dense_layers`, plus `head_dim, gated, norm,
+    bias, tie_embeddings, position`). Accepts a mapping or any object with those attributes."""
+    if not isinstance(cfg, Mapping):
+        cfg = {k: getattr(cfg, k) for k in _KEYS if hasattr(cfg, k)}
+        if "activation" not in cfg and hasattr(cfg, "activation"):
+            pass
+    c = dict(cfg)
+    unknown = sorted(set(c) - set(_KEYS) - {"activation", "family"})
+    if unknown:
+        raise ConfigError(f"unknown model config key(s) {unknown}; known: {sorted(_KEYS)}")
+    try:
+        L, h, heads, vocab = int(c["layers"]), int(c["hidden"]), int(c["heads"]), int(c["vocab"])
+    except KeyError as e:
+        raise ConfigError(f"model config needs {e.args[0]!r} (layers, hidden, heads, vocab are required)") from None
+    kv = int(c.get("kv_heads") or heads)
+    hd = int(c.get("head_dim") or h // heads)
+    gated = bool(c.get("gated", c.get("activation", "swiglu") == "swiglu"))
+    f = int(c.get("ffn_hidden") or (4 * h if not gated else int(8 * h / 3 + 255) // 256 * 256))
+    norm = c.get("norm", "rmsnorm")
+    bias = bool(c.get("bias", False))
+    E, k = int(c.get("experts") or 0), int(c.get("topk") or 0)
+    fm = int(c.get("moe_ffn_hidden") or (f if E else 0))
+    shared = int(c.get("shared_experts") or 0)
+    dense_layers = int(c.get("dense_layers") or 0) if E else L
+    seq = int(seq_len or c.get("seq_len") or 2048)
+    for name, val in (("layers", L), ("hidden", h), ("heads", heads), ("vocab", vocab), ("kv_heads", kv)):
+        if val < 1:
+            raise ConfigError(f"model config {name}={val}: must be >= 1")
+    if heads % kv:
+        raise ConfigError(f"heads={heads} must be a multiple of kv_heads={kv}")
+    if E and not (1 <= k <= E):
+        raise ConfigError(f"topk={k} must be between 1 and experts={E}")
+
+    blocks: list[BlockProfile] = []
+    base = _dense_block(h, heads, kv, hd, f, gated, bias, norm)
+    norm_params = base.pop("norm_params")
+
+    def finish(kind: str, lin: list[LinearInfo], instances: range, **extra) -> BlockProfile:
+        params = sum(li.params for li in lin) + norm_params
+        expert = sum(li.params for li in lin if li.role.startswith("expert"))
+        sig = hashlib.sha1(json.dumps([kind, h, heads, kv, hd, extra], sort_keys=True).encode()).hexdigest()[:12]
+        geo = {k: v for k, v in base.items() if k != "linears"}
+        return BlockProfile(signature=sig, instances=tuple(f"layers.{i}" for i in instances),
+                            linears=tuple(lin), params=params, expert_params=expert, **geo, **extra)
+
+    if dense_layers:
+        lin = base["linears"] + _mlp("feed_forward", h, f, gated, bias, "mlp_in", "mlp_out")
+        blocks.append(finish("dense", lin, range(dense_layers), ffn_hidden=f, gated=gated))
+    if E and L > dense_layers:
+        lin = base["linears"] + [LinearInfo(name="moe.router", in_features=h, out_features=E, role="router")]
+        lin += _mlp("moe.experts", h, fm, gated, False, "expert_in", "expert_out", count=E, tpt=k / E)
+        if shared:
+            lin += _mlp("moe.shared_experts", h, shared * fm, gated, False, "shared_in", "shared_out")
+        blocks.append(finish("moe", lin, range(dense_layers, L), gated=gated, experts=E, topk=k,
+                             moe_ffn_hidden=fm, shared_ffn_hidden=shared * fm))
+    layers = tuple([0] * dense_layers + [len(blocks) - 1] * (L - dense_layers)) if E else tuple([0] * L)
+    tie = bool(c.get("tie_embeddings", False))
+    emb = vocab * h + (int(c.get("max_positions") or seq) * h if c.get("position") == "learned" else 0)
+    other = h * (2 if norm == "layernorm" else 1)
+    name = str(c.get("name") or f"custom-{L}L-{h}h")
+    fp = hashlib.sha1(json.dumps({k: c.get(k) for k in _KEYS if k != "name"}, sort_keys=True,
+                                 default=str).encode()).hexdigest()[:16]
+    # traced FLOPs are filled from the architecture so the profile is self-consistent
+    out = []
+    for b in blocks:
+        fl = seq * sum(li.flops_per_token for li in b.linears) + 4.0 * seq * seq * b.q_dim
+        out.append(BlockProfile(**{**{fld: getattr(b, fld) for fld in b.__dataclass_fields__},
+                                   "fwd_flops": fl, "bwd_flops": 2 * fl}))
+    return ModelProfile(name=name, fingerprint=fp, seq_len=seq, vocab=vocab, hidden=h,
+                        embedding_params=emb, head_params=0 if tie else vocab * h, tied_embeddings=tie,
+                        other_params=other, blocks=tuple(out), layers=layers,
+                        embedding_fqn="tok_embeddings", head_fqn="output")

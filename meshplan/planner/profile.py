@@ -1,0 +1,169 @@
+"""Graph IR and per-block profiles: what the tracer produces and the cost model reads.
+
+The tracer (`meshplan.planner.trace`) turns any single-device nn.Module into a
+`ModelProfile`. The cost model never looks at an nn.Module: it reads only these frozen
+dataclasses, so a 405B model is planned from a few kilobytes of numbers.
+
+Conventions
+- FLOPs count a multiply-add as 2. `fwd_flops`/`bwd_flops` are for ONE instance of a block and
+  ONE sequence of `ModelProfile.seq_len` tokens (micro-batch 1), as measured on the traced graph
+  (attention counted in full, i.e. not halved for causal masking).
+- Sizes (hidden, heads, ...) are the architecture as found in the trace, not as declared in a
+  config, so a user's own model is described by what it computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["OpInfo", "LinearInfo", "BlockProfile", "ModelProfile"]
+
+# Op kinds the tracer assigns. The planner's ILPs reason per kind.
+OP_KINDS = (
+    "linear",      # matmul with a parameter (nn.Linear, F.linear, expert weight slices)
+    "attention",   # scaled_dot_product_attention or an eager softmax(QK^T)V pattern
+    "matmul",      # activation x activation matmul outside attention
+    "embedding",   # table lookup
+    "norm",        # layer/rms norm (fused or decomposed)
+    "elementwise", # activations, adds, muls, casts, rope
+    "reduction",   # sums, means, softmax outside attention
+    "router",      # topk / routing logic of MoE layers
+    "moe_dispatch",# gathers/scatters/index ops that move tokens to experts
+    "loss",        # cross entropy
+    "view",        # reshapes, permutes, slicing (no data movement cost counted)
+    "other",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpInfo:
+    """One node of the graph IR."""
+
+    name: str                                  # fx node name
+    target: str                                # e.g. "aten.linear.default"
+    kind: str                                  # one of OP_KINDS
+    module: str                                # FQN of the owning module in the ORIGINAL model ("" = root)
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    dtype: str                                 # dtype of the first output, e.g. "bfloat16"
+    fwd_flops: float
+    bwd_flops: float
+    bytes: float                               # bytes read + written by the forward op
+    params: tuple[str, ...] = ()               # parameter FQNs (original model) this op reads
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearInfo:
+    """A GEMM with a weight, relative to its block.
+
+    `role`: "attn_qkv" (q, k, v or fused qkv), "attn_out", "mlp_in" (fc1 / gate / up),
+    "mlp_out" (fc2 / down), "router", "expert_in", "expert_out", "shared_in", "shared_out", "other".
+    `count`: how many such weights the block holds (E for routed experts, 1 otherwise).
+    `tokens_per_token`: average rows that ONE weight of this kind multiplies per block input token
+    (1 for dense; topk/E for a routed expert under balanced routing).
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    role: str
+    count: int = 1
+    tokens_per_token: float = 1.0
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.count * (self.in_features * self.out_features + (self.out_features if self.bias else 0))
+
+    @property
+    def flops_per_token(self) -> float:
+        """Forward FLOPs per block-input token summed over all `count` weights."""
+        return 2.0 * self.in_features * self.out_features * self.count * self.tokens_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockProfile:
+    """One unique repeated block (a transformer layer), traced once, reused for every instance."""
+
+    signature: str                 # structural fingerprint shared by all instances
+    instances: tuple[str, ...]     # FQNs of every instance in the original model, in execution order
+    hidden: int
+    # attention (0 / None when the block has none)
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    causal: bool = True
+    # dense MLP
+    ffn_hidden: int = 0            # inner width of the dense MLP (0 if none)
+    gated: bool = False            # SwiGLU-style (two input projections) vs GELU-style
+    # MoE
+    experts: int = 0               # routed experts (0 = dense block)
+    topk: int = 0
+    moe_ffn_hidden: int = 0        # inner width of one routed expert
+    shared_ffn_hidden: int = 0     # total inner width of the shared experts (0 if none)
+    norm: str = "rmsnorm"          # "rmsnorm" | "layernorm"
+    linears: tuple[LinearInfo, ...] = ()
+    params: int = 0                # every parameter of one instance
+    expert_params: int = 0         # routed-expert parameters of one instance (subset of params)
+    fwd_flops: float = 0.0         # traced, one instance, one sequence of ModelProfile.seq_len
+    bwd_flops: float = 0.0
+    ops: tuple[OpInfo, ...] = field(default=(), repr=False)
+
+    @property
+    def count(self) -> int:
+        return len(self.instances)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """Everything the cost model knows about a model."""
+
+    name: str
+    fingerprint: str               # hash of the structure + parameter shapes (plans are tied to it)
+    seq_len: int                   # sequence length the profile was traced at
+    vocab: int
+    hidden: int
+    dtype: str = "bfloat16"
+    embedding_params: int = 0      # token (+ learned position) embeddings
+    head_params: int = 0           # output projection; 0 when tied to the embedding
+    tied_embeddings: bool = False
+    other_params: int = 0          # parameters outside blocks, embedding and head (final norm, ...)
+    blocks: tuple[BlockProfile, ...] = ()
+    layers: tuple[int, ...] = ()   # execution order: index into `blocks` for each layer
+    pre_ops: tuple[OpInfo, ...] = field(default=(), repr=False)    # ops before the first block
+    post_ops: tuple[OpInfo, ...] = field(default=(), repr=False)   # ops after the last block
+    embedding_fqn: str = ""        # module FQNs, for stage assignment
+    head_fqn: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return (self.embedding_params + self.head_params + self.other_params
+                + sum(b.params * b.count for b in self.blocks))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token touches (routed experts counted topk/E)."""
+        active = self.total_params
+        for b in self.blocks:
+            if b.is_moe:
+                active -= b.count * b.expert_params * (1 - b.topk / b.experts)
+        return int(active)
+
+    def layer_blocks(self) -> list[BlockProfile]:
+        return [self.blocks[i] for i in self.layers]
