@@ -15,7 +15,8 @@ Normalisation rules (data/README.md), applied per SOURCE, never per row:
 Unstated settings get the source's documented default: no SP and no flash attention before 2022
 (SC'21, MT-NLG, BLOOM, Korthikanti "full" rows), micro-batch 1, vocabulary 51200 for Megatron GPT
 rows without one, the distributed optimizer (zero=1) for NeMo / Megatron-Core 2024+, plain DDP
-(zero=0) for 2021 Megatron; an unstated recompute is the cheapest of none / selective / full that
+(zero=0) for 2021 Megatron; TP communication overlap (userbuffers) for NeMo 24.07, whose
+performance recipes enable it on H100; an unstated recompute is full for pre-2022 Megatron (the only kind it had), otherwise the cheapest of none / selective / full that
 fits by meshplan's own memory model; an unstated interleaving degree is 1.
 Rows that give no layout at all (strong-scaling summaries, OPT) cannot be expressed and are skipped.
 """
@@ -171,12 +172,14 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     rc_txt = row.get("recompute").lower()
     recompute = "full" if rc_txt.startswith("full") else "selective" if rc_txt.startswith("selective") else \
         "none" if rc_txt.startswith("none") else None
+    if recompute is None and fam in ("megatron-sc21", "mtnlg", "bloom"):
+        recompute = "full"   # Megatron before 2022 had only full activation recomputation
     old = fam in ("megatron-sc21", "mtnlg", "bloom") or (fam == "korthikanti" and "no seq" in rc_txt)
     sp = tp > 1 and not old
     flash = fam not in ("megatron-sc21", "mtnlg", "bloom", "korthikanti", "opt")
     mbs = row.num("mbs") or 1
     lay = dict(tp=tp, pp=pp, cp=cp, vp=vp, dp=dp, zero=zero, mbs=mbs, sp=sp, flash_attention=flash,
-               tp_comm_overlap="--tp-comm-overlap" in notes)
+               tp_comm_overlap="--tp-comm-overlap" in notes or fam in ("nemo2407", "nemo-longseq"))
     if cfg["layers"] % (pp * vp):
         # the run split layers unevenly (e.g. BLOOM: 70 layers + 2 embedding stages on pp=12)
         from meshplan.cost_models.layout import split_layers

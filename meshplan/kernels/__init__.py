@@ -15,6 +15,7 @@ from meshplan.kernels.backend import (
     triton_unavailable_reason,
     use_backend,
 )
+from meshplan.kernels.linear_ce import fused_linear_cross_entropy
 from meshplan.kernels.rmsnorm import rms_norm, rms_norm_residual
 from meshplan.kernels.rope import rope
 from meshplan.kernels.swiglu import swiglu, swiglu_packed
@@ -22,6 +23,7 @@ from meshplan.kernels.swiglu import swiglu, swiglu_packed
 __all__ = [
     "BACKENDS",
     "backend",
+    "fused_linear_cross_entropy",
     "interpreter_enabled",
     "reference",
     "requested_backend",

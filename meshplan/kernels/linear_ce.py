@@ -63,7 +63,8 @@ def fused_linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor
     t = hidden.shape[0]
     n_valid = (labels != ignore_index).sum()
     if reduction == "mean":
-        scale = (1.0 / n_valid.float()).reshape(1)  # inf when all ignored; no valid row uses it
+        # clamp: with every label ignored no row uses the scale (and the loss is 0/0 = NaN)
+        scale = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
     else:
         scale = torch.ones(1, device=hidden.device, dtype=torch.float32)
     loss_rows = torch.empty(t, device=hidden.device, dtype=torch.float32)

@@ -18,12 +18,17 @@ unique structure, traces that shallow model, and maps the names back.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from meshplan.planner.flops import COPY_OPS, VIEW_OPS, TensorSpec
+from meshplan.planner.profile import LinearInfo
 
 __all__ = [
     "signature",
@@ -33,6 +38,13 @@ __all__ = [
     "shrunk",
     "fingerprint",
     "join",
+    "Ref",
+    "Node",
+    "AttentionUnit",
+    "analyse_block",
+    "is_causal",
+    "arg",
+    "weight_of",
 ]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -230,3 +242,394 @@ def fingerprint(model: nn.Module) -> str:
         if first != name:
             h.update(f"tie:{name}={first};".encode())
     return h.hexdigest()[:16]
+
+
+# --- graph analysis of one block ------------------------------------------------------------
+#
+# The tracer turns the exported graph into a list of `Node`s (topological order). Everything
+# below classifies by data flow, never by module names: a linear is "attn_qkv" because its
+# output reaches attention's q/k/v and nothing else, not because it is called `q_proj`.
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An argument that is the output of node `index` (a node's args keep Refs, not fx nodes)."""
+
+    index: int
+
+
+@dataclass(eq=False)
+class Node:
+    """One value-producing node of the traced graph (mutable while the tracer annotates it)."""
+
+    index: int
+    name: str
+    target: object                 # the OpOverload (or "placeholder" / "getitem" / HOP)
+    base: str                      # schema name without overload: "aten::linear", "getitem"
+    module: str                    # owning module FQN in the ORIGINAL model
+    module_class: str
+    args: tuple                    # positional args, fx nodes replaced by Ref
+    kwargs: dict
+    inputs: list[int]              # distinct producer indices, in argument order
+    out: list[TensorSpec]          # specs of the tensor outputs
+    kind: str = "other"
+    placeholder: str = ""          # "param" | "buffer" | "input" for graph inputs, else ""
+    param_src: frozenset[str] = frozenset()   # this value is a view/cast/slice of these params
+    params: tuple[str, ...] = ()   # parameters this op reads
+    requires_grad: bool = False
+    fwd: float = 0.0
+    bwd: float = 0.0
+    bytes: float = 0.0
+    role: str = ""
+    contract: int = 0              # K of a matrix product (its in_features for a linear)
+    users: list[int] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.out[0].shape if self.out else ()
+
+    @property
+    def is_float(self) -> bool:
+        return bool(self.out) and self.out[0].dtype.is_floating_point
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionUnit:
+    """One attention: an SDPA call or an eager softmax(q kᵀ) v pattern."""
+
+    nodes: frozenset[int]
+    q: int
+    k: int
+    v: int
+    out: int
+    mask: int | None
+    is_causal: bool
+
+
+def _walk(nodes: list[Node], start: Iterable[int], within: set[int] | None, up: bool,
+          stop: Callable[[Node], bool] | None = None) -> set[int]:
+    """Closure over inputs (up) or users (down), inside `within`; `stop` nodes are not expanded."""
+    seen: set[int] = set()
+    todo = [i for i in start if within is None or i in within]
+    while todo:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        n = nodes[i]
+        if stop is not None and stop(n) and i not in start:
+            continue
+        for j in (n.inputs if up else n.users):
+            if j not in seen and (within is None or j in within):
+                todo.append(j)
+    return seen
+
+
+def _exclusive_region(nodes: list[Node], seeds: Iterable[int], sink: set[int], within: set[int]) -> set[int]:
+    """Ancestors of `seeds` whose every user is in the region or in `sink`.
+
+    The residual stream feeds attention AND the residual add, so it is not exclusive; the q/k/v
+    projections (and MLA's low-rank down-projections and norms) feed only attention.
+    """
+    anc = _walk(nodes, seeds, within, up=True)
+    region: set[int] = set()
+    for i in sorted(anc, reverse=True):                  # users come after producers
+        users = nodes[i].users
+        if users and all(u in region or u in sink for u in users):
+            region.add(i)
+    return region
+
+
+# Single-input pass-through ops between attention and its output projection.
+_PASS_FORWARD = VIEW_OPS | COPY_OPS | {"getitem", "aten::mul", "aten::sigmoid", "aten::dropout"}
+
+
+def _next_linears(nodes: list[Node], start: int, within: set[int]) -> set[int]:
+    found: set[int] = set()
+    todo, seen = [start], {start}
+    while todo:
+        for u in nodes[todo.pop()].users:
+            if u in seen or u not in within:
+                continue
+            seen.add(u)
+            if nodes[u].kind == "linear":
+                found.add(u)
+            elif nodes[u].base in _PASS_FORWARD:
+                todo.append(u)
+    return found
+
+
+def _linears_above(nodes: list[Node], start: int, within: set[int]) -> set[int]:
+    """Nearest linear producers of `start`'s inputs (not crossing norms or attention)."""
+    stop = {"linear", "norm", "attention"}
+    anc = _walk(nodes, nodes[start].inputs, within, up=True, stop=lambda n: n.kind in stop)
+    return {i for i in anc if nodes[i].kind == "linear"}
+
+
+def _kv_heads(nodes: list[Node], k: int, head_dim: int) -> int:
+    """Key heads BEFORE any repeat for GQA: the fewest elements per token along k's producers."""
+    shape = nodes[k].shape
+    tokens = math.prod(shape[:-3]) * shape[-2] if len(shape) >= 3 else shape[0]
+    best = nodes[k].out[0].numel
+    cur = k
+    for _ in range(64):
+        n = nodes[cur]
+        best = min(best, n.out[0].numel)
+        if (n.kind in ("linear", "matmul", "attention", "norm", "embedding") or n.placeholder
+                or n.base in ("aten::cat", "aten::stack", "getitem")):
+            break
+        floats = [i for i in n.inputs if nodes[i].is_float]
+        if not floats:
+            break
+        cur = max(floats, key=lambda i: nodes[i].out[0].numel)
+    kv = best / max(tokens * head_dim, 1)
+    heads_k = shape[-3] if len(shape) >= 3 else 1
+    if kv >= 1 and kv == int(kv):
+        return int(kv)
+    return heads_k
+
+
+_CAUSAL_BUILDERS = frozenset({"aten::tril", "aten::triu", "aten::tril_indices", "aten::triu_indices"})
+_COMPARISONS = frozenset({"aten::le", "aten::lt", "aten::ge", "aten::gt"})
+
+
+def is_causal(nodes: list[Node], unit: AttentionUnit) -> bool:
+    """is_causal=True, or a mask built by tril/triu, by comparing position indices, or read
+    from a square (.., T, T) buffer (nanoGPT's registered `bias`). A padding-only mask is not."""
+    if unit.is_causal:
+        return True
+    if unit.mask is None:
+        return False
+    anc = _walk(nodes, [unit.mask], None, up=True)
+    ops = {nodes[i].base for i in anc}
+    if ops & _CAUSAL_BUILDERS:
+        return True
+    if ops & _COMPARISONS and "aten::arange" in ops:
+        return True
+    for i in anc:
+        n = nodes[i]
+        if n.placeholder == "buffer" and len(n.shape) >= 2 and n.shape[-1] == n.shape[-2] > 1:
+            return True
+    return False
+
+
+def _split_in_out(nodes: list[Node], group: list[int], within: set[int]) -> tuple[list[int], list[int]]:
+    """Linears fed by another linear of the group are 'out' (down/fc2), the others 'in'."""
+    members = set(group)
+    ins, outs = [], []
+    for i in group:
+        acts = [j for j in nodes[i].inputs if not nodes[j].param_src]
+        anc = _walk(nodes, acts, within, up=True)
+        (outs if anc & (members - {i}) else ins).append(i)
+    return ins, outs
+
+
+_ORIGIN_OPS = frozenset({"getitem", "aten::slice", "aten::narrow", "aten::select"})
+
+
+def _gated(nodes: list[Node], ins: list[int], outs: list[int], within: set[int]) -> bool:
+    """Two parallel input projections (or two slices of a fused one) multiplied together."""
+    if not ins or not outs:
+        return False
+    region = _walk(nodes, ins, within, up=False) & _walk(
+        nodes, [j for o in outs for j in nodes[o].inputs], within, up=True)
+    memo: dict[int, frozenset[int]] = {}
+
+    def origin(i: int) -> frozenset[int]:
+        if i not in region:
+            return frozenset()
+        if i not in memo:
+            n = nodes[i]
+            if i in ins or n.base in _ORIGIN_OPS:
+                memo[i] = frozenset({i})
+            else:
+                memo[i] = frozenset().union(*(origin(j) for j in n.inputs)) if n.inputs else frozenset()
+        return memo[i]
+
+    for i in sorted(region):
+        n = nodes[i]
+        operands = [j for j in n.inputs if nodes[j].is_float]
+        if n.base == "aten::mul" and len(operands) == 2:
+            a, b = origin(operands[0]), origin(operands[1])
+            if a and b and not a & b:
+                return True
+    return False
+
+
+def _rel(fqn: str, inst: str) -> str:
+    return fqn[len(inst) + 1:] if inst and fqn.startswith(inst + ".") else fqn
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def arg(node: Node, pos: int, name: str, default: object = None) -> object:
+    """A node's argument by position or keyword."""
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def weight_of(node: Node, param_shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The weight a linear reads: its largest parameter with two or more dims."""
+    cands = [p for p in node.params if len(param_shapes.get(p, ())) >= 2]
+    return max(cands, key=lambda p: math.prod(param_shapes[p])) if cands else None
+
+
+def _norm_kind(nodes: list[Node], owned: list[int]) -> str:
+    ops = {nodes[i].base for i in owned if nodes[i].kind == "norm"}
+    if ops & {"aten::layer_norm", "aten::native_layer_norm", "aten::group_norm", "aten::native_group_norm"}:
+        return "layernorm"
+    if ops & {"aten::rms_norm", "aten::_fused_rms_norm"}:
+        return "rmsnorm"
+    # decomposed: LayerNorm subtracts the mean, RMSNorm does not
+    if ops & {"aten::var", "aten::var_mean", "aten::std"} or {"aten::sub", "aten::mean"} <= ops:
+        return "layernorm"
+    return "rmsnorm"
+
+
+def _hidden(nodes: list[Node], owned: list[int], own: set[int], batch: int, seq: int) -> int:
+    """Width of the residual stream entering the block: its widest (batch, seq, h) input."""
+    widths = []
+    for i in owned:
+        for j in nodes[i].inputs:
+            n = nodes[j]
+            if j in own or not n.is_float or n.placeholder in ("param", "buffer"):
+                continue
+            s = n.shape
+            if (len(s) == 3 and s[0] == batch and s[1] == seq) or (len(s) == 2 and s[0] == batch * seq):
+                widths.append(s[-1])
+    return max(widths, default=0)
+
+
+def _linear_infos(nodes: list[Node], lin: list[int], inst: str, tokens: int,
+                  param_shapes: dict[str, tuple[int, ...]]) -> list[LinearInfo]:
+    groups: dict[str, list[int]] = {}
+    weight: dict[str, str] = {}
+    for i in lin:
+        w = weight_of(nodes[i], param_shapes)
+        key = _rel(w, inst).removesuffix(".weight") if w else nodes[i].name
+        groups.setdefault(key, []).append(i)
+        if w:
+            weight[key] = w
+    # numbered siblings of one shape and role (experts.0.w1, experts.1.w1, ...) become one
+    # LinearInfo with count = number of siblings
+    collapsed: dict[str, list[str]] = {}
+    for key in groups:
+        collapsed.setdefault(_INDEX.sub("*", key), []).append(key)
+    members: list[tuple[str, list[str]]] = []
+    for ck, keys in collapsed.items():
+        shapes = {param_shapes.get(weight.get(k, ""), ()) for k in keys}
+        roles = {nodes[groups[k][0]].role for k in keys}
+        if len(keys) > 1 and len(shapes) == 1 and len(roles) == 1:
+            members.append((ck, keys))
+        else:
+            members.extend((k, [k]) for k in keys)
+    infos = []
+    for name, keys in members:
+        idx = [i for k in keys for i in groups[k]]
+        first = nodes[idx[0]]
+        wshape = param_shapes.get(weight.get(keys[0], ""), ())
+        k_in = first.contract or (wshape[-1] if wshape else 0)
+        stack = wshape[0] if len(wshape) == 3 else 1
+        count = stack * len(keys)
+        if wshape and k_in and math.prod(wshape) % (stack * k_in) == 0:
+            out_f = math.prod(wshape) // (stack * k_in)
+        else:
+            out_f = first.shape[-1] if first.out else 0
+        fwd = sum(nodes[i].fwd for i in idx)
+        denom = 2.0 * k_in * out_f * count * tokens
+        weights = {weight[k] for k in keys if k in weight}
+        has_bias = any(p not in weights for i in idx for p in nodes[i].params)
+        infos.append(LinearInfo(
+            name=name, in_features=k_in, out_features=out_f, role=first.role or "other",
+            count=count, tokens_per_token=fwd / denom if denom else 0.0, bias=has_bias))
+    return infos
+
+
+def analyse_block(nodes: list[Node], owned: list[int], units: list[AttentionUnit], *, inst: str,
+                  batch: int, seq: int, param_shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Geometry, linear roles and MoE facts of one traced block instance.
+
+    Returns the `BlockProfile` fields it derives plus `expert_params`; sets `Node.role` on the
+    block's linears and `Node.kind = "router"` on the routing ops.
+    """
+    own = set(owned)
+    tokens = batch * seq
+    lin = [i for i in owned if nodes[i].kind == "linear"]
+    role: dict[int, str] = {}
+    out: dict = {}
+
+    mine = [u for u in units if u.out in own]
+    for u in mine:
+        region = _exclusive_region(nodes, (u.q, u.k, u.v), set(u.nodes), own)
+        for i in lin:
+            if i in region:
+                role.setdefault(i, "attn_qkv")
+        for i in _next_linears(nodes, u.out, own):
+            role.setdefault(i, "attn_out")
+    if mine:
+        q_shape = nodes[mine[0].q].shape
+        out["head_dim"] = q_shape[-1]
+        out["heads"] = q_shape[-3] if len(q_shape) >= 3 else 1
+        out["kv_heads"] = _kv_heads(nodes, mine[0].k, nodes[mine[0].k].shape[-1])
+        out["causal"] = all(is_causal(nodes, u) for u in mine)
+
+    # --- MoE: a top-k over the router's scores picks the experts
+    topks = [i for i in owned if nodes[i].base == "aten::topk"]
+    routed: list[int] = []
+    experts = 0
+    if topks:
+        routers: set[int] = set()
+        for t in topks:
+            routers |= _linears_above(nodes, t, own)
+        routers -= role.keys()
+        for i in routers:
+            role[i] = "router"
+        experts = max((nodes[i].shape[-1] for i in routers), default=0)
+        picks = [t for t in topks if nodes[t].inputs and nodes[nodes[t].inputs[0]].shape[-1] == experts]
+        chosen = (picks or topks)[-1]
+        out["topk"] = int(arg(nodes[chosen], 1, "k"))
+        between = _walk(nodes, routers, own, up=False) & _walk(nodes, [chosen], own, up=True)
+        for i in between - routers:
+            if nodes[i].kind != "view":
+                nodes[i].kind = "router"
+        after = _walk(nodes, [chosen], own, up=False)
+        for i in lin:
+            if i in role:
+                continue
+            w = weight_of(nodes[i], param_shapes)
+            shape = param_shapes.get(w, ()) if w else ()
+            stacked = len(shape) == 3 and (experts == 0 or shape[0] == experts)
+            if i in after or stacked:
+                routed.append(i)
+        if not experts and routed:
+            shapes = [param_shapes.get(weight_of(nodes[i], param_shapes) or "", ()) for i in routed]
+            experts = max((s[0] for s in shapes if len(s) == 3), default=0)
+        out["experts"] = experts
+
+    rest = [i for i in lin if i not in role and i not in routed]
+    if routed:
+        e_in, e_out = _split_in_out(nodes, routed, own)
+        role.update({i: "expert_in" for i in e_in} | {i: "expert_out" for i in e_out})
+        s_in, s_out = _split_in_out(nodes, rest, own)
+        role.update({i: "shared_in" for i in s_in} | {i: "shared_out" for i in s_out})
+        out["gated"] = _gated(nodes, e_in, e_out, own)
+    else:
+        m_in, m_out = _split_in_out(nodes, rest, own)
+        role.update({i: "mlp_in" for i in m_in} | {i: "mlp_out" for i in m_out})
+        out["gated"] = _gated(nodes, m_in, m_out, own)
+    for i, r in role.items():
+        nodes[i].role = r
+
+    infos = _linear_infos(nodes, lin, inst, tokens, param_shapes)
+    out["linears"] = tuple(infos)
+    out["ffn_hidden"] = sum(li.in_features for li in infos if li.role == "mlp_out")
+    out["moe_ffn_hidden"] = max((li.in_features for li in infos if li.role == "expert_out"), default=0)
+    out["shared_ffn_hidden"] = sum(li.in_features * li.count for li in infos if li.role == "shared_out")
+    out["norm"] = _norm_kind(nodes, owned)
+    out["hidden"] = _hidden(nodes, owned, own, batch, seq) or max(
+        (li.in_features for li in infos if li.role in ("attn_qkv", "mlp_in", "router")), default=0)
+    routed_params = {p for i in routed for p in nodes[i].params}
+    out["expert_params"] = sum(math.prod(param_shapes[p]) for p in routed_params if p in param_shapes)
+    return out

@@ -274,7 +274,8 @@ def op_flops(target: Any, args: Sequence[Any], kwargs: dict[str, Any],
         return _attention_flops(_tensor_args(args) + named)
     formula: Callable[..., int] | None = _fc.flop_registry.get(_packet(target))
     if formula is not None:
-        fwd = float(formula(*_to_shapes(list(args)), out_val=_to_shapes(list(out)),
+        out_val = out[0] if len(out) == 1 else tuple(out)
+        fwd = float(formula(*_to_shapes(list(args)), out_val=_to_shapes(out_val),
                             **_to_shapes(dict(kwargs))))
         return fwd, fwd * _grad_operands(target, args)
     if is_matmul_like(target):

@@ -1,0 +1,132 @@
+"""Collective and point-to-point times against nccl-tests formulas computed here from the
+cluster's own fields (cost_models.md §7)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from meshplan.cluster import Cluster
+from meshplan.cost_models.comm import Group, collective_time, group, intra_busbw, p2p_time
+
+S = 256e6   # 256 MB: bandwidth-dominated
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return Cluster.preset("dgx-h100", nodes=4)
+
+
+@pytest.fixture(scope="module")
+def mi300x():
+    return Cluster.preset("mi300x-8")
+
+
+def _lat(cl, steps: int) -> float:
+    return (cl.base_latency_us + steps * cl.scaleup_latency_us) * 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_reduce_one_domain_matches_ring_formula(h100, n):
+    g = h100.gpu
+    busbw = g.nvls_busbw_gb_s if n >= 5 else g.scaleup_busbw_gb_s
+    want = _lat(h100, 2 * (n - 1)) + 2 * (n - 1) / n * S / (busbw * 1e9)
+    got = collective_time("all_reduce", S, Group(n, n, 1), h100)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_gather_reduce_scatter_factor(h100, kind, n):
+    want = _lat(h100, n - 1) + (n - 1) / n * S / (h100.gpu.scaleup_busbw_gb_s * 1e9)
+    assert collective_time(kind, S, Group(n, n, 1), h100) == pytest.approx(want, rel=1e-12)
+
+
+def test_nvls_only_for_all_reduce_at_five_or_more(h100):
+    g = h100.gpu
+    assert g.nvls_busbw_gb_s and g.nvls_busbw_gb_s > g.scaleup_busbw_gb_s
+    assert intra_busbw(h100, 4, "all_reduce") == g.scaleup_busbw_gb_s
+    assert intra_busbw(h100, 5, "all_reduce") == g.nvls_busbw_gb_s
+    assert intra_busbw(h100, 8, "all_reduce") == g.nvls_busbw_gb_s
+    assert intra_busbw(h100, 8, "all_gather") == g.scaleup_busbw_gb_s
+    # NVLS makes the 8-GPU all-reduce faster per byte than a 4-GPU one even though
+    # the ring factor grows from 1.5 to 1.75
+    t4 = collective_time("all_reduce", S, Group(4, 4, 1), h100)
+    t8 = collective_time("all_reduce", S, Group(8, 8, 1), h100)
+    assert t8 < t4
+
+
+def test_no_nvls_on_a100():
+    a100 = Cluster.preset("dgx-a100")
+    assert a100.gpu.nvls_busbw_gb_s is None
+    assert intra_busbw(a100, 8, "all_reduce") == a100.gpu.scaleup_busbw_gb_s
+
+
+def test_xgmi_busbw_grows_with_group_size(mi300x):
+    bws = [intra_busbw(mi300x, n, "all_reduce") for n in (2, 4, 8)]
+    assert bws[0] < bws[1] < bws[2]
+    assert bws[0] < bws[2] / 4                          # 2 GPUs use one 64 GB/s link
+    assert bws[0] == pytest.approx(47.7, rel=0.1)       # measured 2-GPU busbw (cost_models.md §7)
+    assert bws[2] == pytest.approx(312.9, rel=0.1)      # measured 8-GPU busbw
+    t2 = collective_time("all_reduce", S, Group(2, 2, 1), mi300x)
+    t8 = collective_time("all_reduce", S, Group(8, 8, 1), mi300x)
+    assert t2 > 3 * t8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_spanning_domains_slower_than_inside_one(h100, kind):
+    inside = collective_time(kind, S, group(h100, 8, 1), h100)
+    across = collective_time(kind, S, group(h100, 8, 4), h100)    # 2 ranks in each of 4 nodes
+    assert group(h100, 8, 4).domains > 1
+    assert across > inside
+    two_nodes = collective_time(kind, S, group(h100, 16, 1), h100)
+    assert group(h100, 16, 1) == Group(16, 8, 2)
+    assert two_nodes > inside
+
+
+def test_hierarchical_all_reduce_formula(h100):
+    # 16 ranks = 8 per node x 2 nodes: intra ring on 8 + inter ring on 2 over S/8 per NIC
+    g = h100.gpu
+    want = (2 * 7 / 8 * S / (g.nvls_busbw_gb_s * 1e9) + _lat(h100, 14)
+            + 2 * 1 / 2 * (S / 8) / (h100.nic_gb_s * 1e9)
+            + (h100.base_latency_us + 2 * h100.net_latency_us) * 1e-6)
+    assert collective_time("all_reduce", S, Group(16, 8, 2), h100) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("geom", [(8, 8, 1), (16, 8, 2), (4, 1, 4), (2, 2, 1)])
+def test_more_bytes_more_time(h100, kind, geom):
+    g = Group(*geom)
+    times = [collective_time(kind, s, g, h100) for s in (1e3, 1e6, 1e8, 1e10)]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    assert all(math.isfinite(t) and t > 0 for t in times)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_bytes_or_single_rank_is_free(h100, kind):
+    assert collective_time(kind, 0, Group(8, 8, 1), h100) == 0.0
+    assert collective_time(kind, S, Group(1, 1, 1), h100) == 0.0
+    assert collective_time(kind, S, group(h100, 1, 8), h100) == 0.0
+    assert p2p_time(0, h100, cross_domain=True) == 0.0
+
+
+def test_unknown_collective_rejected(h100):
+    with pytest.raises(ValueError, match="all_reduce"):
+        collective_time("allreduce", S, Group(8, 8, 1), h100)
+
+
+def test_p2p_cross_domain_slower(h100):
+    intra = p2p_time(S, h100, cross_domain=False)
+    inter = p2p_time(S, h100, cross_domain=True)
+    assert inter > intra
+    assert inter == pytest.approx(h100.net_latency_us * 1e-6 + S / (h100.nic_gb_s * 1e9), rel=1e-12)
+    # small messages: latency dominates, still slower across nodes
+    assert p2p_time(64, h100, cross_domain=True) > p2p_time(64, h100, cross_domain=False)
+
+
+def test_group_geometry_follows_rank_order(h100):
+    assert group(h100, 8, 1) == Group(8, 8, 1)       # TP inside a node
+    assert group(h100, 4, 8) == Group(4, 1, 4)       # one rank per node
+    assert group(h100, 4, 2) == Group(4, 4, 1)
