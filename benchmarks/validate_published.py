@@ -43,13 +43,17 @@ def mape(results):
 
 
 def fit(rows, traced, profiles):
-    """Coordinate descent on the fitted constants, minimising the mean |error| over the fit
-    split only, each constant kept inside its physical bounds."""
+    """Coordinate descent on the fitted constants over the fit split only, each constant kept
+    inside its physical bounds. The loss weights every source equally (the mean over sources of
+    each source's mean |error|), so the source with the most rows does not set the constants."""
     fit_rows = [r for r in rows if split_of(r.id) == "fit"]
 
     def loss():
-        res = [x for x in evaluate(fit_rows, traced, profiles) if x.error is not None]
-        return statistics.mean(abs(x.error) for x in res)
+        per_src = defaultdict(list)
+        for x in evaluate(fit_rows, traced, profiles):
+            if x.error is not None:
+                per_src[x.row.family].append(abs(x.error))
+        return statistics.mean(statistics.mean(v) for v in per_src.values())
 
     best = loss()
     for _ in range(3):

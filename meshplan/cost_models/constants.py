@@ -27,7 +27,7 @@ OPTIMIZER_STEP_BYTES = 30
 # Achieved fraction of the MAMF (best large-GEMM) rate inside real training steps: GEMMs of
 # transformer shapes, interleaved with other kernels (cache/clock effects, no autotuned shapes).
 # Megatron-LM's H100 table (cost_models.md §9) reaches 41-49% MFU while MAMF is 80% of peak.
-TRAINING_GEMM_EFF = 0.75                                                            # fitted
+TRAINING_GEMM_EFF = 0.82                                                            # fitted
 
 # Time a GEMM kernel needs beyond FLOPs/achieved-peak: launch, prologue/epilogue and wave
 # quantisation make small GEMMs inefficient (Calculon's step table, cost_models.md §1, shows
@@ -40,7 +40,7 @@ GEMM_FIXED_S = 12e-6                                                            
 # long-sequence MosaicML rows ran ALiBi attention in Triton, and attention time in a training step
 # includes its layout transposes and softmax-statistics kernels).
 ATTN_FWD_EFF = 0.40                                                                 # fitted
-ATTN_BWD_EFF = 0.52                                                                 # fitted
+ATTN_BWD_EFF = 0.31                                                                 # fitted
 # FlashAttention's backward does 5 of the forward's 2 matmul-equivalents => 2.5x fwd FLOPs
 # (Dao et al. 2022, Alg. 2/4), vs Megatron's 2x model-FLOP convention.
 ATTN_BWD_FLOP_RATIO = 2.5                                                           # derived

@@ -30,8 +30,9 @@ PRECISIONS = ("bf16", "fp16", "fp8")
 # H100 is 80 GiB. The cluster's usable memory already excludes the CUDA context, NCCL buffers and
 # allocator fragmentation (meshplan.cluster).
 GB = 2 ** 30
-# Logits on the last stage: bf16 logits + fp32 copy for the loss + fp32 gradient (derived).
-_LOGIT_BYTES = K.BF16 + 2 * K.FP32
+# Logits on the last stage at the loss: the bf16 logits kept for backward + one fp32 buffer
+# (softmax, reused for its gradient by fused cross-entropy kernels) (derived).
+_LOGIT_BYTES = K.BF16 + K.FP32
 TIME_KEYS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "overhead")
 
 
@@ -245,7 +246,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         if L.zero >= 3 and rank_layers[r]:
             big = max(blocks[i].params for i in rank_layers[r])
             mem["weights"] += 2 * K.PARAM_BYTES * big / L.tp          # current + prefetched layer
-            mem["gradients"] += K.GRAD_BYTES * big / L.tp
+            mem["gradients"] += K.PARAM_BYTES * big / L.tp            # unsharded bf16 grads before reduce-scatter
         activ = act * in_flight(L.schedule, m, p, v, r) + largest_full
         if r == 0:
             activ += K.BF16 * profile.hidden * T / sp_div * in_flight(L.schedule, m, p, v, r)
