@@ -93,7 +93,8 @@ def test_estimate_returns_sane_result_or_meshplan_error(cfg, cluster, data, seq_
         v = getattr(e, name)
         assert math.isfinite(v) and v > 0, (name, v)
     assert e.hfu >= e.mfu * (1 - 1e-9)
-    assert e.mfu < 1.0, e.mfu
+    # MFU is against the dense BF16 peak; only FP8 GEMMs could in principle go past it
+    assert e.mfu < (2.0 if precision == "fp8" else 1.0), e.mfu
     for table in (e.time_s, e.comm_s, e.memory_gb):
         for k, v in table.items():
             assert math.isfinite(v) and v >= -1e-12 * max(1.0, e.step_time_s), (k, v, table)

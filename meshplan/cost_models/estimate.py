@@ -225,6 +225,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             total = ag + rs
             exposed = max(0.0, rs - eta * t_b) + max(0.0, ag - eta * t_f)
         else:   # FSDP: gather for forward and again for backward, reduce-scatter, every micro-batch
+            eta = K.FSDP_OVERLAP_EFF
             n_layers = max(1, len(rank_layers[r]))
             per_mb = max(0.0, ag - eta * t_f) + max(0.0, ag + rs - eta * t_b) + 2 * ag / n_layers
             total, exposed = m * (2 * ag + rs), m * per_mb

@@ -50,6 +50,8 @@ class OpInfo:
     bwd_flops: float
     bytes: float                               # bytes read + written by the forward op
     params: tuple[str, ...] = ()               # parameter FQNs (original model) this op reads
+    inputs: tuple[str, ...] = ()               # names of the ops / graph inputs whose outputs it reads (the edges)
+    role: str = ""                             # for kind "linear": its LinearInfo role ("attn_qkv", ...)
 
 
 @dataclass(frozen=True, kw_only=True)

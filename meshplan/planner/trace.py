@@ -506,3 +506,216 @@ def _mark_dispatch(nodes: list[Node]) -> None:
         dep[n.index] = n.base == "aten::topk" or any(dep[j] for j in n.inputs)
         if dep[n.index] and n.base in DISPATCH_OPS and n.kind not in ("linear", "view", "router"):
             n.kind = "moe_dispatch"
+
+
+# --- public API ----------------------------------------------------------------------------
+
+def _check(seq_len: int, batch: int, vocab: int | None, dtype: torch.dtype) -> None:
+    for label, v in (("seq_len", seq_len), ("batch", batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{label} must be a positive int, got {v!r}")
+    if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
+        raise ConfigError(f"vocab must be a positive int or None, got {vocab!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype holding most parameters (the one the model computes in)."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    return max(by_dtype, key=by_dtype.get) if by_dtype else None
+
+
+class _Traced:
+    """The shallow trace: nodes, attention units, and which block each node belongs to."""
+
+    def __init__(self, nodes: list[Node], units: list[AttentionUnit],
+                 containers: tuple[BlockContainer, ...]):
+        self.nodes, self.units, self.containers = nodes, units, containers
+        # representative instance FQN -> (container, key)
+        self.reps = {join(c.fqn, k): (c, k) for c in containers for k in c.representatives()}
+        self.owner: dict[int, str] = {}
+        for n in nodes:
+            if n.placeholder:
+                continue
+            path = n.module
+            while path:
+                if path in self.reps:
+                    self.owner[n.index] = path
+                    break
+                path = path.rpartition(".")[0]
+
+
+def _run(model: nn.Module, *, seq_len: int, batch: int, vocab: int | None, dtype: torch.dtype,
+         example_inputs: tuple | None, example_kwargs: dict | None) -> _Traced:
+    _check(seq_len, batch, vocab, dtype)
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() takes an nn.Module, got {type(model).__name__}")
+    containers = find_block_containers(model)
+    args, kwargs = _default_inputs(model, seq_len=seq_len, batch=batch, vocab=vocab,
+                                   example_inputs=example_inputs, example_kwargs=example_kwargs)
+    model_dtype = _model_dtype(model)
+    with _static_experts(model), _train_mode(model):
+        try:
+            with shrunk(model, containers) as fmap:
+                ep = _export(model, args, kwargs, fmap)
+                nodes = _build_nodes(ep, fmap, model_dtype, dtype)
+        except TraceError as e:
+            # A model that indexes its block list by absolute position (self.layers[i] for
+            # i < num_layers) cannot run shortened: trace it whole (slower, still correct).
+            if not containers or not any(isinstance(x, (IndexError, KeyError)) for x in _exceptions(e)):
+                raise
+            containers = ()
+            with shrunk(model, containers) as fmap:
+                ep = _export(model, args, kwargs, fmap)
+                nodes = _build_nodes(ep, fmap, model_dtype, dtype)
+    units = _find_attention(nodes)
+    for u in units:
+        for i in u.nodes:
+            nodes[i].kind = "attention"
+    _mark_dispatch(nodes)
+    return _Traced(nodes, units, containers)
+
+
+def _op_info(n: Node, nodes: list[Node], dtype: torch.dtype, model_dtype: torch.dtype | None) -> OpInfo:
+    out_dtype = n.out[0].dtype if n.out else None
+    if out_dtype is not None and out_dtype == model_dtype:
+        out_dtype = dtype
+    return OpInfo(
+        name=n.name, target=str(n.target), kind=n.kind, module=n.module,
+        input_shapes=tuple(nodes[j].shape for j in n.inputs),
+        output_shapes=tuple(s.shape for s in n.out),
+        dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else "",
+        fwd_flops=n.fwd, bwd_flops=n.bwd, bytes=n.bytes, params=n.params,
+        inputs=tuple(nodes[j].name for j in n.inputs), role=n.role)
+
+
+def trace_graph(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None = None,
+                dtype: torch.dtype = torch.bfloat16, example_inputs: tuple | None = None,
+                example_kwargs: dict | None = None) -> list[OpInfo]:
+    """The traced graph as OpInfos in execution order (graph inputs left out).
+
+    Repeated blocks appear once (their representative, named by its original FQN), exactly as
+    `trace` analyses them; `trace(...).blocks[i].instances` lists where each one repeats.
+    """
+    t = _run(model, seq_len=seq_len, batch=batch, vocab=vocab, dtype=dtype,
+             example_inputs=example_inputs, example_kwargs=example_kwargs)
+    md = _model_dtype(model)
+    for rep in t.reps:
+        owned = [i for i, o in t.owner.items() if o == rep]
+        if owned:
+            _analyse(t, rep, owned, model, batch, seq_len)
+    return [_op_info(n, t.nodes, dtype, md) for n in t.nodes if not n.placeholder]
+
+
+def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _analyse(t: _Traced, rep: str, owned: list[int], model: nn.Module, batch: int, seq: int) -> dict:
+    try:
+        return analyse_block(t.nodes, sorted(owned), t.units, inst=rep, batch=batch, seq=seq,
+                             param_shapes=_param_shapes(model))
+    except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError) as e:
+        raise TraceError(
+            f"cannot classify block {rep!r} ({type(e).__name__}: {e}); its ops do not match the "
+            f"attention / MLP / MoE patterns meshplan knows. Please report the model") from e
+
+
+def _numel(params) -> int:
+    seen, total = set(), 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None = None,
+          dtype: torch.dtype = torch.bfloat16, example_inputs: tuple | None = None,
+          example_kwargs: dict | None = None, name: str | None = None) -> ModelProfile:
+    """Trace `model` without real memory and describe it for the cost model.
+
+    The default input is `input_ids` (batch, seq_len) over `vocab` (default: the first
+    nn.Embedding's size); pass `example_inputs` / `example_kwargs` (meta or fake tensors) for
+    other signatures. `dtype` is the training precision: tensors in the model's own float dtype
+    are counted at `dtype`'s size. Raises TraceError naming the module and op that cannot be
+    traced or classified.
+    """
+    t = _run(model, seq_len=seq_len, batch=batch, vocab=vocab, dtype=dtype,
+             example_inputs=example_inputs, example_kwargs=example_kwargs)
+    nodes = t.nodes
+    md = _model_dtype(model)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    param_shapes = {k: tuple(p.shape) for k, p in named.items()}
+
+    # --- blocks, one per representative that ran
+    blocks: list[BlockProfile] = []
+    block_of: dict[tuple[str, str], int] = {}          # (container fqn, signature) -> index
+    first_op: dict[str, int] = {}
+    for i, owner in t.owner.items():
+        first_op[owner] = min(first_op.get(owner, i), i)
+    containers = [c for c in t.containers
+                  if any(join(c.fqn, k) in first_op for k in c.representatives())]
+    containers.sort(key=lambda c: min(first_op.get(join(c.fqn, k), 1 << 62) for k in c.representatives()))
+    for c in containers:
+        for key in c.representatives():
+            rep = join(c.fqn, key)
+            owned = sorted(i for i, o in t.owner.items() if o == rep)
+            facts = _analyse(t, rep, owned, model, batch, seq_len) if owned else {}
+            expert_params = facts.pop("expert_params", 0)
+            module = model.get_submodule(rep)
+            sig = c.signature_of(key)
+            block_of[(c.fqn, sig)] = len(blocks)
+            blocks.append(BlockProfile(
+                signature=sig, instances=c.instances(sig),
+                params=_numel(module.parameters()), expert_params=expert_params,
+                fwd_flops=sum(nodes[i].fwd for i in owned), bwd_flops=sum(nodes[i].bwd for i in owned),
+                ops=tuple(_op_info(nodes[i], nodes, dtype, md) for i in owned),
+                **{"hidden": 0, **facts}))
+    layers = tuple(block_of[(c.fqn, c.signature_of(k))] for c in containers for k in c.block_keys)
+
+    # --- ops outside the blocks
+    outside = [n for n in nodes if not n.placeholder and n.index not in t.owner]
+    owned_all = [i for i, o in t.owner.items() if any(o == join(c.fqn, k) for c in containers
+                                                       for k in c.representatives())]
+    last = max(owned_all, default=-1)
+    pre = [n for n in outside if n.index < last] if owned_all else outside
+    post = [n for n in outside if n.index > last] if owned_all else []
+
+    # --- embedding and head
+    emb_nodes = [n for n in outside if n.kind == "embedding"]
+    token = next((n for n in emb_nodes if any(nodes[j].placeholder == "input" for j in n.inputs)),
+                 emb_nodes[0] if emb_nodes else None)
+    emb_weights = {p for n in emb_nodes for p in n.params}
+    embedding_params = _numel(named[p] for p in emb_weights if p in named)
+    token_weight = weight_of(token, param_shapes) if token is not None else None
+    if token_weight is None and token is not None and token.params:
+        token_weight = token.params[0]
+    vocab_size = vocab or (param_shapes[token_weight][0] if token_weight else 0)
+    heads = [n for n in (post or outside) if n.kind == "linear" and n.shape and n.shape[-1] == vocab_size]
+    head = heads[-1] if heads else None
+    head_weight = weight_of(head, param_shapes) if head is not None else None
+    tied = bool(head_weight and token_weight and named[head_weight] is named[token_weight])
+    head_params = 0 if tied or head is None else _numel(named[p] for p in head.params if p in named)
+
+    total = _numel(model.parameters())
+    in_blocks = sum(b.params * b.count for b in blocks)
+    hidden = (param_shapes[token_weight][-1] if token_weight and len(param_shapes[token_weight]) == 2
+              else max((b.hidden for b in blocks), default=0))
+    cfg = getattr(model, "config", None)
+    cfg_name = getattr(cfg, "name", None) or getattr(cfg, "name_or_path", None)
+    return ModelProfile(
+        name=name or (cfg_name if isinstance(cfg_name, str) and cfg_name else type(model).__name__),
+        fingerprint=fingerprint(model), seq_len=seq_len, vocab=vocab_size, hidden=hidden,
+        dtype=str(dtype).removeprefix("torch."), embedding_params=embedding_params,
+        head_params=head_params, tied_embeddings=tied,
+        other_params=max(total - embedding_params - head_params - in_blocks, 0),
+        blocks=tuple(blocks), layers=layers,
+        pre_ops=tuple(_op_info(n, nodes, dtype, md) for n in pre),
+        post_ops=tuple(_op_info(n, nodes, dtype, md) for n in post),
+        embedding_fqn=token.module if token is not None else "",
+        head_fqn=head.module if head is not None else "")

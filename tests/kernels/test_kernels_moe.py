@@ -7,8 +7,10 @@ Tolerances (Triton vs reference; router math is fp32 in both, the permutation is
 
 | what                       | dtype    | atol  | rtol  |
 |----------------------------|----------|-------|-------|
-| routing weights, dlogits   | float32  | 1e-5  | 1e-5  |
-| routing weights, dlogits   | bfloat16 | 1e-5  | 1e-4  |  (fp32 math on bf16 inputs)
+| routing weights, prob_sum  | float32  | 1e-5  | 1e-5  |  (fp32 outputs)
+| routing weights, prob_sum  | bfloat16 | 1e-5  | 1e-4  |  (fp32 math on bf16 inputs)
+| dlogits                    | float32  | 1e-5  | 1e-5  |
+| dlogits                    | bfloat16 | 8e-3  | 1e-2  |  (bf16 output, 1 ulp = 2^-8)
 | permuted tokens            | any      | 0     | 0     |  (exact copy)
 | unpermuted sum, all grads  | float32  | 1e-5  | 1e-5  |
 | unpermuted sum, all grads  | bfloat16 | 2e-2  | 2e-2  |
@@ -22,6 +24,7 @@ from kernel_testutil import assert_all_close, fwd_bwd
 
 from meshplan.errors import ConfigError
 from meshplan.kernels import (
+    MoeRouting,
     load_balancing_loss,
     moe_permute,
     moe_route,
@@ -30,6 +33,8 @@ from meshplan.kernels import (
 )
 
 ROUTE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-5, rtol=1e-4)}
+DLOGITS_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+               torch.bfloat16: dict(atol=8e-3, rtol=1e-2)}
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -65,9 +70,6 @@ def test_load_balancing_loss_is_one_when_balanced_and_matches_formula():
     e, k, t = 4, 2, 8
     experts = torch.arange(t * k).remainder(e).view(t, k)
     even = reference.moe_route(torch.zeros(t, e), k)  # uniform probabilities
-    balanced = even._replace(experts=experts, tokens_per_expert=torch.full((e,), t * k // e)) \
-        if hasattr(even, "_replace") else None
-    from meshplan.kernels import MoeRouting
     r = MoeRouting(even[0], experts, even[2], torch.full((e,), t * k // e))
     torch.testing.assert_close(load_balancing_loss(r), torch.tensor(1.0))
     z = distinct_logits(t, e)
@@ -75,7 +77,6 @@ def test_load_balancing_loss_is_one_when_balanced_and_matches_formula():
     p = torch.softmax(z, -1).mean(0)
     f = torch.nn.functional.one_hot(r.experts, e).float().sum((0, 1)) / (t * k)
     torch.testing.assert_close(load_balancing_loss(r), e * (f * p).sum())
-    assert balanced is not None
 
 
 def test_reference_permute_groups_by_expert_and_unpermute_inverts():
@@ -92,13 +93,6 @@ def test_reference_permute_groups_by_expert_and_unpermute_inverts():
     w = torch.rand(6, 2)
     torch.testing.assert_close(reference.moe_unpermute(tokens * 3, row_map, w),
                                3 * x * w.sum(1, keepdim=True))
-
-
-def route_outputs(fn, score_func, bias):
-    def run(z):
-        w, _, psum, _ = fn(z, score_func, bias)
-        return w, psum
-    return run
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,20 +116,17 @@ def test_route_triton_matches_reference(triton_backend, dtype, t, e, k, score_fu
     ref = fwd_bwd(both(lambda x: reference.moe_route(x, k, score_func=score_func,
                                                      expert_bias=bias)), [z])
     assert_all_close(got[0], ref[0], **ROUTE_TOL[dtype], what="(weights, prob_sum)")
-    assert_all_close(got[1], ref[1], **ROUTE_TOL[dtype], what="dlogits")
+    assert_all_close(got[1], ref[1], **DLOGITS_TOL[dtype], what="dlogits")
 
 
 def test_aux_loss_gradient_alone(triton_backend):
     z = distinct_logits(10, 8)
     grads = []
-    for fn in (moe_route, lambda x, k: moe_route.__wrapped__(x, k) if False else None):
-        break
     for impl in ("kernel", "ref"):
         leaf = z.clone().requires_grad_()
         if impl == "kernel":
             loss = load_balancing_loss(moe_route(leaf, 2))
         else:
-            from meshplan.kernels import MoeRouting
             loss = load_balancing_loss(MoeRouting(*reference.moe_route(leaf, 2)))
         loss.backward()
         grads.append(leaf.grad)
