@@ -205,8 +205,6 @@ def test_peak_is_max_stage(h100x8):
     assert e.memory_gb == e.memory_by_stage[e.peak_stage]
 
 
-@pytest.mark.xfail(reason="BUG: zero=3 adds the FSDP gather buffer even when dp*cp == 1 (nothing is sharded)",
-                   strict=True)
 def test_zero3_without_data_parallel_costs_no_extra_memory(h100x8):
     z0 = est(LLAMA8B, h100x8, seq_len=1024, global_batch=1, tp=8, dp=1, zero=0)
     z3 = est(LLAMA8B, h100x8, seq_len=1024, global_batch=1, tp=8, dp=1, zero=3)
@@ -301,16 +299,12 @@ def test_tp_comm_overlap_hides_tp(h100x8):
     assert b.comm_s["tp"] == pytest.approx(a.comm_s["tp"], rel=1e-12)
 
 
-@pytest.mark.xfail(reason="BUG: pp exposed p2p 2*(p*v-1)*hop exceeds the reported total 2*m*v*hop when m < p",
-                   strict=True)
 def test_pp_exposed_not_above_total_with_few_microbatches(h100x8):
     e = est(dict(layers=8, hidden=1024, heads=16, vocab=32768), h100x8, seq_len=1024, global_batch=2, pp=4, dp=2)
     assert e.num_microbatches == 1
     assert e.comm_s["pp"] >= e.time_s["pp"]
 
 
-@pytest.mark.xfail(reason="BUG: FSDP exposed dp time adds 2*ag/n_layers on top of the whole ag+rs, "
-                          "so it can exceed the reported total m*(2*ag+rs)", strict=True)
 def test_fsdp_exposed_not_above_total():
     c = Cluster.preset("dgx-h100", nodes=4)
     e = est(dict(layers=2, hidden=8192, heads=64, vocab=32768), c, seq_len=128, global_batch=32, dp=32, zero=3)

@@ -205,6 +205,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         hop = p2p_time(size, cluster, cross_domain=cross)
         pp_total = 2 * m * v * hop                     # each micro-batch crosses every boundary fwd and bwd
         pp_exposed = 2 * (p * v - 1) * hop             # fill and drain put the hops on the critical path
+        pp_total = max(pp_total, pp_exposed)            # with m < p the fill/drain hops are all there is
 
     # --- data parallel / FSDP -------------------------------------------------------------
     dp_group = group(cluster, L.dp * L.cp, L.tp)
@@ -228,6 +229,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             eta = K.FSDP_OVERLAP_EFF
             n_layers = max(1, len(rank_layers[r]))
             per_mb = max(0.0, ag - eta * t_f) + max(0.0, ag + rs - eta * t_b) + 2 * ag / n_layers
+            per_mb = min(per_mb, 2 * ag + rs)          # never more than all of it exposed
             total, exposed = m * (2 * ag + rs), m * per_mb
         shard_d = L.dp * L.cp if L.zero >= 1 else 1
         shard_e = L.edp if L.zero >= 1 else 1
@@ -244,7 +246,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         sd = state_bytes(dparams, L.dp * L.cp, L.zero)
         se = state_bytes(eparams, L.edp, L.zero)
         mem = {k: sd[k] + se[k] for k in sd}
-        if L.zero >= 3 and rank_layers[r]:
+        if L.zero >= 3 and L.dp * L.cp > 1 and rank_layers[r]:   # gathered layers exist only when sharded
             big = max(blocks[i].params for i in rank_layers[r])
             mem["weights"] += 2 * K.PARAM_BYTES * big / L.tp          # current + prefetched layer
             mem["gradients"] += K.PARAM_BYTES * big / L.tp            # unsharded bf16 grads before reduce-scatter

@@ -25,17 +25,18 @@ NEG_BIG = -1.0e30
 
 
 @triton.jit
-def _route_scores(Z, BIAS, rows, cols, row_mask, E, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
-    col_mask = cols < E
-    mask = row_mask[:, None] & col_mask[None, :]
-    z = tl.load(Z + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=mask, other=NEG_BIG)
+def _route_scores(Z, rows, cols, row_mask, E, SIGMOID: tl.constexpr):
+    """(score, dist, mask): score = softmax or sigmoid of the logits; dist = the distribution
+    over experts used by the load-balancing loss (softmax, or sigmoid normalised)."""
+    mask = row_mask[:, None] & (cols[None, :] < E)
+    z = tl.load(Z + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=mask, other=0.0)
     z = z.to(tl.float32)
     if SIGMOID:
         score = tl.where(mask, tl.sigmoid(z), 0.0)
         dist = score / tl.maximum(tl.sum(score, axis=1), 1e-30)[:, None]
     else:
-        e = tl.exp(z - tl.max(z, axis=1)[:, None])
-        e = tl.where(mask, e, 0.0)
+        z = tl.where(mask, z, NEG_BIG)
+        e = tl.where(mask, tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
         score = e / tl.maximum(tl.sum(e, axis=1), 1e-30)[:, None]
         dist = score
     return score, dist, mask
@@ -49,7 +50,7 @@ def _route_fwd(Z, BIAS, W, IDX, PSUM, T, E,
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < T
-    score, dist, mask = _route_scores(Z, BIAS, rows, cols, row_mask, E, SIGMOID, HAS_BIAS)
+    score, dist, mask = _route_scores(Z, rows, cols, row_mask, E, SIGMOID)
     sel = score
     if HAS_BIAS:
         sel = sel + tl.load(BIAS + cols, mask=cols < E, other=0.0).to(tl.float32)[None, :]
@@ -79,7 +80,7 @@ def _route_bwd(Z, IDX, W, DW, DPSUM, DZ, T, E,
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < T
-    score, dist, mask = _route_scores(Z, Z, rows, cols, row_mask, E, SIGMOID, False)
+    score, dist, mask = _route_scores(Z, rows, cols, row_mask, E, SIGMOID)
     # aux (load-balancing) part through prob_sum
     c = tl.load(DPSUM + cols, mask=cols < E, other=0.0).to(tl.float32)
     dist_c = tl.sum(dist * c[None, :], axis=1)
@@ -181,10 +182,9 @@ def _row_config(n_rows: int, width: int) -> tuple[int, int, int]:
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, e = logits.shape
-    block_t, block_e, warps = _row_config(t, e)
-    if not _launch.interpreter_enabled():
-        block_e = _launch.next_pow2(e)  # a token's whole expert row lives in one tile
-        block_t = _launch.rows_per_block(block_e, t)
+    block_e = _launch.next_pow2(e)  # a token's whole expert row lives in one tile
+    block_t = _launch.rows_per_block(block_e, t)
+    warps = _launch.num_warps(block_t * block_e)
     grid = _launch.cdiv(t, block_t)
     weights = torch.empty(t, top_k, device=logits.device, dtype=torch.float32)
     experts = torch.empty(t, top_k, device=logits.device, dtype=torch.int64)
