@@ -61,3 +61,27 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
         layout = Layout.from_dict(layout)
     prof = profile(model, seq_len=seq_len)
     return estimate_profile(prof, cl, layout, seq_len=seq_len, global_batch=global_batch, precision=precision)
+
+
+def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
+         fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False):
+    """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
+
+    precision: "bf16", "fp8" or "auto" (both are tried where the GPU has FP8 units).
+    fixed: constrain any layout key, e.g. {"tp": 8, "recompute": "full"}.
+    """
+    from meshplan.planner.build import build_plan
+    from meshplan.planner.search import search
+    cl = resolve_cluster(cluster)
+    if precision == "auto":
+        precisions = ("bf16", "fp8") if cl.gpu.fp8_tflops else ("bf16",)
+    elif precision in ("bf16", "fp16", "fp8"):
+        if precision == "fp8" and not cl.gpu.fp8_tflops:
+            raise ConfigError(f"{cl.gpu.name} has no FP8 matrix units; use precision='bf16'")
+        precisions = (precision,)
+    else:
+        raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp8' or 'auto'")
+    prof = profile(model, seq_len=seq_len)
+    res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions,
+                 fixed=fixed, allow_cross_domain=allow_cross_domain)
+    return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fixed)

@@ -55,6 +55,23 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import meshplan as mp
+    cluster = _cluster(args)
+    fixed = _parse_layout(args.fix) if args.fix else None
+    t0 = __import__("time").perf_counter()
+    print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} ...", file=sys.stderr, flush=True)
+    pl = mp.plan(args.model, cluster, seq_len=args.seq_len, global_batch=args.global_batch,
+                 precision=args.precision, fixed=fixed, top_k=args.top_k,
+                 allow_cross_domain=args.allow_cross_domain)
+    print(pl.explain())
+    print(f"(planned in {__import__('time').perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if args.json:
+        pl.save(args.json)
+        print(f"plan written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_models(args) -> int:
     from meshplan import models
     for name in models.presets():
@@ -87,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp8"])
     e.add_argument("--json", action="store_true", help="print the Estimate as JSON")
     e.set_defaults(fn=cmd_estimate)
+    p = sub.add_parser("plan", help="find the fastest layout that fits and explain it")
+    p.add_argument("--model", default="llama3-8b", help="preset name (see `meshplan models`)")
+    p.add_argument("--cluster", default="dgx-h100", help="cluster preset or a cluster JSON file")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--global-batch", type=int, default=128, help="sequences per step")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "auto"])
+    p.add_argument("--fix", default="", help="constrain layout keys, e.g. tp=4,pp=8")
+    p.add_argument("--top-k", type=int, default=5, help="runner-ups to keep")
+    p.add_argument("--allow-cross-domain", action="store_true", help="let TP/EP span scale-up domains")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    p.set_defaults(fn=cmd_plan)
     m = sub.add_parser("models", help="list model presets")
     m.set_defaults(fn=cmd_models)
     c = sub.add_parser("clusters", help="list cluster presets and GPU ids")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from meshplan.kernels.backend import interpreter_enabled
+from meshplan.kernels.selection import interpreter_enabled
 
 # Elements in one program's 2-D tile. GPU: 8192 fp32 values over 8 warps = 32 registers per
 # thread per live tile, the budget Triton's own layer-norm tutorial works within. Interpreter:

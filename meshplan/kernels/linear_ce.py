@@ -31,7 +31,7 @@ from meshplan.kernels._checks import (
 )
 from meshplan.kernels._common import NAMESPACE, require_triton
 from meshplan.kernels._launch import next_pow2
-from meshplan.kernels.backend import backend
+from meshplan.kernels.selection import backend
 
 __all__ = ["fused_linear_cross_entropy", "default_chunk_size", "REDUCTIONS"]
 

@@ -34,7 +34,7 @@ from meshplan.kernels._checks import (
     check_tensor,
 )
 from meshplan.kernels._common import NAMESPACE, require_triton
-from meshplan.kernels.backend import backend
+from meshplan.kernels.selection import backend
 
 __all__ = ["SCORE_FUNCS", "MoeRouting", "MoePermutation", "moe_route", "load_balancing_loss",
            "moe_permute", "moe_unpermute"]

@@ -562,7 +562,9 @@ def analyse_block(nodes: list[Node], owned: list[int], units: list[AttentionUnit
 
     mine = [u for u in units if u.out in own]
     for u in mine:
-        region = _exclusive_region(nodes, (u.q, u.k, u.v), set(u.nodes), own)
+        # every input of the attention (q, k, v and in-place writes into them)
+        feeds = {j for i in u.nodes for j in nodes[i].inputs if j not in u.nodes}
+        region = _exclusive_region(nodes, feeds, set(u.nodes), own)
         for i in lin:
             if i in region:
                 role.setdefault(i, "attn_qkv")

@@ -22,13 +22,15 @@ How (and why this way)
 from __future__ import annotations
 
 import inspect
-import math
+import io
+import logging
 import operator
 import os
 import re
+import sys
 import traceback
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stderr
 from typing import Any
 
 import torch
@@ -225,9 +227,32 @@ def _source_line(fname: str, lineno: int) -> str:
     return linecache.getline(fname, lineno).strip()[:120]
 
 
+@contextmanager
+def _quiet_failures() -> Iterator[None]:
+    """On failure torch.export prints the partial graph to stderr and logs a symbolic-shapes
+    warning; the TraceError says what matters, so keep that noise out of the user's console
+    (what was printed is passed through when export succeeds)."""
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    buffer = io.StringIO()
+    failed = False
+    shapes_log.setLevel(logging.ERROR)
+    try:
+        with redirect_stderr(buffer):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        shapes_log.setLevel(level)
+        if not failed and buffer.getvalue():
+            sys.stderr.write(buffer.getvalue())
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict, fmap: FqnMap):
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with _quiet_failures():
+            return torch.export.export(model, args, kwargs, strict=False)
     except MeshplanError:
         raise
     except Exception as e:  # noqa: BLE001 - every export failure is translated, cause kept
@@ -309,11 +334,21 @@ def _aliases(target: Any, fx_node: torch.fx.Node) -> bool:
     return sv.dtype == out.dtype and sv.device == out.device
 
 
+def _writes_first_arg(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    info = schema.arguments[0].alias_info
+    return info is not None and info.is_write
+
+
 def _build_nodes(ep, fmap: FqnMap, model_dtype: torch.dtype | None, dtype: torch.dtype) -> list[Node]:
     sig = ep.graph_signature
     params, buffers = sig.inputs_to_parameters, sig.inputs_to_buffers
     nodes: list[Node] = []
     index: dict[torch.fx.Node, int] = {}
+    root: list[int] = []                 # the tensor each node's output is a view of
+    mutated: dict[int, int] = {}         # root -> last node that wrote into it in place
     grad_on = True
 
     def ref(x: Any) -> Any:
@@ -337,6 +372,7 @@ def _build_nodes(ep, fmap: FqnMap, model_dtype: torch.dtype | None, dtype: torch
                 kind, src, rg = "param", frozenset({fmap.original(params[name])}), val.requires_grad
             elif name in buffers:
                 kind = "buffer"
+            root.append(len(nodes))
             n = Node(index=len(nodes), name=fx_node.name, target="placeholder", base="placeholder",
                      module="", module_class="", args=(), kwargs={}, inputs=[],
                      out=_specs(val, rg), placeholder=kind, param_src=src, requires_grad=rg,
@@ -362,6 +398,10 @@ def _build_nodes(ep, fmap: FqnMap, model_dtype: torch.dtype | None, dtype: torch
         args = pytree.tree_map(ref, fx_node.args)
         kwargs = pytree.tree_map(ref, dict(fx_node.kwargs))
         inputs = list(dict.fromkeys(r.index for r in pytree.tree_leaves((args, kwargs)) if isinstance(r, Ref)))
+        # an in-place write into a tensor (or a view of it) is an input of every later reader,
+        # e.g. HF DeepSeek's key_states = new_empty(...); key_states[..., :d].copy_(k_nope)
+        writes = [mutated[root[j]] for j in inputs if root[j] in mutated]
+        inputs = list(dict.fromkeys(inputs + writes))
         module, module_class = _module_of(fx_node, fmap)
         rg = (grad_on and base not in _NON_DIFFERENTIABLE
               and any(nodes[j].requires_grad for j in inputs))
@@ -404,6 +444,11 @@ def _build_nodes(ep, fmap: FqnMap, model_dtype: torch.dtype | None, dtype: torch
         if is_hop:
             n.kind = "other"
         index[fx_node] = n.index
+        first_ref = args[0] if args and isinstance(args[0], Ref) else None
+        root.append(root[first_ref.index] if first_ref is not None and (
+            base in VIEW_OPS or base == "getitem" or _writes_first_arg(target)) else n.index)
+        if first_ref is not None and _writes_first_arg(target):
+            mutated[root[first_ref.index]] = n.index
         for j in inputs:
             nodes[j].users.append(n.index)
         nodes.append(n)
@@ -495,7 +540,7 @@ def _eager_attention(nodes: list[Node], softmax: Node) -> AttentionUnit | None:
     k = kt
     if nodes[kt].base in ("aten::transpose", "aten::permute", "aten::t", "aten::mT") and nodes[kt].inputs:
         k = nodes[kt].inputs[0]
-    return AttentionUnit(nodes=frozenset(path) | {qk, pv}, q=q, k=k, v=v, out=pv, mask=mask,
+    return AttentionUnit(nodes=frozenset(path) | {qk, pv, kt}, q=q, k=k, v=v, out=pv, mask=mask,
                          is_causal=False)
 
 
@@ -575,7 +620,8 @@ def _run(model: nn.Module, *, seq_len: int, batch: int, vocab: int | None, dtype
     units = _find_attention(nodes)
     for u in units:
         for i in u.nodes:
-            nodes[i].kind = "attention"
+            if nodes[i].kind != "view":
+                nodes[i].kind = "attention"
     _mark_dispatch(nodes)
     return _Traced(nodes, units, containers)
 

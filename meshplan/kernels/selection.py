@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 
 from meshplan.errors import UnknownNameError
@@ -48,6 +49,13 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _imported_without_interpreter() -> bool:
+    # Triton picks interpreted or compiled versions of its own library functions (tl.sigmoid,
+    # tl.sum, ...) when it is imported; a kernel run later in the interpreter then fails.
+    standard = sys.modules.get("triton.language.standard")
+    return standard is not None and type(standard.sigmoid).__name__ != "InterpretedFunction"
+
+
 def triton_unavailable_reason() -> str | None:
     """None when the Triton backend can run here, else a sentence saying why not."""
     if importlib.util.find_spec("triton") is None:
@@ -55,6 +63,10 @@ def triton_unavailable_reason() -> str | None:
             "the 'triton' package is not installed (pip install 'meshplan[kernels]' or "
             "pip install triton)"
         )
+    if interpreter_enabled() and not _cuda_available() and _imported_without_interpreter():
+        return ("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot "
+                "run in the interpreter; set the variable before anything imports triton "
+                "(torch's op dispatch may import it)")
     if not (_cuda_available() or interpreter_enabled()):
         return (
             "no CUDA device is available and the Triton interpreter is off; set "

@@ -14,7 +14,7 @@ from meshplan.errors import ConfigError
 from meshplan.kernels import reference
 from meshplan.kernels._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from meshplan.kernels._common import NAMESPACE, require_triton
-from meshplan.kernels.backend import backend
+from meshplan.kernels.selection import backend
 
 __all__ = ["swiglu", "swiglu_packed"]
 

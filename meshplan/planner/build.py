@@ -1,0 +1,111 @@
+"""Turn a search result into a `Plan` (or a DoesNotFitError that says what would fit)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from meshplan.cost_models.estimate import Estimate
+from meshplan.cost_models.layout import Layout, check_layout
+from meshplan.errors import DoesNotFitError
+from meshplan.planner.explain import why_lost
+from meshplan.planner.plan import MESH_AXES, Plan, RunnerUp
+from meshplan.planner.profile import ModelProfile
+
+__all__ = ["build_plan", "placements_for", "stage_modules"]
+
+# Placement of a linear by its data-flow role (roles come from the traced graph, not class names).
+_ROLE_PLACEMENT = {"attn_qkv": "colwise", "mlp_in": "colwise", "shared_in": "colwise",
+                   "attn_out": "rowwise", "mlp_out": "rowwise", "shared_out": "rowwise",
+                   "router": "replicate", "expert_in": "expert", "expert_out": "expert", "other": "replicate"}
+
+
+def placements_for(profile: ModelProfile, layout: Layout) -> dict[str, str]:
+    """Per-module placements relative to each block signature (`<signature>:<module>`), plus the
+    embedding and output layer. tp == 1 means everything is replicated within the TP group."""
+    out: dict[str, str] = {}
+    for b in profile.blocks:
+        for li in b.linears:
+            out[f"{b.signature}:{li.name}"] = _ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
+                else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
+    if layout.tp > 1:
+        if profile.embedding_fqn:
+            out[profile.embedding_fqn] = "vocab_parallel"
+        if profile.head_fqn:
+            out[profile.head_fqn] = "colwise"
+        out["*norm*"] = "sequence" if layout.sp else "replicate"
+    return out
+
+
+def stage_modules(profile: ModelProfile, stage_layers: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+    # instances are in execution order: the k-th use of a block is its k-th instance
+    order: list[str] = []
+    counters = {i: 0 for i in range(len(profile.blocks))}
+    for bi in profile.layers:
+        b = profile.blocks[bi]
+        order.append(b.instances[counters[bi]])
+        counters[bi] += 1
+    stages, start = [], 0
+    for s, n in enumerate(stage_layers):
+        mods = list(order[start:start + n])
+        start += n
+        if s == 0 and profile.embedding_fqn:
+            mods.insert(0, profile.embedding_fqn)
+        if s == len(stage_layers) - 1 and profile.head_fqn:
+            mods.append(profile.head_fqn)
+        stages.append(tuple(mods))
+    return tuple(stages)
+
+
+def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], seq_len: int) -> str:
+    n = cluster.num_gpus
+    total = profile.total_params
+    state_gb = total * 18 / 2 ** 30
+    cap = cluster.usable_memory_gb
+    min_gpus = max(1, int(state_gb / cap) + 1)
+    msg = [f"no layout of {profile.name} ({total / 1e9:.1f}B parameters) fits on {n} x {cluster.gpu.id} "
+           f"at seq {seq_len}"]
+    if rejected:
+        best = min(rejected, key=lambda e: e.peak_memory_gb)
+        lay = Layout.from_dict(best.layout)
+        msg.append(f": the leanest layout found ({lay.short()}) needs {best.peak_memory_gb:.1f} GB per GPU, "
+                   f"{cap:.1f} GB are usable")
+    msg.append(f"; weights + gradients + Adam state alone are {state_gb:.0f} GB at dp=1, so at least "
+               f"~{min_gpus} GPUs are needed even fully sharded. What would fit: more GPUs "
+               f"(try {max(min_gpus, 2 * n)}), a shorter sequence, or a GPU with more memory")
+    return "".join(msg)
+
+
+def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
+               fixed: Mapping[str, Any] | None = None) -> Plan:
+    if not result.ranked:
+        raise DoesNotFitError(_no_fit_message(profile, cluster, result.rejected, seq_len))
+    best = result.ranked[0]
+    lay = Layout.from_dict(best.layout)
+    stage_layers = check_layout(lay, profile, cluster, seq_len=seq_len, global_batch=global_batch)
+    seen = {repr(sorted(best.layout.items())) + best.precision}
+    runner_ups = []
+    for e in result.ranked[1:]:
+        key = repr(sorted(e.layout.items())) + e.precision
+        if key in seen:
+            continue
+        seen.add(key)
+        runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s, peak_memory_gb=e.peak_memory_gb,
+                                   fits=e.fits, reason=why_lost(e, best)))
+        if len(runner_ups) >= top_k - 1:
+            break
+    for e in result.rejected[:2]:
+        runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s, peak_memory_gb=e.peak_memory_gb,
+                                   fits=False, reason=why_lost(e, best)))
+    mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+    assert tuple(mesh) == MESH_AXES
+    fp8_modules: tuple[str, ...] = ()
+    if best.precision == "fp8":
+        fp8_modules = tuple(f"{inst}.{li.name}" for b in profile.blocks for inst in b.instances
+                            for li in b.linears if li.role != "router")
+    return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
+                cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
+                precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay),
+                stages=stage_modules(profile, stage_layers), schedule=lay.schedule, micro_batch_size=lay.mbs,
+                num_microbatches=best.num_microbatches, recompute=lay.recompute, fp8_modules=fp8_modules,
+                estimate=best.to_dict(), runner_ups=tuple(runner_ups),
+                search={**result.stats, "fixed": dict(fixed or {})})

@@ -1,0 +1,70 @@
+"""Human-readable explanations of a Plan: the layout, where the step time goes, memory per
+stage against capacity, the runner-ups and why each lost, and the bottleneck."""
+
+from __future__ import annotations
+
+from meshplan.cost_models.estimate import Estimate
+from meshplan.cost_models.layout import Layout
+
+__all__ = ["explain", "why_lost"]
+
+_NAMES = {"compute": "compute", "tp": "exposed TP comm", "cp": "exposed CP comm", "ep": "expert all-to-all",
+          "pp": "pipeline p2p", "dp": "exposed DP comm", "bubble": "pipeline bubble", "optimizer": "optimizer step",
+          "overhead": "fixed overhead"}
+
+
+def why_lost(loser: Estimate, best: Estimate) -> str:
+    """The component of the step that grew most against the winner."""
+    if not loser.fits:
+        return f"does not fit: needs {loser.peak_memory_gb:.1f} GB per GPU of {loser.capacity_gb:.1f}"
+    diffs = {k: loser.time_s.get(k, 0.0) - best.time_s.get(k, 0.0) for k in best.time_s}
+    k = max(diffs, key=diffs.get)
+    slower = loser.step_time_s / best.step_time_s - 1
+    if loser.precision != best.precision and k == "compute":
+        return f"{slower * 100:.1f}% slower: {loser.precision} GEMMs are slower than {best.precision}"
+    return f"{slower * 100:.1f}% slower: more {_NAMES.get(k, k)} (+{diffs[k] * 1e3:.1f} ms per step)"
+
+
+def _bar(frac: float, width: int = 30) -> str:
+    n = max(0, min(width, round(frac * width)))
+    return "#" * n + "." * (width - n)
+
+
+def explain(plan) -> str:
+    est = plan.estimate_obj
+    lay = Layout.from_dict(plan.layout)
+    out = []
+    p = out.append
+    p(f"Plan for {plan.model} on {est.num_gpus} x {plan.cluster.get('gpu', {}).get('id', '?')} "
+      f"({plan.cluster.get('name')}), seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}")
+    p(f"  layout: {lay.short()}  (mesh {' x '.join(f'{k}={v}' for k, v in plan.mesh.items())})")
+    p(f"  {plan.num_microbatches} micro-batches of {plan.micro_batch_size} per data-parallel rank per step"
+      + (f"; FP8 on {len(plan.fp8_modules)} linears" if plan.fp8_modules else ""))
+    p("")
+    p(f"Predicted step {est.step_time_s:.3f} s: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+      f"{est.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, MFU {est.mfu * 100:.1f}%")
+    for k, v in est.time_s.items():
+        if v > 0:
+            frac = v / est.step_time_s
+            p(f"  {_NAMES.get(k, k):18s} {v * 1e3:10.1f} ms  {frac * 100:5.1f}%  {_bar(frac)}")
+    p("")
+    p(f"Memory per GPU (GB) against {est.capacity_gb:.1f} GB usable:")
+    cats = sorted({c for s in est.memory_by_stage for c in s})
+    p("  stage " + "".join(f"{c[:11]:>12s}" for c in cats) + f"{'total':>10s}")
+    for i, s in enumerate(est.memory_by_stage):
+        tot = sum(s.values())
+        p(f"  {i:5d} " + "".join(f"{s.get(c, 0.0):12.1f}" for c in cats) + f"{tot:10.1f}"
+          + ("  <- peak" if i == est.peak_stage else ""))
+    p("")
+    p(f"Bottleneck: {est.bottleneck}")
+    if plan.runner_ups:
+        p("")
+        p("Runner-ups:")
+        for r in plan.runner_ups:
+            p(f"  {Layout.from_dict(r.layout).short():60s} {r.step_time_s:8.3f} s  {r.reason}")
+    s = plan.search
+    if s:
+        p("")
+        p(f"Searched {s.get('meshes', 0)} meshes, {s.get('estimates', 0)} estimates "
+          f"({s.get('pruned_memory', 0)} meshes pruned by memory) in {s.get('seconds', 0):.2f} s")
+    return "\n".join(out)

@@ -1,0 +1,184 @@
+"""Layout search: enumerate mesh factorisations and execution choices, prune, cost, rank.
+
+The space (issue "planner search"): every factorisation of the GPU count into tp x cp x pp x dp,
+experts folded over the dense dp x cp x tp ranks as ep (x etp), virtual stages vp, micro-batch
+size, recompute (none / selective / full), ZeRO stage (distributed optimizer or FSDP), schedule
+(1F1B, interleaved, zero-bubble) and precision. Pruning, cheapest first:
+1. divisibility (heads, KV heads, FFN, vocab, experts, sequence, batch) and the scale-up domain
+   (TP and EP stay inside it unless `allow_cross_domain`);
+2. a memory lower bound per mesh (weights + gradients + optimizer state, no activations);
+3. per mesh, recompute is tried from none to full and the micro-batch grows while it fits, so
+   a mesh costs a handful of estimates, not the full cross product.
+Every surviving candidate is scored with the same `estimate_profile` users call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.estimate import Estimate, estimate_profile
+from meshplan.cost_models.layout import Layout, divisors, split_layers
+from meshplan.errors import ConfigError, DoesNotFitError, MeshplanError
+from meshplan.planner.profile import ModelProfile
+
+__all__ = ["SearchResult", "search", "FIXABLE"]
+
+FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "sp",
+           "tp_comm_overlap", "stage_layers")
+RECOMPUTE_ORDER = ("none", "selective", "full")
+MAX_MBS = 8
+MAX_VP = 8
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]                 # fitting candidates, best first
+    rejected: list[Estimate]               # evaluated but over memory (best few kept for messages)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise ConfigError(f"cannot fix {unknown}; fixable keys: {', '.join(FIXABLE)}")
+    f = dict(fixed)
+    prod = 1
+    named = []
+    for k in ("tp", "cp", "pp", "dp"):
+        if k in f:
+            prod *= int(f[k])
+            named.append(f"{k}={f[k]}")
+    if n % prod:
+        raise ConfigError(f"fixed {' * '.join(named)} = {prod} does not divide the {n} GPUs; "
+                          "the degrees tp*cp*pp*dp must multiply to the GPU count")
+    if all(k in f for k in ("tp", "cp", "pp", "dp")) and prod != n:
+        raise ConfigError(f"fixed {' * '.join(named)} = {prod}, but the cluster has {n} GPUs")
+    if "vp" in f and int(f["vp"]) > 1 and int(f.get("pp", 2)) == 1:
+        raise ConfigError("fixed vp > 1 contradicts fixed pp = 1: virtual stages need pipeline parallelism")
+    if f.get("schedule") == "interleaved" and int(f.get("vp", 2)) == 1:
+        raise ConfigError("fixed schedule='interleaved' contradicts fixed vp = 1")
+    return f
+
+
+def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
+    if key in fixed:
+        return [fixed[key]]
+    return list(values)
+
+
+def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
+                          zero: int) -> float:
+    """Weights + grads + optimizer of the most loaded pipeline rank, no activations."""
+    dense = sum((b.params - b.expert_params) * b.count for b in profile.blocks)
+    expert = sum(b.expert_params * b.count for b in profile.blocks)
+    dense_gpu = (dense / pp + profile.embedding_params) / tp
+    expert_gpu = expert / pp / ep
+
+    def per_param(d: int) -> float:
+        return {0: 18.0, 1: 6 + 12 / d, 2: 2 + 16 / d, 3: 18 / d}[zero]
+
+    return (dense_gpu * per_param(dp_shard) + expert_gpu * per_param(edp)) / 2 ** 30
+
+
+def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[str, ...],
+           fixed: Mapping[str, Any] | None = None, allow_cross_domain: bool = False,
+           keep: int = 64) -> SearchResult:
+    t0 = time.perf_counter()
+    n = cluster.num_gpus
+    f = _check_fixed(fixed or {}, n)
+    blocks = profile.layer_blocks()
+    L = profile.num_layers
+    attn = [b for b in blocks if b.heads]
+    heads = min((b.heads for b in attn), default=1)
+    kv = min((b.kv_heads for b in attn), default=1)
+    ffns = [w for b in blocks for w in (b.ffn_hidden, b.shared_ffn_hidden) if w]
+    moe = [b for b in blocks if b.is_moe]
+    experts = min((b.experts for b in moe), default=0)
+    domain = cluster.scaleup_domain
+
+    def tp_ok(t: int) -> bool:
+        return (heads % t == 0 and kv % t == 0 and profile.vocab % t == 0 and all(w % t == 0 for w in ffns)
+                and (allow_cross_domain or t <= domain))
+
+    stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "estimates": 0}
+    ranked: list[Estimate] = []
+    rejected: list[Estimate] = []
+    for tp in _opts("tp", f, (t for t in divisors(n) if t <= 64)):
+        if not tp_ok(tp):
+            stats["pruned_divisibility"] += 1
+            continue
+        for cp in _opts("cp", f, (c for c in divisors(n // tp) if c <= 32)):
+            if (n // tp) % cp or (cp > 1 and (seq_len % (2 * cp) or seq_len // cp < 1024)):
+                stats["pruned_divisibility"] += 1
+                continue
+            for pp in _opts("pp", f, (p for p in divisors(n // (tp * cp)) if p <= L)):
+                if (n // (tp * cp)) % pp:
+                    continue
+                dp = n // (tp * cp * pp)
+                if "dp" in f and f["dp"] != dp:
+                    continue
+                if global_batch % dp:
+                    stats["pruned_divisibility"] += 1
+                    continue
+                vps = [1] if pp == 1 else [v for v in range(1, MAX_VP + 1) if L % (pp * v) == 0] or [1]
+                for vp in _opts("vp", f, vps):
+                    scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])
+                    eps = [1]
+                    if experts:
+                        fold = dp * cp * tp
+                        eps = [e for e in divisors(experts) if fold % e == 0 and (allow_cross_domain or e <= domain)]
+                    for ep, schedule, zero in itertools.product(
+                            _opts("ep", f, eps), _opts("schedule", f, scheds),
+                            _opts("zero", f, (1, 3) if dp * cp > 1 else (1,))):
+                        etp = f.get("etp", 1)
+                        stats["meshes"] += 1
+                        edp = max(1, dp * cp * tp // (ep * etp))
+                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero) > \
+                                cluster.usable_memory_gb:
+                            stats["pruned_memory"] += 1
+                            continue
+                        stage_layers = f.get("stage_layers")
+                        if stage_layers is None and L % (pp * vp):
+                            stage_layers = split_layers(L, pp * vp)
+                        base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
+                                    schedule=schedule, stage_layers=stage_layers)
+                        for k in ("sp", "tp_comm_overlap"):
+                            if k in f:
+                                base[k] = f[k]
+                        _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
+                                   ranked, rejected, stats)
+    ranked.sort(key=lambda e: e.step_time_s)
+    rejected.sort(key=lambda e: e.peak_memory_gb)
+    stats["seconds"] = time.perf_counter() - t0
+    return SearchResult(ranked=ranked[:keep], rejected=rejected[:8], stats=stats)
+
+
+def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats) -> None:
+    """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
+    per_dp = global_batch // dp
+    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS]
+    for precision in precisions:
+        for rc in _opts("recompute", f, RECOMPUTE_ORDER):
+            best_here = None
+            for mbs in _opts("mbs", f, mbss):
+                lay = dict(base, mbs=mbs, recompute=rc)
+                try:
+                    est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,
+                                           global_batch=global_batch, precision=precision)
+                except MeshplanError:
+                    stats["pruned_divisibility"] += 1
+                    continue
+                stats["estimates"] += 1
+                if not est.fits:
+                    rejected.append(est)
+                    break                      # a larger micro-batch only needs more memory
+                ranked.append(est)
+                if best_here is not None and est.step_time_s > best_here:
+                    break                      # growing mbs stopped paying off
+                best_here = est.step_time_s
+            if best_here is not None and "recompute" not in f:
+                break                          # cheapest recompute that fits found; more recompute only adds work

@@ -1,0 +1,96 @@
+"""meshplan.plan: search, Plan JSON round trip, fixed keys, explain, no-fit errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan as mp
+from meshplan.api import plan
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.errors import ConfigError, DoesNotFitError
+from meshplan.planner.analytic import profile_from_config
+from meshplan.planner.plan import Plan
+
+LLAMA70B = profile_from_config(dict(layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=128256,
+                                    name="llama3-70b"))
+LLAMA8B = profile_from_config(dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256,
+                                   name="llama3-8b"))
+MIXTRAL = profile_from_config(dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=32000,
+                                   experts=8, topk=2, moe_ffn_hidden=14336, name="mixtral-8x7b"))
+
+
+@pytest.fixture(scope="module")
+def p70():
+    return plan(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), seq_len=8192, global_batch=512)
+
+
+def test_plan_is_best_of_what_it_saw_and_fits(p70):
+    est = p70.estimate_obj
+    assert est.fits and est.step_time_s > 0
+    assert all(r.step_time_s >= est.step_time_s for r in p70.runner_ups if r.fits)
+    assert p70.world_size == 64
+    assert sum(len([m for m in s if m.startswith("layers.")]) for s in p70.stages) == 80
+
+
+def test_plan_json_round_trip(p70):
+    again = Plan.from_json(p70.to_json())
+    assert again == p70
+    assert again.to_json() == p70.to_json()
+
+
+def test_fixed_layout_reproduces_estimate(p70):
+    fixed = {k: p70.layout[k] for k in ("tp", "cp", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule")}
+    again = plan(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), seq_len=8192, global_batch=512, fixed=fixed)
+    direct = estimate_profile(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), p70.layout, seq_len=8192,
+                              global_batch=512)
+    assert again.estimate_obj.step_time_s == pytest.approx(direct.step_time_s)
+
+
+def test_fixed_tp_is_honoured():
+    pl = plan(LLAMA8B, mp.Cluster.preset("dgx-h100", nodes=1), seq_len=4096, global_batch=64, fixed={"tp": 4})
+    assert pl.layout["tp"] == 4
+
+
+def test_contradictory_fixed_named():
+    cl = mp.Cluster.preset("dgx-h100", nodes=1)
+    with pytest.raises(ConfigError, match="vp > 1 contradicts fixed pp = 1"):
+        plan(LLAMA8B, cl, seq_len=4096, global_batch=64, fixed={"pp": 1, "vp": 2})
+    with pytest.raises(ConfigError, match="does not divide the 8 GPUs"):
+        plan(LLAMA8B, cl, seq_len=4096, global_batch=64, fixed={"tp": 3})
+    with pytest.raises(ConfigError, match="fixable keys"):
+        plan(LLAMA8B, cl, seq_len=4096, global_batch=64, fixed={"tensor": 2})
+
+
+def test_no_fit_error_says_what_would_fit():
+    huge = profile_from_config(dict(layers=126, hidden=16384, ffn_hidden=53248, heads=128, kv_heads=8,
+                                    vocab=128256, name="llama3-405b"))
+    with pytest.raises(DoesNotFitError) as e:
+        plan(huge, mp.Cluster.preset("dgx-h100", nodes=1), seq_len=8192, global_batch=64)
+    msg = str(e.value)
+    assert "llama3-405b" in msg and "GB" in msg and "more GPUs" in msg
+
+
+def test_explain_mentions_breakdown_memory_runnerups(p70):
+    text = p70.explain()
+    for needle in ("Predicted step", "Memory per GPU", "Bottleneck", "Runner-ups", "compute"):
+        assert needle in text
+
+
+def test_auto_precision_on_h100_considers_fp8():
+    pl = plan(LLAMA8B, mp.Cluster.preset("dgx-h100", nodes=1), seq_len=4096, global_batch=64, precision="auto")
+    assert pl.precision == "fp8" and pl.fp8_modules
+
+
+def test_moe_plan_uses_expert_parallelism():
+    pl = plan(MIXTRAL, mp.Cluster.preset("dgx-h100", nodes=2), seq_len=4096, global_batch=128)
+    assert pl.estimate_obj.fits
+    assert any("expert" in v for v in pl.placements.values()) or pl.layout["ep"] >= 1
+
+
+def test_plan_refuses_other_model_or_cluster(p70):
+    with pytest.raises(ConfigError, match="made for model"):
+        p70.check_matches(model_fingerprint="deadbeef")
+    with pytest.raises(ConfigError, match="made for cluster"):
+        p70.check_matches(cluster=mp.Cluster.preset("dgx-a100", nodes=8))
+    with pytest.raises(ConfigError, match="needs 64 processes"):
+        p70.check_matches(world_size=8)
