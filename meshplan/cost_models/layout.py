@@ -156,8 +156,13 @@ def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch
     L = layout
     n = cluster.num_gpus
     if L.world != n:
-        raise LayoutError(f"tp*cp*pp*dp = {L.tp}*{L.cp}*{L.pp}*{L.dp} = {L.world}, but the cluster has {n} GPUs; "
-                          f"pick degrees whose product is {n} (e.g. dp={n // (L.tp * L.cp * L.pp)} if that divides)")
+        rest = L.tp * L.cp * L.pp
+        if n % rest == 0:
+            hint = f"use dp={n // rest}"
+        else:
+            hint = f"tp*cp*pp = {rest} does not divide {n}; use tp, cp, pp whose product divides {n} ({{{_opts(n)}}})"
+        raise LayoutError(f"tp={L.tp} * cp={L.cp} * pp={L.pp} * dp={L.dp} = {L.world}, but the cluster has {n} GPUs; "
+                          f"the degrees must multiply to {n}: {hint}")
     if seq_len < 1 or global_batch < 1:
         raise LayoutError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be positive")
     blocks = profile.layer_blocks()

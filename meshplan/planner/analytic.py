@@ -49,10 +49,8 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
     experts, topk, moe_ffn_hidden, shared_experts, dense_layers`, plus `head_dim, gated, norm,
     bias, tie_embeddings, position`). Accepts a mapping or any object with those attributes."""
     if not isinstance(cfg, Mapping):
-        cfg = {k: getattr(cfg, k) for k in _KEYS if hasattr(cfg, k)}
-        if "activation" not in cfg and hasattr(cfg, "activation"):
-            pass
-    c = dict(cfg)
+        cfg = {k: getattr(cfg, k) for k in (*_KEYS, "activation", "family") if hasattr(cfg, k)}
+    c = {k: v for k, v in dict(cfg).items() if v is not None}
     unknown = sorted(set(c) - set(_KEYS) - {"activation", "family"})
     if unknown:
         raise ConfigError(f"unknown model config key(s) {unknown}; known: {sorted(_KEYS)}")

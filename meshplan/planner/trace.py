@@ -582,7 +582,11 @@ class _Traced:
         self.nodes, self.units, self.containers = nodes, units, containers
         # representative instance FQN -> (container, key)
         self.reps = {join(c.fqn, k): (c, k) for c in containers for k in c.representatives()}
+        instances = {join(c.fqn, k) for c in containers for k in c.block_keys}
         self.owner: dict[int, str] = {}
+        # ops of non-representative instances: only present when the model had to be traced
+        # whole; they repeat a representative and are left out of the profile
+        self.repeats: set[int] = set()
         for n in nodes:
             if n.placeholder:
                 continue
@@ -590,6 +594,9 @@ class _Traced:
             while path:
                 if path in self.reps:
                     self.owner[n.index] = path
+                    break
+                if path in instances:
+                    self.repeats.add(n.index)
                     break
                 path = path.rpartition(".")[0]
 
@@ -613,8 +620,7 @@ def _run(model: nn.Module, *, seq_len: int, batch: int, vocab: int | None, dtype
             # i < num_layers) cannot run shortened: trace it whole (slower, still correct).
             if not containers or not any(isinstance(x, (IndexError, KeyError)) for x in _exceptions(e)):
                 raise
-            containers = ()
-            with shrunk(model, containers) as fmap:
+            with shrunk(model, ()) as fmap:
                 ep = _export(model, args, kwargs, fmap)
                 nodes = _build_nodes(ep, fmap, model_dtype, dtype)
     units = _find_attention(nodes)
@@ -654,7 +660,8 @@ def trace_graph(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | 
         owned = [i for i, o in t.owner.items() if o == rep]
         if owned:
             _analyse(t, rep, owned, model, batch, seq_len)
-    return [_op_info(n, t.nodes, dtype, md) for n in t.nodes if not n.placeholder]
+    return [_op_info(n, t.nodes, dtype, md) for n in t.nodes
+            if not n.placeholder and n.index not in t.repeats]
 
 
 def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -725,7 +732,8 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
     layers = tuple(block_of[(c.fqn, c.signature_of(k))] for c in containers for k in c.block_keys)
 
     # --- ops outside the blocks
-    outside = [n for n in nodes if not n.placeholder and n.index not in t.owner]
+    outside = [n for n in nodes if not n.placeholder and n.index not in t.owner
+               and n.index not in t.repeats]
     owned_all = [i for i, o in t.owner.items() if any(o == join(c.fqn, k) for c in containers
                                                        for k in c.representatives())]
     last = max(owned_all, default=-1)
