@@ -48,7 +48,8 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
 
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
     if tuple(t.shape) != tuple(expected):
-        raise ConfigError(f"{name} has shape {tuple(t.shape)} but must be {tuple(expected)} ({what})")
+        raise ConfigError(f"{name} has shape {tuple(t.shape)} but must be {tuple(expected)} "
+                          f"({what})")
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -20,7 +20,9 @@ import triton.language as tl
 from meshplan.kernels import _launch
 
 GPU_BLOCK_V = 4096  # vocab tile on a GPU: 16 KiB fp32 per row tile, 8 warps
-NEG_BIG = -1.0e30  # finite "minus infinity": fully masked tiles then give no inf - inf = NaN
+# finite "minus infinity": fully masked tiles then give no inf - inf = NaN; a constexpr
+# because compiled Triton kernels may only read constexpr globals
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

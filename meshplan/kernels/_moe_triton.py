@@ -21,7 +21,7 @@ import triton.language as tl
 from meshplan.kernels import _launch
 
 GPU_BLOCK_H = 1024  # hidden columns per tile on a GPU; rows fill the rest of the tile budget
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may only read constexpr globals
 
 
 @triton.jit
@@ -143,7 +143,8 @@ def _gather_sum(SRC, ROW_MAP, WEIGHT, DST, T, H, K: tl.constexpr, HAS_WEIGHT: tl
             x = tl.load(SRC + src[:, None] * H + cols[None, :], mask=mask, other=0.0)
             x = x.to(tl.float32)
             if HAS_WEIGHT:
-                x = x * tl.load(WEIGHT + kbase + i, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+                w_i = tl.load(WEIGHT + kbase + i, mask=row_mask, other=0.0).to(tl.float32)
+                x = x * w_i[:, None]
             acc += x
         tl.store(DST + rows.to(tl.int64)[:, None] * H + cols[None, :],
                  acc.to(DST.dtype.element_ty), mask=mask)

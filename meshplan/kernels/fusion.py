@@ -136,4 +136,5 @@ def bytes_saved(name: str, **shape: int) -> float:
         import inspect
 
         params = ", ".join(inspect.signature(FUSIONS[name].bytes_saved).parameters)
-        raise ConfigError(f"fusion {name!r} takes keywords ({params}); got {sorted(shape)}") from exc
+        raise ConfigError(f"fusion {name!r} takes keywords ({params}); "
+                          f"got {sorted(shape)}") from exc

@@ -21,6 +21,7 @@ grouped (per-expert) matrix products of MoE layers.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,9 @@ __all__ = [
     "DISPATCH_OPS",
     "COPY_OPS",
     "op_flops",
+    "op_kind",
+    "aliases_input",
+    "writes_first_arg",
     "is_matmul_like",
     "is_grouped_mm",
     "is_attention_op",
@@ -124,6 +128,60 @@ DISPATCH_OPS = frozenset({
     "aten::repeat_interleave", "aten::one_hot", "aten::masked_scatter", "aten::nonzero",
     "aten::cumsum", "aten::masked_select",
 })
+
+
+def op_kind(target: Any, *, module_class: str = "", weighted: bool = False, aliases: bool = False) -> str:
+    """The `profile.OP_KINDS` entry of one op, before the graph-level passes.
+
+    `weighted`: an operand is a parameter (so a product is a "linear", not a "matmul");
+    `aliases`: the op returns its input unchanged (a same-dtype cast, .contiguous() of a
+    contiguous tensor); `module_class`: the owning module's class, which marks decomposed norms
+    (HF's LlamaRMSNorm is pow/mean/rsqrt/mul). Attention patterns, routing and dispatch ops are
+    recognised later from the graph.
+    """
+    b = "getitem" if target is operator.getitem else op_base(target)
+    if is_attention_op(target):
+        return "attention"
+    if is_matmul_like(target):
+        return "linear" if weighted else "matmul"
+    if b in EMBEDDING_OPS:
+        return "embedding"
+    if b in NORM_OPS:
+        return "norm"
+    if b in LOSS_OPS:
+        return "loss"
+    if b == "aten::topk":
+        return "router"
+    if b == "getitem" or (b in VIEW_OPS and b not in ("aten::to", "aten::contiguous")) or aliases:
+        return "view"
+    if "norm" in module_class.lower():
+        return "norm"
+    if torch.Tag.pointwise in getattr(target, "tags", ()) or b in COPY_OPS:
+        return "elementwise"
+    if b in REDUCTION_OPS:
+        return "reduction"
+    return "other"
+
+
+def aliases_input(target: Any, src: Any, out: Any) -> bool:
+    """Casts to the same dtype and .contiguous()/.reshape() of a contiguous tensor move no data."""
+    b = op_base(target)
+    if b not in ("aten::to", "aten::_to_copy", "aten::contiguous", "aten::type_as", "aten::reshape"):
+        return False
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if b in ("aten::contiguous", "aten::reshape"):
+        return src.is_contiguous()
+    return src.dtype == out.dtype and src.device == out.device
+
+
+def writes_first_arg(target: Any) -> bool:
+    """In-place ops (copy_, add_, index_put_, ...) write into their first argument."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    info = schema.arguments[0].alias_info
+    return info is not None and info.is_write
 
 
 def _packet(target: Any) -> Any:

@@ -28,7 +28,7 @@ from meshplan.planner.profile import ModelProfile
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "sp",
-           "tp_comm_overlap", "stage_layers")
+           "tp_comm_overlap", "flash_attention", "stage_layers")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MBS = 8
 MAX_VP = 8
@@ -146,7 +146,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             stage_layers = split_layers(L, pp * vp)
                         base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                     schedule=schedule, stage_layers=stage_layers)
-                        for k in ("sp", "tp_comm_overlap"):
+                        for k in ("sp", "tp_comm_overlap", "flash_attention"):
                             if k in f:
                                 base[k] = f[k]
                         _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,

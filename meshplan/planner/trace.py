@@ -53,19 +53,17 @@ from meshplan.planner.blocks import (
     weight_of,
 )
 from meshplan.planner.flops import (
-    COPY_OPS,
     DISPATCH_OPS,
-    EMBEDDING_OPS,
-    LOSS_OPS,
-    NORM_OPS,
-    REDUCTION_OPS,
     VIEW_OPS,
     TensorSpec,
+    aliases_input,
     contracted_dim,
     is_attention_op,
     is_matmul_like,
     op_base,
     op_flops,
+    op_kind,
+    writes_first_arg,
 )
 from meshplan.planner.profile import BlockProfile, ModelProfile, OpInfo
 
@@ -292,54 +290,10 @@ def _subgraph_flops(gm: torch.fx.GraphModule, grad: bool) -> tuple[float, float]
     return fwd, bwd
 
 
-def _kind(n: Node, nodes: list[Node], aliases: bool) -> str:
-    b = n.base
-    if is_attention_op(n.target):
-        return "attention"
-    if is_matmul_like(n.target):
-        weighted = any(nodes[j].param_src and len(nodes[j].shape) >= 2 for j in n.inputs)
-        return "linear" if weighted else "matmul"
-    if b in EMBEDDING_OPS:
-        return "embedding"
-    if b in NORM_OPS:
-        return "norm"
-    if b in LOSS_OPS:
-        return "loss"
-    if b == "aten::topk":
-        return "router"
-    if b == "getitem" or (b in VIEW_OPS and b not in ("aten::to", "aten::contiguous")) or aliases:
-        return "view"
-    if "norm" in n.module_class.lower():
-        return "norm"
-    tags = getattr(n.target, "tags", ())
-    if torch.Tag.pointwise in tags or b in COPY_OPS:
-        return "elementwise"
-    if b in REDUCTION_OPS:
-        return "reduction"
-    return "other"
-
-
 def _aliases(target: Any, fx_node: torch.fx.Node) -> bool:
-    """Casts to the same dtype and .contiguous() of a contiguous tensor move no data."""
-    b = op_base(target)
-    if b not in ("aten::to", "aten::_to_copy", "aten::contiguous", "aten::type_as", "aten::reshape"):
-        return False
     src = fx_node.args[0] if fx_node.args else None
-    sv = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-    out = fx_node.meta.get("val")
-    if not isinstance(sv, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return False
-    if b == "aten::contiguous" or b == "aten::reshape":
-        return sv.is_contiguous()
-    return sv.dtype == out.dtype and sv.device == out.device
-
-
-def _writes_first_arg(target: Any) -> bool:
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    info = schema.arguments[0].alias_info
-    return info is not None and info.is_write
+    return aliases_input(target, src.meta.get("val") if isinstance(src, torch.fx.Node) else None,
+                         fx_node.meta.get("val"))
 
 
 def _build_nodes(ep, fmap: FqnMap, model_dtype: torch.dtype | None, dtype: torch.dtype) -> list[Node]:
@@ -440,14 +394,14 @@ def _build_nodes(ep, fmap: FqnMap, model_dtype: torch.dtype | None, dtype: torch
             n.fwd, n.bwd = flops
             if is_matmul_like(target):
                 n.contract = contracted_dim(target, s_args if op_base(target) != "aten::einsum" else [])
-        n.kind = _kind(n, nodes, _aliases(target, fx_node) if not is_hop else False)
-        if is_hop:
-            n.kind = "other"
+        weighted = any(nodes[j].param_src and len(nodes[j].shape) >= 2 for j in inputs)
+        n.kind = "other" if is_hop else op_kind(target, module_class=module_class, weighted=weighted,
+                                                 aliases=_aliases(target, fx_node))
         index[fx_node] = n.index
         first_ref = args[0] if args and isinstance(args[0], Ref) else None
         root.append(root[first_ref.index] if first_ref is not None and (
-            base in VIEW_OPS or base == "getitem" or _writes_first_arg(target)) else n.index)
-        if first_ref is not None and _writes_first_arg(target):
+            base in VIEW_OPS or base == "getitem" or writes_first_arg(target)) else n.index)
+        if first_ref is not None and writes_first_arg(target):
             mutated[root[first_ref.index]] = n.index
         for j in inputs:
             nodes[j].users.append(n.index)

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Quality check against experts: for each expressible row of published_runs.csv, plan freely
+(same model, GPU count, sequence length, global batch, precision) and compare the planner's
+layout with the published one, both scored by meshplan's own cost model.
+
+Checks, per row:
+- the published layout is inside the search space: plan(..., fixed=<published layout>) returns
+  exactly estimate() of that layout;
+- the free plan is at least as fast by the planner's own model.
+Prints both layouts, their predicted throughput, and why the planner's differs.
+
+    python benchmarks/plan_vs_published.py [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshplan.api import plan  # noqa: E402
+from meshplan.cluster import Cluster  # noqa: E402
+from meshplan.cost_models.layout import Layout  # noqa: E402
+from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows, model_config, run_row  # noqa: E402
+from meshplan.errors import MeshplanError  # noqa: E402
+from meshplan.planner.explain import why_lost  # noqa: E402
+
+FIX_KEYS = ("tp", "cp", "pp", "vp", "dp", "ep", "etp", "zero", "mbs", "recompute", "schedule", "sp",
+            "tp_comm_overlap", "flash_attention", "stage_layers")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--csv", default=str(DEFAULT_CSV))
+    ap.add_argument("--quick", action="store_true", help="one row per source")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    rows = load_rows(args.csv)
+    lines: list[str] = []
+    p = lines.append
+    p(f"{'row':42s} {'published layout':44s} {'pub tok/s':>9s} {'planned layout':52s} {'plan tok/s':>10s} {'gain':>6s}")
+    profiles: dict = {}
+    seen_src: set = set()
+    n_ok = n_worse = n_mismatch = 0
+    diffs = []
+    t0 = time.time()
+    for r in rows:
+        if args.quick and r.family in seen_src:
+            continue
+        cfg = model_config(r)
+        gpu, n, s, B = _gpu(r), r.num("num_gpus"), r.num("seq"), r.num("gbs")
+        if cfg is None or not (gpu and n and s and B):
+            continue
+        res = run_row(r, traced=False, profiles=profiles)
+        if res.predicted is None or not res.fits:
+            continue
+        lay, pub = res.layout, res.estimate
+        prof = profiles[repr(sorted(cfg.items()))]
+        cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=min(8, n))
+        precision = pub.precision
+        seen_src.add(r.family)
+        fixed = {k: v for k, v in Layout.from_dict(lay).to_dict().items() if k in FIX_KEYS}
+        # what the software stack could do is not the planner's choice: keep it as published
+        env = {k: fixed[k] for k in ("flash_attention", "tp_comm_overlap")}
+        try:
+            same = plan(prof, cluster, seq_len=s, global_batch=B, precision=precision, fixed=fixed,
+                        allow_cross_domain=True)
+            free = plan(prof, cluster, seq_len=s, global_batch=B, precision=precision, fixed=env,
+                        allow_cross_domain=True)
+        except MeshplanError as e:
+            p(f"{r.id[:42]:42s} planning failed: {e}")
+            continue
+        if abs(same.estimate_obj.step_time_s - pub.step_time_s) > 1e-9 * pub.step_time_s:
+            n_mismatch += 1
+        fe = free.estimate_obj
+        gain = pub.step_time_s / fe.step_time_s - 1
+        if fe.step_time_s <= pub.step_time_s * (1 + 1e-9):
+            n_ok += 1
+        else:
+            n_worse += 1
+        p(f"{r.id[:42]:42s} {Layout.from_dict(lay).short()[:44]:44s} {pub.tokens_per_s_per_gpu:9.0f} "
+          f"{Layout.from_dict(free.layout).short()[:52]:52s} {fe.tokens_per_s_per_gpu:10.0f} {gain * 100:+5.1f}%")
+        if gain > 0.005:
+            diffs.append(f"  {r.id}: published loses by {gain * 100:.1f}%: {why_lost(pub, fe)}")
+    p("")
+    p(f"free plan at least as fast as the published layout: {n_ok} rows; slower: {n_worse}; "
+      f"fixed-layout plan != estimate: {n_mismatch}")
+    p("Where the planner differs from the experts (main reason, by meshplan's model):")
+    lines.extend(diffs)
+    p(f"\n({time.time() - t0:.1f} s)")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if (n_worse == 0 and n_mismatch == 0) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
