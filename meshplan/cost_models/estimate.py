@@ -33,6 +33,8 @@ GB = 2 ** 30
 # Logits on the last stage at the loss: the bf16 logits kept for backward + one fp32 buffer
 # (softmax, reused for its gradient by fused cross-entropy kernels) (derived).
 _LOGIT_BYTES = K.BF16 + K.FP32
+_LAYER_CACHE: dict = {}
+_LAYER_CACHE_MAX = 200_000
 TIME_KEYS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "overhead")
 
 
@@ -95,6 +97,18 @@ class Estimate:
                 f"  bottleneck: {self.bottleneck}")
 
 
+_FLOPS_CACHE: dict = {}
+
+
+def _model_flops(profile: ModelProfile, seq_len: int, global_batch: int) -> float:
+    key = (profile.fingerprint, profile.name, seq_len, global_batch)
+    if key not in _FLOPS_CACHE:
+        if len(_FLOPS_CACHE) > 10_000:
+            _FLOPS_CACHE.clear()
+        _FLOPS_CACHE[key] = model_flops_per_step(profile, seq_len, global_batch)
+    return _FLOPS_CACHE[key]
+
+
 def _policy_for(layout: Layout, index_in_rank: int) -> str:
     rc = layout.recompute
     if isinstance(rc, str):
@@ -125,13 +139,33 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     for s, (st, n) in enumerate(zip(starts, stage_layers)):
         rank_layers[s % p].extend(range(st, st + n))
 
-    cache: dict[tuple[int, str], Any] = {}
+    # A layer's cost depends only on its block and the layout fields the layer sees, so it is
+    # shared across every candidate of a search that differs in pp / vp / dp / zero / schedule.
+    ctx_key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
+               L.tp_comm_overlap, seq_len, fp8)
+
+    local: dict[tuple[int, str], Any] = {}
 
     def cost(i: int, policy: str):
-        key = (profile.layers[i], policy)
-        if key not in cache:
-            cache[key] = layer_cost(blocks[i], ctx, policy=policy)
-        return cache[key]
+        lk = (profile.layers[i], policy)
+        hit = local.get(lk)
+        if hit is None:
+            key = (ctx_key, lk)
+            hit = _LAYER_CACHE.get(key)
+            if hit is None:
+                if len(_LAYER_CACHE) > _LAYER_CACHE_MAX:
+                    _LAYER_CACHE.clear()
+                hit = _LAYER_CACHE[key] = layer_cost(blocks[i], ctx, policy=policy)
+            local[lk] = hit
+        return hit
+
+    act_local: dict[tuple[int, str], float] = {}
+
+    def act_bytes(i: int, policy: str) -> float:
+        lk = (profile.layers[i], policy)
+        if lk not in act_local:
+            act_local[lk] = activation_bytes(blocks[i], ctx, policy=policy)
+        return act_local[lk]
 
     # --- per-rank time and memory ---------------------------------------------------------
     tp_g = ctx.tp
@@ -143,6 +177,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     for r in range(p):
         fwd = bwd = rcmp = wgrad = 0.0
         parts = {k: 0.0 for k in ("compute", "tp", "cp", "ep")}
+        comm_layers = {k: 0.0 for k in ("tp", "cp", "ep")}
         act = 0.0
         largest_full = 0.0
         dense_params = expert_params = 0.0
@@ -157,13 +192,12 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             parts["compute"] += c.compute_s
             for k in ("tp", "cp", "ep"):
                 parts[k] += c.exposed_s[k]
-            act += activation_bytes(b, ctx, policy=pol)
+                comm_layers[k] += c.comm_s[k]
+            act += act_bytes(i, pol)
             if pol == "full":
-                largest_full = max(largest_full, activation_bytes(b, ctx, policy="none"))
+                largest_full = max(largest_full, act_bytes(i, "none"))
             dense_params += (b.params - b.expert_params) / L.tp
             expert_params += b.expert_params / (L.ep * L.etp)
-        comm_layers = {k: sum(cost(i, _policy_for(L, j)).comm_s[k] for j, i in enumerate(rank_layers[r]))
-                       for k in ("tp", "cp", "ep")}
         # embedding on rank 0, final norm + output layer + loss on the last rank
         extra_f = extra_b = extra_tp = 0.0
         if r == 0:
@@ -275,7 +309,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
               "pp": pp_total, "dp": dp_total_max}
     n = cluster.num_gpus
     tokens = float(seq_len) * global_batch
-    mflops = model_flops_per_step(profile, seq_len, global_batch)
+    mflops = _model_flops(profile, seq_len, global_batch)
     hflops = mflops + recompute_flops_per_step(profile, seq_len, global_batch, L)
     peak_flops = cluster.gpu.bf16_tflops * 1e12
     model_tflops = mflops / step / n / 1e12

@@ -56,3 +56,11 @@ def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """True for meta / fake tensors and under torch.compile: value checks needing a host sync
+    are skipped there (the values do not exist yet)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type == "meta" or isinstance(t, FakeTensor) or torch.compiler.is_compiling()

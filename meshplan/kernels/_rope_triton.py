@@ -17,6 +17,11 @@ import triton.language as tl
 
 from meshplan.kernels import _launch
 
+# GPU: positions per program such that a (positions x head_dim) tile is ~2K elements, so an
+# 8192-token sequence at head_dim 128 gives 512 programs (H100 has 132 SMs); each program then
+# loops over all heads. The interpreter keeps the large shared tile budget.
+GPU_ROPE_TILE_ELEMENTS = 2048
+
 
 @triton.jit
 def _rotate_heads(X, O, n_heads, x_off, o_off, sxh, soh, cols, mask, partner, pmask, sign,
@@ -79,7 +84,11 @@ def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         return qo, ko
     scb, scs = (cos.stride(0), cos.stride(1)) if cos.dim() == 3 else (0, cos.stride(0))
     block_d = _launch.next_pow2(d)
-    block_s = _launch.rows_per_block(block_d, n_rows)
+    if _launch.interpreter_enabled():
+        block_s = _launch.rows_per_block(block_d, n_rows)
+    else:
+        block_s = min(_launch.next_pow2(max(1, GPU_ROPE_TILE_ELEMENTS // block_d)),
+                      _launch.next_pow2(n_rows))
     grid = (_launch.cdiv(n_rows, block_s),)
     _rope[grid](q, k, qo, ko, cos, sin, n_rows, s, hq, hk, d, r,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -28,6 +28,7 @@ from meshplan.kernels._checks import (
     check_same_dtype,
     check_shape,
     check_tensor,
+    is_traced,
 )
 from meshplan.kernels._common import NAMESPACE, require_triton
 from meshplan.kernels._launch import next_pow2
@@ -110,12 +111,6 @@ def _backward(ctx, dloss, _dgh, _dgw):
 fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _is_traced(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.device.type == "meta" or isinstance(t, FakeTensor) or torch.compiler.is_compiling()
-
-
 def _validate(hidden, weight, labels, ignore_index, reduction, label_smoothing, chunk_size):
     check_tensor("hidden", hidden, ndim=2)
     check_tensor("weight", weight, ndim=2)
@@ -137,7 +132,7 @@ def _validate(hidden, weight, labels, ignore_index, reduction, label_smoothing, 
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size <= 0):
         raise ConfigError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if labels.numel() and not _is_traced(labels):
+    if labels.numel() and not is_traced(labels):
         # One host sync per call: an out-of-range label would otherwise be a silent wrong loss.
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
         if bool(bad.any()):

@@ -32,6 +32,7 @@ from meshplan.kernels._checks import (
     check_same_device,
     check_shape,
     check_tensor,
+    is_traced,
 )
 from meshplan.kernels._common import NAMESPACE, require_triton
 from meshplan.kernels.selection import backend
@@ -260,12 +261,6 @@ def _unpermute_backward(ctx, dy):
 moe_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
-def _is_traced(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.device.type == "meta" or isinstance(t, FakeTensor) or torch.compiler.is_compiling()
-
-
 def moe_permute(x: Tensor, experts: Tensor, num_experts: int) -> MoePermutation:
     """Group token copies by expert; see the module docstring."""
     check_tensor("x", x, ndim=2)
@@ -273,7 +268,7 @@ def moe_permute(x: Tensor, experts: Tensor, num_experts: int) -> MoePermutation:
     check_positive_int("num_experts", num_experts)
     check_shape("experts", experts, (x.shape[0], experts.shape[1]), "(tokens of x, top_k)")
     check_same_device(x=x, experts=experts)
-    if experts.numel() and not _is_traced(experts):
+    if experts.numel() and not is_traced(experts):
         # One host sync: an out-of-range expert id would index out of bounds, never a result.
         lo, hi = int(experts.min()), int(experts.max())
         if lo < 0 or hi >= num_experts:

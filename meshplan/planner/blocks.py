@@ -309,6 +309,7 @@ class AttentionUnit:
 def _walk(nodes: list[Node], start: Iterable[int], within: set[int] | None, up: bool,
           stop: Callable[[Node], bool] | None = None) -> set[int]:
     """Closure over inputs (up) or users (down), inside `within`; `stop` nodes are not expanded."""
+    start = set(start)
     seen: set[int] = set()
     todo = [i for i in start if within is None or i in within]
     while todo:
@@ -502,8 +503,10 @@ def _hidden(nodes: list[Node], owned: list[int], own: set[int], batch: int, seq:
     return max(widths, default=0)
 
 
-def _linear_infos(nodes: list[Node], lin: list[int], inst: str, tokens: int,
-                  param_shapes: dict[str, tuple[int, ...]]) -> list[LinearInfo]:
+def _weight_groups(nodes: list[Node], lin: list[int], inst: str,
+                   param_shapes: dict[str, tuple[int, ...]]):
+    """Linears grouped by weight, and numbered siblings (experts.0.w1, experts.1.w1, ...) of
+    one shape merged: returns (key -> node indices, key -> weight FQN, [(name, keys)])."""
     groups: dict[str, list[int]] = {}
     weight: dict[str, str] = {}
     for i in lin:
@@ -512,17 +515,27 @@ def _linear_infos(nodes: list[Node], lin: list[int], inst: str, tokens: int,
         groups.setdefault(key, []).append(i)
         if w:
             weight[key] = w
-    # numbered siblings of one shape and role (experts.0.w1, experts.1.w1, ...) become one
-    # LinearInfo with count = number of siblings
+    # the first numbered component inside the block is the list index (experts.<i>.w1)
     collapsed: dict[str, list[str]] = {}
     for key in groups:
-        collapsed.setdefault(_INDEX.sub("*", key), []).append(key)
+        collapsed.setdefault(_INDEX.sub("*", key, count=1), []).append(key)
     members: list[tuple[str, list[str]]] = []
     for ck, keys in collapsed.items():
         shapes = {param_shapes.get(weight.get(k, ""), ()) for k in keys}
-        roles = {nodes[groups[k][0]].role for k in keys}
-        if len(keys) > 1 and len(shapes) == 1 and len(roles) == 1:
+        if len(keys) > 1 and len(shapes) == 1:
             members.append((ck, keys))
+        else:
+            members.extend((k, [k]) for k in keys)
+    return groups, weight, members
+
+
+def _linear_infos(nodes: list[Node], lin: list[int], inst: str, tokens: int,
+                  param_shapes: dict[str, tuple[int, ...]]) -> list[LinearInfo]:
+    groups, weight, merged = _weight_groups(nodes, lin, inst, param_shapes)
+    members: list[tuple[str, list[str]]] = []
+    for name, keys in merged:
+        if len({nodes[groups[k][0]].role for k in keys}) == 1:
+            members.append((name, keys))
         else:
             members.extend((k, [k]) for k in keys)
     infos = []
@@ -605,6 +618,11 @@ def analyse_block(nodes: list[Node], owned: list[int], units: list[AttentionUnit
             stacked = len(shape) == 3 and (experts == 0 or shape[0] == experts)
             if i in after or stacked:
                 routed.append(i)
+        # a ModuleList of E experts, each a module of its own (counted E times, run densely or not)
+        groups, _, merged = _weight_groups(nodes, [i for i in lin if i not in role], inst, param_shapes)
+        for _, keys in merged:
+            if len(keys) > 1 and len(keys) == experts:
+                routed.extend(i for k in keys for i in groups[k] if i not in routed)
         if not experts and routed:
             shapes = [param_shapes.get(weight_of(nodes[i], param_shapes) or "", ()) for i in routed]
             experts = max((s[0] for s in shapes if len(s) == 3), default=0)

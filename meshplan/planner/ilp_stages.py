@@ -242,30 +242,31 @@ class _StageModel:
         self.d, self.cap, self.nmin = d, cap, min_layers
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
         self.runs = _runs(d)
-        self.u: dict[tuple[int, int], pulp.LpVariable | int] = {}
-        self.o: dict[tuple[int, int], pulp.LpVariable | int] = {}
-        self.lo: dict[tuple[int, int], int] = {}
-        self.hi: dict[tuple[int, int], int] = {}
+        self._q: dict[tuple[int, int], object] = {}
+        self.z: dict[tuple[int, int], object] = {}
         self.c: dict[tuple[int, int], object] = {}
+        self._count_expr: dict[tuple[int, int], object] = {}
         self._boundary_variables()
         self._rank_count_variables()
 
-    # boundary s may take positions [s*nmin, L-(S-s)*nmin]; run k owns positions [start, start+length)
-    # (the last run also owns L, which only b_S takes), so each position has one encoding
+    # boundary s may take positions [s*nmin, L-(S-s)*nmin], which bounds how much of each run lies before it
     def _boundary_variables(self) -> None:
         d, S = self.d, self.d.S
         for s in range(1, S):
             lo_s, hi_s = s * self.nmin, d.L - (S - s) * self.nmin
-            ks = []
             for k, run in enumerate(self.runs):
-                last = run.start + run.length - (0 if k == len(self.runs) - 1 else 1)
-                lo, hi = max(run.start, lo_s), min(last, hi_s)
-                if lo <= hi:
-                    ks.append((k, lo, hi))
-            for k, lo, hi in ks:
-                self.lo[s, k], self.hi[s, k] = lo, hi
-                self.u[s, k] = 1 if len(ks) == 1 else pulp.LpVariable(f"u_{s}_{k}", cat="Binary")
-                self.o[s, k] = 0 if hi == lo else pulp.LpVariable(f"o_{s}_{k}", 0, hi - lo, cat="Integer")
+                lo = min(max(lo_s - run.start, 0), run.length)
+                hi = min(max(hi_s - run.start, 0), run.length)
+                self._q[s, k] = lo if lo == hi else pulp.LpVariable(
+                    f"q_{s}_{k}", lo, hi, cat="Binary" if (lo, hi) == (0, 1) else "Integer")
+            for k in range(len(self.runs) - 1):
+                full = self.runs[k].length
+                if not isinstance(self._q[s, k], pulp.LpVariable) or not isinstance(self._q[s, k + 1], pulp.LpVariable):
+                    continue   # run k is surely complete, or run k+1 surely untouched: no link needed
+                if full == 1:
+                    self.z[s, k] = self._q[s, k]   # a one-layer run is complete exactly when it is started
+                else:
+                    self.z[s, k] = pulp.LpVariable(f"z_{s}_{k}", cat="Binary")
 
     def _rank_count_variables(self) -> None:
         # c_rk for runs longer than one layer are integer variables of their own (tied to the
@@ -278,36 +279,21 @@ class _StageModel:
                 expr = self._stages_sum(r, k)
                 if run.length > 1:
                     self.c[r, k] = pulp.LpVariable(f"c_{r}_{k}", 0, run.length, cat="Integer")
-                    self._count_expr = getattr(self, "_count_expr", {})
                     self._count_expr[r, k] = expr
                 else:
                     self.c[r, k] = expr
 
-    def runs_of(self, s: int) -> list[int]:
-        return sorted(k for (s2, k) in self.u if s2 == s)
-
-    def boundary(self, s: int):
-        """b_s as a linear expression (a constant for s = 0 and s = S)."""
-        if s == 0:
-            return 0
-        if s == self.d.S:
-            return self.d.L
-        return pulp.lpSum(self.lo[s, k] * self.u[s, k] + self.o[s, k] for k in self.runs_of(s))
-
     def q(self, s: int, k: int):
         """q_sk: how many layers of run k lie before boundary s."""
-        run = self.runs[k]
         if s == 0:
             return 0
         if s == self.d.S:
-            return run.length
-        terms = []
-        for j in self.runs_of(s):
-            if j > k:
-                terms.append(run.length * self.u[s, j])
-            elif j == k:
-                terms.append((self.lo[s, k] - run.start) * self.u[s, k] + self.o[s, k])
-        return pulp.lpSum(terms)
+            return self.runs[k].length
+        return self._q[s, k]
+
+    def boundary(self, s: int):
+        """b_s = sum_k q_sk."""
+        return pulp.lpSum(self.q(s, k) for k in range(len(self.runs)))
 
     def _stages_sum(self, r: int, k: int):
         return pulp.lpSum(self.q(s + 1, k) - self.q(s, k) for s in range(r, self.d.S, self.d.pp))
@@ -330,25 +316,19 @@ class _StageModel:
 
     # ---- constraint families ----
     def add_assignment(self) -> None:
-        for s in range(1, self.d.S):
-            ks = self.runs_of(s)
-            if len(ks) > 1:
-                self.prob += pulp.lpSum(self.u[s, k] for k in ks) == 1, f"assign_{s}"
-            for k in ks:
-                if isinstance(self.o[s, k], pulp.LpVariable) and isinstance(self.u[s, k], pulp.LpVariable):
-                    self.prob += self.o[s, k] <= (self.hi[s, k] - self.lo[s, k]) * self.u[s, k], f"in_run_{s}_{k}"
+        for (s, k), z in self.z.items():
+            if z is not self._q[s, k]:
+                self.prob += self._q[s, k] >= self.runs[k].length * z, f"complete_{s}_{k}"
+            self.prob += self._q[s, k + 1] <= self.runs[k + 1].length * z, f"started_{s}_{k + 1}"
 
     def add_order(self) -> None:
         d = self.d
         for s in range(d.S):
-            if self.nmin > 0 or 0 < s < d.S - 1:
-                self.prob += self.boundary(s + 1) - self.boundary(s) >= self.nmin, f"order_{s}"
-        for s in range(1, d.S - 1):
-            ks = sorted(set(self.runs_of(s)) | set(self.runs_of(s + 1)))
-            for k in ks[:-1]:
-                upto_next = pulp.lpSum(self.u[s + 1, j] for j in self.runs_of(s + 1) if j <= k)
-                upto_this = pulp.lpSum(self.u[s, j] for j in self.runs_of(s) if j <= k)
-                self.prob += upto_next <= upto_this, f"run_order_{s}_{k}"
+            for k in range(len(self.runs)):
+                if isinstance(self.q(s, k), pulp.LpVariable) or isinstance(self.q(s + 1, k), pulp.LpVariable):
+                    self.prob += self.q(s + 1, k) >= self.q(s, k), f"order_{s}_{k}"
+            if self.nmin > 0:
+                self.prob += self.boundary(s + 1) - self.boundary(s) >= self.nmin, f"nonempty_{s}"
 
     def add_count(self) -> None:
         for (r, k), expr in getattr(self, "_count_expr", {}).items():

@@ -46,10 +46,10 @@ def available_solvers() -> tuple[str, ...]:
     return tuple(found)
 
 
-def _make(name: str, time_limit_s: float):
-    if name == "highs":
+def _make(name: str, time_limit_s: float, warm_start: bool):
+    if name == "highs":   # pulp's in-process HiGHS interface takes no starting solution
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm_start)
 
 
 def resolve_solver(solver: str = "auto") -> str:
@@ -70,15 +70,18 @@ def resolve_solver(solver: str = "auto") -> str:
     return name
 
 
-def solve(problem: pulp.LpProblem, *, time_limit_s: float = 10.0, solver: str = "auto") -> str:
+def solve(problem: pulp.LpProblem, *, time_limit_s: float = 10.0, solver: str = "auto",
+          warm_start: bool = False) -> str:
     """Solve `problem` in place; return pulp's status string ("Optimal", "Infeasible", ...).
 
     solver: "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc".
+    warm_start: CBC starts from the variables' initial values (`LpVariable.setInitialValue`);
+    HiGHS ignores it (callers that need an incumbent there add it as a bound).
     """
     if not (time_limit_s > 0):
         raise ConfigError(f"time_limit_s={time_limit_s!r}: must be a positive number of seconds")
     name = resolve_solver(solver)
-    status = problem.solve(_make(name, float(time_limit_s)))
+    status = problem.solve(_make(name, float(time_limit_s), warm_start))
     return pulp.LpStatus[status]
 
 

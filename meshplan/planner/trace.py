@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import linecache
 import logging
 import operator
 import os
@@ -122,18 +123,16 @@ def _default_inputs(model: nn.Module, *, seq_len: int, batch: int, vocab: int | 
         kwargs["use_cache"] = False       # HF: no KV cache while training
     if example_inputs is not None:
         return tuple(example_inputs), kwargs
-    if vocab is None:
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        if emb is None:
-            raise TraceError(
-                f"{type(model).__name__} has no nn.Embedding to take token ids from; pass "
-                f"example_inputs=(tensor, ...) (meta or fake tensors) to trace it")
-        vocab = emb.num_embeddings
+    if vocab is None and not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        raise TraceError(
+            f"{type(model).__name__} has no nn.Embedding to take token ids from; pass "
+            f"example_inputs=(tensor, ...) (meta or fake tensors) to trace it")
     t = _first_tensor(model)
     device = t.device if t is not None else torch.device("meta")
     fake = _fake_mode(model)
     with fake if fake is not None else ExitStack():
-        ids = torch.zeros((batch, seq_len), dtype=torch.long, device=device)  # (B, T) token ids
+        # token 0 is valid for any vocabulary; the values never matter on meta/fake tensors
+        ids = torch.zeros((batch, seq_len), dtype=torch.long, device=device)  # (B, T)
     return (ids,), kwargs
 
 
@@ -220,8 +219,6 @@ def _translate(e: BaseException, model: nn.Module, fmap: FqnMap) -> TraceError:
 
 
 def _source_line(fname: str, lineno: int) -> str:
-    import linecache
-
     return linecache.getline(fname, lineno).strip()[:120]
 
 
@@ -433,6 +430,14 @@ def _operands(n: Node) -> tuple[int | None, int | None]:
     return (ids + [None, None])[0], (ids + [None, None])[1]
 
 
+def _named_arg(n: Node, name: str) -> Any:
+    """An argument by its schema name, passed by position or keyword (None if absent)."""
+    for pos, a in enumerate(getattr(n.target, "_schema").arguments):
+        if a.name == name:
+            return arg(n, pos, name)
+    return None
+
+
 def _find_attention(nodes: list[Node]) -> list[AttentionUnit]:
     units = []
     for n in nodes:
@@ -440,11 +445,10 @@ def _find_attention(nodes: list[Node]) -> list[AttentionUnit]:
             q, k, v = (a.index if isinstance(a, Ref) else None for a in n.args[:3])
             if None in (q, k, v):
                 continue
-            mask = arg(n, 3, "attn_mask") if n.base == "aten::scaled_dot_product_attention" else n.kwargs.get("attn_mask")
-            causal_pos = 5 if n.base == "aten::scaled_dot_product_attention" else 4
+            mask = _named_arg(n, "attn_mask") or _named_arg(n, "attn_bias")
             units.append(AttentionUnit(nodes=frozenset({n.index}), q=q, k=k, v=v, out=n.index,
                                        mask=mask.index if isinstance(mask, Ref) else None,
-                                       is_causal=bool(arg(n, causal_pos, "is_causal", False))))
+                                       is_causal=bool(_named_arg(n, "is_causal"))))
         elif n.base in _SOFTMAX and len(n.shape) >= 3:
             unit = _eager_attention(nodes, n)
             if unit is not None:
