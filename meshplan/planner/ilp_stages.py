@@ -14,36 +14,51 @@ f_r on activations (micro-batches in flight under the schedule) and extras e^T_r
 embedding on rank 0, the output layer + loss on rank pp-1); a memory cap C; at least n_min
 layers per stage (n_min = 1 by default).
 
-Runs. Consecutive identical layers (same t, a, w) form a run k = [s_k, s_k + n_k); DeepSeek-V3
-is 2 runs (3 dense, 58 MoE), a Llama is 1. Inside a run the prefix sums
-P^T(b) = sum_{l<b} t_l (and P^A, P^W) are linear in the boundary b, so a boundary needs one
-binary per run it can fall in rather than one per layer: the model is O(S x runs), not
-O(L x S^2), and a 126-layer Llama on 32 virtual stages has 31 general integers and no binary.
+Runs. Consecutive identical layers (same t, a, w) form a run k of n_k layers with values
+(t_k, a_k, w_k); a Llama is 1 run, DeepSeek-V3 2 (3 dense, 58 MoE). The model counts layers per
+run instead of placing each layer, so its size is O(S x runs), not O(L x S^2): a 126-layer Llama on
+32 virtual stages has 31 + 8 general integers and no binary.
 
 Variables
-  b_s  boundary between stages s-1 and s, s = 1 .. S-1 (b_0 = 0, b_S = L); stage s runs
-       layers [b_s, b_{s+1}). Encoded per run k the boundary may fall in:
-  u_sk in {0, 1}   b_s lies in run k                          (omitted when only one run fits)
-  o_sk in Z_{>=0}  offset of b_s from the first position lo_sk that run k allows for it
-  so  b_s = sum_k (lo_sk u_sk + o_sk),   P^X(b_s) = sum_k (P^X(lo_sk) u_sk + x_k o_sk), X in {T, A, W}
-  T    the slowest rank's time (the epigraph variable)
+  q_sk in {0..n_k}  layers of run k before boundary s (s = 1 .. S-1; q_0k = 0, q_Sk = n_k);
+                    boundary b_s = sum_k q_sk and stage s runs layers [b_s, b_{s+1})
+  z_sk in {0, 1}    run k lies wholly before boundary s (only where b_s may fall in run k or k+1;
+                    for a one-layer run z_sk is q_sk itself)
+  c_rk in {0..n_k}  layers of run k on rank r (for runs longer than one layer; otherwise the
+                    expression below is used directly)
+  T                 the slowest rank's time (the epigraph variable)
+  The prefix sums are linear: time of stage s = sum_k t_k (q_{s+1,k} - q_sk), likewise memory.
 
 Objective
   minimise T
 
-Constraint families (one method each below)
-  assignment    sum_k u_sk = 1 and o_sk <= (hi_sk - lo_sk) u_sk: each boundary sits in exactly one
-                run, so every layer belongs to exactly one stage
-  order         b_{s+1} - b_s >= n_min (stages are contiguous, in order, and non-empty), and
-                sum_{k'<=k} u_{s+1,k'} <= sum_{k'<=k} u_{s,k'} (a later boundary never falls in an
-                earlier run; implied by the first, added because it tightens the LP relaxation)
-  memory        for every rank r: sum_{s on r} [P^W(b_{s+1}) - P^W(b_s)]
-                                  + f_r sum_{s on r} [P^A(b_{s+1}) - P^A(b_s)] + e^M_r <= C
-  epigraph      for every rank r: sum_{s on r} [P^T(b_{s+1}) - P^T(b_s)] + e^T_r <= T
+Constraint families (one method each in `_StageModel`)
+  assignment  q_sk >= n_k z_sk and q_{s,k+1} <= n_{k+1} z_sk: a boundary takes layers of run k+1
+              only after all of run k, so q_s. describes one position and every layer belongs to
+              exactly one stage
+  order       q_{s+1,k} >= q_sk (stages are contiguous and in order) and
+              b_{s+1} - b_s >= n_min (no stage is empty)
+  count       c_rk = sum_{s on r} (q_{s+1,k} - q_sk)
+  memory      for every rank r: sum_k (w_k + f_r a_k) c_rk + e^M_r <= C
+  epigraph    for every rank r: sum_k t_k c_rk + e^T_r <= T
+  incumbent   T <= T_h (and T >= T_h for vp = 1): the bound from a heuristic split, see below
 
-Each boundary's range is pruned beforehand to [s n_min, L - (S - s) n_min]. When the memory
-family makes the problem infeasible, a second ILP with the same variables minimises the peak
-rank memory instead; its optimum names the rank and the parts that cannot fit, in GB.
+Each q_sk's range is pruned beforehand from b_s in [s n_min, L - (S - s) n_min].
+
+Incumbent. Branch and bound proves min-max splits slowly when layers differ one by one (the LP
+bound spreads time perfectly), so a split found without a solver bounds the search and is the
+answer if the solver stops at its time limit without beating it: for vp = 1 the exact dynamic
+program over boundaries (min over i of max(best over the first i layers, time of [i, j)), memory
+checked per stage) - its value is then also a lower bound and the solver only confirms it; for
+vp > 1 the same program balancing virtual stages (each holding a 1/vp share of its rank's memory
+room), improved by moving single boundaries. CBC also starts from it (HiGHS through pulp cannot).
+
+Tie-break. Many splits share the optimal T. A second solve keeps T <= T* and minimises the
+slowest virtual stage (vp > 1: the interleaved schedule fills and drains the pipeline chunk by
+chunk) or the peak rank memory (vp = 1).
+
+Infeasibility. When the memory family admits no split, a third model with the same variables
+minimises the peak rank memory; its optimum names the rank and what on it cannot fit, in GB.
 
 Zero-layer stages: n_min = 0 is allowed for callers that want the embedding or the output layer
 to be a stage of its own (Megatron's account-for-embedding / account-for-loss splits); it is
@@ -65,13 +80,15 @@ from meshplan.planner.solver import has_solution, proved_optimal, resolve_solver
 
 __all__ = ["StageAssignment", "assign_stages", "even_split", "evaluate_split"]
 
-# Memory may exceed the cap by this relative amount after the solve: the solvers' feasibility
-# tolerance (1e-6 to 1e-7 absolute, HiGHS / CBC defaults) on GB-sized numbers.
+# Memory may exceed the cap by this much (relative and absolute GB) after the solve: the solvers'
+# feasibility tolerance (1e-6 to 1e-7 absolute, HiGHS / CBC defaults) on GB-sized numbers.
 _MEMORY_TOL = 1e-6
-# The tie-break solve may not make the slowest rank slower than the first solve's optimum by more
-# than this (relative, absolute seconds): float noise only.
-_TIE_REL = 1e-9
-_TIE_ABS = 1e-12
+# Two splits whose slowest ranks differ by less than this (relative, absolute seconds) are equally
+# fast: float noise in sums of per-layer seconds.
+_TIME_REL = 1e-9
+_TIME_ABS = 1e-12
+# Single-boundary moves the vp > 1 heuristic tries, per boundary (bounds its cost to a few ms).
+_LOCAL_SEARCH_PASSES = 40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,13 +99,14 @@ class StageAssignment:
     rank_time_s: tuple[float, ...]     # per pipeline rank: one micro-batch fwd+bwd over its chunks (incl. extras)
     rank_memory_gb: tuple[float, ...]  # per pipeline rank: static + in-flight activations + extras
     slowest_s: float                   # max(rank_time_s), the ILP's objective
-    solver: str                        # "highs" / "cbc" (+ " (time limit)" when optimality was not proved), "evaluated"
+    solver: str                        # "highs" / "cbc", + " (time limit)" when optimality is not proved; "evaluated"
     solve_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.stage_layers or min(self.stage_layers) < 0:
             raise ConfigError(f"stage_layers {self.stage_layers}: needs one non-negative count per virtual stage")
-        if len(self.rank_time_s) != len(self.rank_memory_gb) or len(self.stage_layers) % len(self.rank_time_s):
+        if (not self.rank_time_s or len(self.rank_time_s) != len(self.rank_memory_gb)
+                or len(self.stage_layers) % len(self.rank_time_s)):
             raise ConfigError(f"{len(self.stage_layers)} virtual stages do not spread over "
                               f"{len(self.rank_time_s)} pipeline ranks")
         if not math.isclose(self.slowest_s, max(self.rank_time_s), rel_tol=1e-9, abs_tol=1e-15):
@@ -107,6 +125,15 @@ class StageAssignment:
         return _rank_layer_indices(self.stage_layers, self.pp, rank)
 
 
+def _rank_layer_indices(stage_layers: Sequence[int], pp: int, rank: int) -> list[int]:
+    out, start = [], 0
+    for s, n in enumerate(stage_layers):
+        if s % pp == rank:
+            out.extend(range(start, start + n))
+        start += n
+    return out
+
+
 # ---- inputs ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class _Inputs:
@@ -118,6 +145,8 @@ class _Inputs:
     in_flight: tuple[float, ...]
     extra_time: tuple[float, ...]     # per rank
     extra_mem: tuple[float, ...]      # per rank
+    first_extra_time_s: float
+    last_extra_time_s: float
     first_extra_memory_gb: float
     last_extra_memory_gb: float
 
@@ -129,7 +158,11 @@ class _Inputs:
     def S(self) -> int:
         return self.pp * self.vp
 
+    def stage_extra_time(self, s: int) -> float:
+        return (self.first_extra_time_s if s == 0 else 0.0) + (self.last_extra_time_s if s == self.S - 1 else 0.0)
+
     def rank_costs(self, stage_layers: Sequence[int]) -> tuple[list[float], list[float]]:
+        """Exact (fsum) rank times and memory of a split."""
         t = list(self.extra_time)
         w = [0.0] * self.pp
         a = [0.0] * self.pp
@@ -176,14 +209,23 @@ def _inputs(layer_time_s, layer_memory_gb, *, pp, vp, static_memory_gb, in_fligh
     a = _floats("layer_memory_gb", layer_memory_gb, len(t))
     w = _floats("static_memory_gb", static_memory_gb, len(t))
     f = _floats("in_flight", [1.0] * pp if in_flight is None else in_flight, pp)
-    ex = _floats("extras", (first_extra_time_s, last_extra_time_s, first_extra_memory_gb, last_extra_memory_gb), 4)
+    ft, lt, fm, lm = _floats("first/last extras", (first_extra_time_s, last_extra_time_s, first_extra_memory_gb,
+                                                    last_extra_memory_gb), 4)
     et, em = [0.0] * pp, [0.0] * pp
-    et[0] += ex[0]
-    et[pp - 1] += ex[1]
-    em[0] += ex[2]
-    em[pp - 1] += ex[3]
+    et[0] += ft
+    et[pp - 1] += lt
+    em[0] += fm
+    em[pp - 1] += lm
     return _Inputs(time=t, act=a, static=w, pp=pp, vp=vp, in_flight=f, extra_time=tuple(et), extra_mem=tuple(em),
-                   first_extra_memory_gb=ex[2], last_extra_memory_gb=ex[3])
+                   first_extra_time_s=ft, last_extra_time_s=lt, first_extra_memory_gb=fm, last_extra_memory_gb=lm)
+
+
+def _fits(mem: Sequence[float], cap: float) -> bool:
+    return max(mem) <= cap * (1 + _MEMORY_TOL) + _MEMORY_TOL
+
+
+def _no_slower(t: float, ref: float) -> bool:
+    return t <= ref * (1 + _TIME_REL) + _TIME_ABS
 
 
 # ---- baselines ------------------------------------------------------------------------------------
@@ -211,6 +253,108 @@ def evaluate_split(stage_layers: Sequence[int], layer_time_s: Sequence[float], l
     t, m = d.rank_costs(sl)
     return StageAssignment(stage_layers=sl, rank_time_s=tuple(t), rank_memory_gb=tuple(m), slowest_s=max(t),
                            solver="evaluated")
+
+
+# ---- incumbent heuristics -------------------------------------------------------------------------
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _dp_split(d: _Inputs, cap: float, nmin: int) -> tuple[int, ...] | None:
+    """Min-max split over virtual stages by dynamic programming; None when none fits.
+
+    Stage s may use (C - e^M_r) / vp of its rank's memory, so for vp = 1 this is the exact optimum
+    of the ILP and for vp > 1 a feasible, balanced start. Both stage time and memory grow as a
+    stage takes more layers, so the scan over a stage's first layer stops at the first one that
+    breaks the memory room or cannot beat the best found: about L^2 steps in all."""
+    L, S = d.L, d.S
+    PT, PA, PW = _prefix(d.time), _prefix(d.act), _prefix(d.static)
+    inf = math.inf
+    best = [0.0] + [inf] * L            # best[j]: slowest stage so far with the first j layers placed
+    choice: list[list[int]] = []
+    for s in range(S):
+        r = s % d.pp
+        room = (cap - d.extra_mem[r]) / d.vp * (1 + _MEMORY_TOL) + _MEMORY_TOL
+        ext, f = d.stage_extra_time(s), d.in_flight[r]
+        new, arg = [inf] * (L + 1), [-1] * (L + 1)
+        for j in range((s + 1) * nmin, L - (S - s - 1) * nmin + 1):
+            b = inf
+            for i in range(j - nmin, s * nmin - 1, -1):
+                if PW[j] - PW[i] + f * (PA[j] - PA[i]) > room:
+                    break
+                t = PT[j] - PT[i] + ext
+                if t >= b:
+                    break
+                v = best[i] if best[i] > t else t
+                if v < b:
+                    b, arg[j] = v, i
+            new[j] = b
+        best = new
+        choice.append(arg)
+    if best[L] == inf:
+        return None
+    bounds = [L]
+    for s in range(S - 1, -1, -1):
+        bounds.append(choice[s][bounds[-1]])
+    bounds.reverse()
+    return tuple(bounds[s + 1] - bounds[s] for s in range(S))
+
+
+def _local_search(d: _Inputs, cap: float, nmin: int, split: tuple[int, ...]) -> tuple[int, ...]:
+    """Move single boundaries by one layer while that lowers (slowest rank, sum of squared rank
+    times) and every rank still fits."""
+    S, pp = d.S, d.pp
+    PT, PA, PW = _prefix(d.time), _prefix(d.act), _prefix(d.static)
+    b = [0]
+    for n in split:
+        b.append(b[-1] + n)
+
+    def costs(bb):
+        t, w, a = list(d.extra_time), [0.0] * pp, [0.0] * pp
+        for s in range(S):
+            r = s % pp
+            t[r] += PT[bb[s + 1]] - PT[bb[s]]
+            w[r] += PW[bb[s + 1]] - PW[bb[s]]
+            a[r] += PA[bb[s + 1]] - PA[bb[s]]
+        return t, [w[r] + d.in_flight[r] * a[r] + d.extra_mem[r] for r in range(pp)]
+
+    def key(t):
+        return (max(t), sum(x * x for x in t))
+
+    cur = key(costs(b)[0])
+    for _ in range(_LOCAL_SEARCH_PASSES):
+        moved = False
+        for s in range(1, S):
+            for step in (-1, 1):
+                nb = b[s] + step
+                if nb - b[s - 1] < nmin or b[s + 1] - nb < nmin:
+                    continue
+                trial = b[:s] + [nb] + b[s + 1:]
+                t, m = costs(trial)
+                k = key(t)
+                better = k[0] < cur[0] or (k[0] <= cur[0] and k[1] < cur[1] * (1 - 1e-12))
+                if better and _fits(m, cap):
+                    b, cur, moved = trial, k, True
+        if not moved:
+            break
+    return tuple(b[s + 1] - b[s] for s in range(S))
+
+
+def _incumbent(d: _Inputs, cap: float, nmin: int) -> tuple[tuple[int, ...] | None, bool]:
+    """(a split that fits or None, whether it is provably optimal)."""
+    split = _dp_split(d, cap, nmin)
+    if d.vp == 1:
+        return split, split is not None
+    if split is None and d.L >= d.S * max(nmin, 1):
+        even = even_split(d.L, d.S)
+        if min(even) >= nmin and _fits(d.rank_costs(even)[1], cap):
+            split = even
+    if split is not None:
+        split = _local_search(d, cap, nmin, split)
+    return split, False
 
 
 # ---- the ILP --------------------------------------------------------------------------------------
@@ -249,8 +393,8 @@ class _StageModel:
         self._boundary_variables()
         self._rank_count_variables()
 
-    # boundary s may take positions [s*nmin, L-(S-s)*nmin], which bounds how much of each run lies before it
     def _boundary_variables(self) -> None:
+        # b_s lies in [s*nmin, L-(S-s)*nmin], which bounds how much of each run can precede it
         d, S = self.d, self.d.S
         for s in range(1, S):
             lo_s, hi_s = s * self.nmin, d.L - (S - s) * self.nmin
@@ -260,23 +404,20 @@ class _StageModel:
                 self._q[s, k] = lo if lo == hi else pulp.LpVariable(
                     f"q_{s}_{k}", lo, hi, cat="Binary" if (lo, hi) == (0, 1) else "Integer")
             for k in range(len(self.runs) - 1):
-                full = self.runs[k].length
                 if not isinstance(self._q[s, k], pulp.LpVariable) or not isinstance(self._q[s, k + 1], pulp.LpVariable):
                     continue   # run k is surely complete, or run k+1 surely untouched: no link needed
-                if full == 1:
+                if self.runs[k].length == 1:
                     self.z[s, k] = self._q[s, k]   # a one-layer run is complete exactly when it is started
                 else:
                     self.z[s, k] = pulp.LpVariable(f"z_{s}_{k}", cat="Binary")
 
     def _rank_count_variables(self) -> None:
-        # c_rk for runs longer than one layer are integer variables of their own (tied to the
-        # boundaries by the count family): branching on a rank's layer count closes the gap between
-        # the LP bound and the integer optimum far faster than branching on boundaries (measured:
-        # CBC went from the 10 s time limit to 20 ms on a DeepSeek-V3-like pp=8, vp=2 instance).
-        d = self.d
-        for r in range(d.pp):
+        # A rank's layer count per run gets an integer variable of its own: branching on it closes the
+        # gap between the LP bound and the integer optimum far faster than branching on boundaries
+        # (measured: CBC went from its 10 s limit to 20 ms on a DeepSeek-V3-like pp=8, vp=2 instance).
+        for r in range(self.d.pp):
             for k, run in enumerate(self.runs):
-                expr = self._stages_sum(r, k)
+                expr = pulp.lpSum(self.q(s + 1, k) - self.q(s, k) for s in range(r, self.d.S, self.d.pp))
                 if run.length > 1:
                     self.c[r, k] = pulp.LpVariable(f"c_{r}_{k}", 0, run.length, cat="Integer")
                     self._count_expr[r, k] = expr
@@ -292,27 +433,19 @@ class _StageModel:
         return self._q[s, k]
 
     def boundary(self, s: int):
-        """b_s = sum_k q_sk."""
         return pulp.lpSum(self.q(s, k) for k in range(len(self.runs)))
 
-    def _stages_sum(self, r: int, k: int):
-        return pulp.lpSum(self.q(s + 1, k) - self.q(s, k) for s in range(r, self.d.S, self.d.pp))
-
-    @staticmethod
-    def _value(run: _Run, X: str) -> float:
-        return {"T": run.time, "A": run.act, "W": run.static}[X]
-
-    def rank_sum(self, X: str, r: int):
-        """Time / activation / static memory of the layers rank r runs."""
-        return pulp.lpSum(self._value(run, X) * self.c[r, k] for k, run in enumerate(self.runs))
-
-    def stage_time(self, s: int):
-        extra = (self.d.extra_time[0] if s == 0 else 0.0) + \
-            (self.d.extra_time[self.d.pp - 1] if s == self.d.S - 1 else 0.0)
-        return pulp.lpSum(run.time * (self.q(s + 1, k) - self.q(s, k)) for k, run in enumerate(self.runs)) + extra
+    def rank_time(self, r: int):
+        return pulp.lpSum(run.time * self.c[r, k] for k, run in enumerate(self.runs)) + self.d.extra_time[r]
 
     def rank_memory(self, r: int):
-        return self.rank_sum("W", r) + self.d.in_flight[r] * self.rank_sum("A", r) + self.d.extra_mem[r]
+        f = self.d.in_flight[r]
+        return (pulp.lpSum((run.static + f * run.act) * self.c[r, k] for k, run in enumerate(self.runs))
+                + self.d.extra_mem[r])
+
+    def stage_time(self, s: int):
+        return (pulp.lpSum(run.time * (self.q(s + 1, k) - self.q(s, k)) for k, run in enumerate(self.runs))
+                + self.d.stage_extra_time(s))
 
     # ---- constraint families ----
     def add_assignment(self) -> None:
@@ -322,8 +455,7 @@ class _StageModel:
             self.prob += self._q[s, k + 1] <= self.runs[k + 1].length * z, f"started_{s}_{k + 1}"
 
     def add_order(self) -> None:
-        d = self.d
-        for s in range(d.S):
+        for s in range(self.d.S):
             for k in range(len(self.runs)):
                 if isinstance(self.q(s, k), pulp.LpVariable) or isinstance(self.q(s + 1, k), pulp.LpVariable):
                     self.prob += self.q(s + 1, k) >= self.q(s, k), f"order_{s}_{k}"
@@ -331,7 +463,7 @@ class _StageModel:
                 self.prob += self.boundary(s + 1) - self.boundary(s) >= self.nmin, f"nonempty_{s}"
 
     def add_count(self) -> None:
-        for (r, k), expr in getattr(self, "_count_expr", {}).items():
+        for (r, k), expr in self._count_expr.items():
             self.prob += self.c[r, k] == expr, f"count_{r}_{k}"
 
     def add_memory(self) -> None:
@@ -340,14 +472,18 @@ class _StageModel:
 
     def add_epigraph(self, T: pulp.LpVariable) -> None:
         for r in range(self.d.pp):
-            self.prob += self.rank_sum("T", r) + self.d.extra_time[r] <= T, f"slowest_rank_{r}"
+            self.prob += self.rank_time(r) <= T, f"slowest_rank_{r}"
+
+    def add_incumbent(self, T: pulp.LpVariable, upper: float, lower: float | None) -> None:
+        self.prob += T <= upper * (1 + _TIME_REL) + _TIME_ABS, "incumbent_upper"
+        if lower is not None:
+            self.prob += T >= lower * (1 - _TIME_REL) - _TIME_ABS, "incumbent_lower"
 
     def add_tie_break(self, slowest: float, Z: pulp.LpVariable) -> None:
-        """Second solve: keep the optimal slowest rank, then minimise the slowest virtual stage
-        (vp > 1: the interleaved schedule's fill and drain run chunk by chunk) or the peak memory (vp = 1)."""
-        bound = slowest * (1 + _TIE_REL) + _TIE_ABS
+        """Keep every rank within the optimal slowest time; Z bounds the slowest virtual stage (vp > 1)
+        or the peak memory (vp = 1)."""
         for r in range(self.d.pp):
-            self.prob += self.rank_sum("T", r) + self.d.extra_time[r] <= bound, f"keep_slowest_{r}"
+            self.prob += self.rank_time(r) <= slowest * (1 + _TIME_REL) + _TIME_ABS, f"keep_slowest_{r}"
         if self.d.vp > 1:
             for s in range(self.d.S):
                 self.prob += self.stage_time(s) <= Z, f"slowest_stage_{s}"
@@ -355,13 +491,40 @@ class _StageModel:
             self.add_peak_memory(Z)
 
     def add_peak_memory(self, M: pulp.LpVariable) -> None:
-        """M bounds every rank's memory (the diagnosis and the vp = 1 tie-break)."""
+        """M bounds every rank's memory (the infeasibility diagnosis and the vp = 1 tie-break)."""
         for r in range(self.d.pp):
             self.prob += self.rank_memory(r) <= M, f"peak_memory_rank_{r}"
+
+    def start_from(self, split: Sequence[int]) -> None:
+        """Initial values for CBC's warm start."""
+        b = [0]
+        for n in split:
+            b.append(b[-1] + n)
+        for (s, k), v in self._q.items():
+            run = self.runs[k]
+            if isinstance(v, pulp.LpVariable):
+                v.setInitialValue(min(max(b[s] - run.start, 0), run.length))
+        for (s, k), z in self.z.items():
+            if z is not self._q[s, k]:
+                z.setInitialValue(1 if b[s] >= self.runs[k].start + self.runs[k].length else 0)
+        for (r, k), c in self.c.items():
+            if isinstance(c, pulp.LpVariable):
+                run = self.runs[k]
+                c.setInitialValue(sum(len(range(max(b[s], run.start), min(b[s + 1], run.start + run.length)))
+                                      for s in range(r, self.d.S, self.d.pp)))
 
     def stage_layers(self) -> tuple[int, ...]:
         b = [0] + [int(round(pulp.value(self.boundary(s)))) for s in range(1, self.d.S)] + [self.d.L]
         return tuple(b[s + 1] - b[s] for s in range(self.d.S))
+
+    def build(self, objective_name: str) -> pulp.LpVariable:
+        """The objective variable, and the families every variant shares."""
+        v = pulp.LpVariable(objective_name, lowBound=0)
+        self.prob += v
+        self.add_assignment()
+        self.add_order()
+        self.add_count()
+        return v
 
 
 def assign_stages(layer_time_s: Sequence[float], layer_memory_gb: Sequence[float], *, pp: int, vp: int = 1,
@@ -377,10 +540,11 @@ def assign_stages(layer_time_s: Sequence[float], layer_memory_gb: Sequence[float
     layer_memory_gb: per layer, activations of one micro-batch; multiplied by in_flight[rank]
         (micro-batches the schedule keeps alive on that rank; default 1).
     static_memory_gb: per layer (or one value for all), memory that does not scale with micro-batches.
-    first/last_extra_*: the embedding (rank 0) and the output layer + loss (rank pp-1), as totals.
+    first/last_extra_*: the embedding (rank 0) and the output layer + loss (rank pp-1), as totals
+        (scale their activations by in-flight micro-batches before passing them).
     tie_break: among the splits with the optimal slowest rank, pick the one with the fastest slowest
         virtual stage (vp > 1) or the least peak memory (vp = 1) - a second solve.
-    time_limit_s: for the whole call (both solves).
+    time_limit_s: for the whole call; solver: "auto", "highs" or "cbc".
     Raises LayoutError when there are fewer layers than stages, DoesNotFitError when no split fits.
     """
     d = _inputs(layer_time_s, layer_memory_gb, pp=pp, vp=vp, static_memory_gb=static_memory_gb, in_flight=in_flight,
@@ -390,69 +554,75 @@ def assign_stages(layer_time_s: Sequence[float], layer_memory_gb: Sequence[float
         raise ConfigError(f"min_stage_layers={min_stage_layers!r}: must be 0 or a positive integer")
     if not (isinstance(memory_cap_gb, (int, float)) and math.isfinite(memory_cap_gb) and memory_cap_gb > 0):
         raise ConfigError(f"memory_cap_gb={memory_cap_gb!r}: must be a positive number of GB")
-    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+    if isinstance(time_limit_s, bool) or not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
         raise ConfigError(f"time_limit_s={time_limit_s!r}: must be a positive number of seconds")
     if d.S * min_stage_layers > d.L:
         raise LayoutError(f"pp*vp = {d.pp}*{d.vp} = {d.S} virtual stages need at least {d.S * min_stage_layers} "
                           f"layers ({min_stage_layers} each) but the model has {d.L}; use pp*vp <= "
                           f"{d.L // max(1, min_stage_layers)}")
-    cap = float(memory_cap_gb)
+    cap, nmin = float(memory_cap_gb), min_stage_layers
     name = resolve_solver(solver)
     t0 = time.perf_counter()
-    model = _StageModel(d, cap, min_stage_layers, "stages")
-    T = pulp.LpVariable("slowest_rank_s", lowBound=0)
-    model.prob += T
-    model.add_assignment()
-    model.add_order()
-    model.add_count()
+    start, exact = _incumbent(d, cap, nmin)
+    if start is None and d.vp == 1:   # the dynamic program is exact for vp = 1: nothing fits
+        _explain_infeasible(d, cap, nmin, name, time_limit_s)
+
+    model = _StageModel(d, cap, nmin, "stages")
+    T = model.build("slowest_rank_s")
     model.add_memory()
     model.add_epigraph(T)
-    status = solve(model.prob, time_limit_s=time_limit_s, solver=name)
-    if status == "Infeasible" or not has_solution(model.prob):
-        _explain_infeasible(d, cap, min_stage_layers, name, time_limit_s, status)
-    best = model.stage_layers()
-    optimal = proved_optimal(model.prob)
-    t, m = d.rank_costs(best)
-    if max(m) > cap * (1 + _MEMORY_TOL) + _MEMORY_TOL:   # a solver tolerance slip
-        _explain_infeasible(d, cap, min_stage_layers, name, time_limit_s, status)
+    if start is not None:
+        t_start = max(d.rank_costs(start)[0])
+        model.add_incumbent(T, t_start, t_start if exact else None)
+        model.start_from(start)
+    status = solve(model.prob, time_limit_s=time_limit_s, solver=name, warm_start=start is not None)
+
+    found = [start] if start is not None else []
+    if has_solution(model.prob):
+        sl = model.stage_layers()
+        if min(sl) >= nmin and _fits(d.rank_costs(sl)[1], cap):   # never trust a tolerance slip
+            found.append(sl)
+    if not found:
+        _explain_infeasible(d, cap, nmin, name, time_limit_s, status)
+    best = min(found, key=lambda sl: (max(d.rank_costs(sl)[0]), max(d.rank_costs(sl)[1])))
+    optimal = exact or proved_optimal(model.prob)
     left = time_limit_s - (time.perf_counter() - t0)
     if tie_break and d.S > 1 and left > 0:
-        best, t, m = _tie_break(d, cap, min_stage_layers, name, left, best, max(t))
-    label = name if optimal else f"{name} (time limit)"
+        best = _tie_break(d, cap, nmin, name, left, best)
+    t, m = d.rank_costs(best)
     return StageAssignment(stage_layers=best, rank_time_s=tuple(t), rank_memory_gb=tuple(m), slowest_s=max(t),
-                           solver=label, solve_time_s=time.perf_counter() - t0)
+                           solver=name if optimal else f"{name} (time limit)",
+                           solve_time_s=time.perf_counter() - t0)
 
 
 def _tie_break(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: float,
-               first: tuple[int, ...], slowest: float):
+               first: tuple[int, ...]) -> tuple[int, ...]:
+    t, m = d.rank_costs(first)
+    slowest = max(t)
     model = _StageModel(d, cap, nmin, "stages_tie_break")
-    Z = pulp.LpVariable("tie_break", lowBound=0)
-    model.prob += Z
-    model.add_assignment()
-    model.add_order()
-    model.add_count()
+    Z = model.build("tie_break")
     model.add_memory()
     model.add_tie_break(slowest, Z)
-    solve(model.prob, time_limit_s=time_limit_s, solver=solver)
-    t, m = d.rank_costs(first)
+    current = max(m) if d.vp == 1 else max(
+        math.fsum(d.time[sum(first[:s]):sum(first[:s + 1])]) + d.stage_extra_time(s) for s in range(d.S))
+    model.prob += Z <= current * (1 + _TIME_REL) + _TIME_ABS + _MEMORY_TOL, "incumbent_upper"
+    model.start_from(first)
+    solve(model.prob, time_limit_s=time_limit_s, solver=solver, warm_start=True)
     if not has_solution(model.prob):
-        return first, t, m
+        return first
     sl = model.stage_layers()
     t2, m2 = d.rank_costs(sl)
     # keep the second split only if it is truly no slower and fits (solver tolerances are not ours)
-    if max(t2) <= slowest * (1 + _TIE_REL) + _TIE_ABS and max(m2) <= cap * (1 + _MEMORY_TOL) + _MEMORY_TOL:
-        return sl, t2, m2
-    return first, t, m
+    if min(sl) >= nmin and _no_slower(max(t2), slowest) and _fits(m2, cap):
+        return sl
+    return first
 
 
-def _explain_infeasible(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: float, status: str):
+def _explain_infeasible(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: float,
+                        status: str = "Infeasible"):
     """Find the split with the least peak memory and say which rank, and what on it, cannot fit."""
     model = _StageModel(d, cap, nmin, "stages_min_memory")
-    M = pulp.LpVariable("peak_memory_gb", lowBound=0)
-    model.prob += M
-    model.add_assignment()
-    model.add_order()
-    model.add_count()
+    M = model.build("peak_memory_gb")
     model.add_peak_memory(M)
     solve(model.prob, time_limit_s=time_limit_s, solver=solver)
     if not has_solution(model.prob):
@@ -461,7 +631,7 @@ def _explain_infeasible(d: _Inputs, cap: float, nmin: int, solver: str, time_lim
     sl = model.stage_layers()
     _, mem = d.rank_costs(sl)
     r = max(range(d.pp), key=lambda i: mem[i])
-    if mem[r] <= cap * (1 + _MEMORY_TOL) + _MEMORY_TOL:
+    if _fits(mem, cap):
         raise DoesNotFitError(f"the stage-split ILP stopped without a split that fits in {cap:.1f} GB "
                               f"(solver status {status!r}) although one exists; raise time_limit_s")
     layers = _rank_layer_indices(sl, d.pp, r)
@@ -477,12 +647,3 @@ def _explain_infeasible(d: _Inputs, cap: float, nmin: int, solver: str, time_lim
     lead = "even with the split that needs the least memory, " if d.S > 1 else ""
     raise DoesNotFitError(f"{lead}pipeline stage {r} needs {mem[r]:.1f} GB for its {' + '.join(parts)}, more than "
                           f"the {cap:.1f} GB available: use more pipeline stages, recompute or a larger tp")
-
-
-def _rank_layer_indices(stage_layers: Sequence[int], pp: int, rank: int) -> list[int]:
-    out, start = [], 0
-    for s, n in enumerate(stage_layers):
-        if s % pp == rank:
-            out.extend(range(start, start + n))
-        start += n
-    return out

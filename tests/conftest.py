@@ -1,0 +1,11 @@
+"""Test-wide set-up.
+
+Triton reads TRITON_INTERPRET when it is first imported, and torch may import triton on its
+own, so the variable is set here, before any test module is collected. On a machine with an
+NVIDIA GPU the real compiler is used instead.
+"""
+
+import os
+
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
+    os.environ["TRITON_INTERPRET"] = "1"
