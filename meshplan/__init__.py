@@ -24,6 +24,8 @@ _LAZY = {
     "Estimate": ("meshplan.cost_models.estimate", "Estimate"),
     "ModelProfile": ("meshplan.planner.profile", "ModelProfile"),
     "estimate": ("meshplan.api", "estimate"),
+    "plan": ("meshplan.api", "plan"),
+    "Plan": ("meshplan.planner.plan", "Plan"),
     "profile": ("meshplan.api", "profile"),
     "trace": ("meshplan.planner.trace", "trace"),
     "profile_from_config": ("meshplan.planner.analytic", "profile_from_config"),
@@ -34,7 +36,8 @@ _SUBMODULES = ("models", "cluster", "errors", "planner", "cost_models", "kernels
 __all__ = sorted(list(_LAZY) + list(_SUBMODULES))
 
 if TYPE_CHECKING:  # pragma: no cover
-    from meshplan.api import estimate, profile
+    from meshplan.api import estimate, plan, profile
+    from meshplan.planner.plan import Plan
     from meshplan.cluster import Cluster, GPUSpec
     from meshplan.cost_models.estimate import Estimate
     from meshplan.cost_models.layout import Layout

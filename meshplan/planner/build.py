@@ -93,7 +93,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                                    fits=e.fits, reason=why_lost(e, best)))
         if len(runner_ups) >= top_k - 1:
             break
-    for e in result.rejected[:2]:
+    for e in [e for e in result.rejected_fast if e.step_time_s < best.step_time_s][:2]:
         runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s, peak_memory_gb=e.peak_memory_gb,
                                    fits=False, reason=why_lost(e, best)))
     mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}

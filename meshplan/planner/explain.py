@@ -16,7 +16,9 @@ _NAMES = {"compute": "compute", "tp": "exposed TP comm", "cp": "exposed CP comm"
 def why_lost(loser: Estimate, best: Estimate) -> str:
     """The component of the step that grew most against the winner."""
     if not loser.fits:
-        return f"does not fit: needs {loser.peak_memory_gb:.1f} GB per GPU of {loser.capacity_gb:.1f}"
+        faster = (1 - loser.step_time_s / best.step_time_s) * 100
+        return (f"would be {faster:.1f}% faster but does not fit: needs {loser.peak_memory_gb:.1f} GB per GPU, "
+                f"{loser.capacity_gb:.1f} GB usable")
     diffs = {k: loser.time_s.get(k, 0.0) - best.time_s.get(k, 0.0) for k in best.time_s}
     k = max(diffs, key=diffs.get)
     slower = loser.step_time_s / best.step_time_s - 1

@@ -263,32 +263,40 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _dp_split(d: _Inputs, cap: float, nmin: int) -> tuple[int, ...] | None:
-    """Min-max split over virtual stages by dynamic programming; None when none fits.
+def _dp(d: _Inputs, nmin: int, *, minimise: str, memory_room: Sequence[float],
+        time_cap: float = math.inf) -> tuple[int, ...] | None:
+    """Min-max split over virtual stages by dynamic programming; None when none is allowed.
 
-    Stage s may use (C - e^M_r) / vp of its rank's memory, so for vp = 1 this is the exact optimum
-    of the ILP and for vp > 1 a feasible, balanced start. Both stage time and memory grow as a
-    stage takes more layers, so the scan over a stage's first layer stops at the first one that
-    breaks the memory room or cannot beat the best found: about L^2 steps in all."""
+    minimise "time": the slowest stage; "memory": the largest stage memory (static + in-flight
+    activations + the rank's extras). Stage s must fit memory_room[s] (GB for its layers) and
+    take at most time_cap seconds. For vp = 1 a stage is a rank, so with memory_room = C - e^M_r
+    this is the exact optimum of the ILP. Both stage time and memory grow as a stage reaches
+    further back, so the scan over a stage's first layer stops at the first one that breaks a
+    limit or cannot beat the best found: about L^2 steps in all, usually far fewer.
+    """
     L, S = d.L, d.S
     PT, PA, PW = _prefix(d.time), _prefix(d.act), _prefix(d.static)
     inf = math.inf
-    best = [0.0] + [inf] * L            # best[j]: slowest stage so far with the first j layers placed
+    best = [0.0] + [inf] * L            # best[j]: min-max value with the first j layers placed
     choice: list[list[int]] = []
     for s in range(S):
         r = s % d.pp
-        room = (cap - d.extra_mem[r]) / d.vp * (1 + _MEMORY_TOL) + _MEMORY_TOL
-        ext, f = d.stage_extra_time(s), d.in_flight[r]
+        room = memory_room[s] * (1 + _MEMORY_TOL) + _MEMORY_TOL
+        tcap = time_cap * (1 + _TIME_REL) + _TIME_ABS
+        ext_t, ext_m, f = d.stage_extra_time(s), d.extra_mem[r], d.in_flight[r]
         new, arg = [inf] * (L + 1), [-1] * (L + 1)
         for j in range((s + 1) * nmin, L - (S - s - 1) * nmin + 1):
             b = inf
             for i in range(j - nmin, s * nmin - 1, -1):
-                if PW[j] - PW[i] + f * (PA[j] - PA[i]) > room:
+                mem = PW[j] - PW[i] + f * (PA[j] - PA[i])
+                t = PT[j] - PT[i] + ext_t
+                if mem > room or t > tcap:
                     break
-                t = PT[j] - PT[i] + ext
-                if t >= b:
+                v = t if minimise == "time" else mem + ext_m
+                if v >= b:
                     break
-                v = best[i] if best[i] > t else t
+                if best[i] > v:
+                    v = best[i]
                 if v < b:
                     b, arg[j] = v, i
             new[j] = b
@@ -301,6 +309,12 @@ def _dp_split(d: _Inputs, cap: float, nmin: int) -> tuple[int, ...] | None:
         bounds.append(choice[s][bounds[-1]])
     bounds.reverse()
     return tuple(bounds[s + 1] - bounds[s] for s in range(S))
+
+
+def _stage_room(d: _Inputs, cap: float) -> list[float]:
+    """Memory room of each virtual stage's layers: its rank's cap less the rank's extras, shared
+    equally by the rank's vp chunks (exact for vp = 1, a safe share for vp > 1)."""
+    return [(cap - d.extra_mem[s % d.pp]) / d.vp for s in range(d.S)]
 
 
 def _local_search(d: _Inputs, cap: float, nmin: int, split: tuple[int, ...]) -> tuple[int, ...]:
@@ -343,18 +357,14 @@ def _local_search(d: _Inputs, cap: float, nmin: int, split: tuple[int, ...]) -> 
     return tuple(b[s + 1] - b[s] for s in range(S))
 
 
-def _incumbent(d: _Inputs, cap: float, nmin: int) -> tuple[tuple[int, ...] | None, bool]:
-    """(a split that fits or None, whether it is provably optimal)."""
-    split = _dp_split(d, cap, nmin)
-    if d.vp == 1:
-        return split, split is not None
+def _incumbent(d: _Inputs, cap: float, nmin: int) -> tuple[int, ...] | None:
+    """A split that fits, found without a solver (vp > 1), or None."""
+    split = _dp(d, nmin, minimise="time", memory_room=_stage_room(d, cap))
     if split is None and d.L >= d.S * max(nmin, 1):
         even = even_split(d.L, d.S)
         if min(even) >= nmin and _fits(d.rank_costs(even)[1], cap):
             split = even
-    if split is not None:
-        split = _local_search(d, cap, nmin, split)
-    return split, False
+    return None if split is None else _local_search(d, cap, nmin, split)
 
 
 # ---- the ILP --------------------------------------------------------------------------------------
@@ -474,10 +484,8 @@ class _StageModel:
         for r in range(self.d.pp):
             self.prob += self.rank_time(r) <= T, f"slowest_rank_{r}"
 
-    def add_incumbent(self, T: pulp.LpVariable, upper: float, lower: float | None) -> None:
+    def add_incumbent(self, T: pulp.LpVariable, upper: float) -> None:
         self.prob += T <= upper * (1 + _TIME_REL) + _TIME_ABS, "incumbent_upper"
-        if lower is not None:
-            self.prob += T >= lower * (1 - _TIME_REL) - _TIME_ABS, "incumbent_lower"
 
     def add_tie_break(self, slowest: float, Z: pulp.LpVariable) -> None:
         """Keep every rank within the optimal slowest time; Z bounds the slowest virtual stage (vp > 1)
@@ -532,7 +540,7 @@ def assign_stages(layer_time_s: Sequence[float], layer_memory_gb: Sequence[float
                   first_extra_time_s: float = 0.0, last_extra_time_s: float = 0.0,
                   first_extra_memory_gb: float = 0.0, last_extra_memory_gb: float = 0.0,
                   memory_cap_gb: float, time_limit_s: float = 10.0, solver: str = "auto",
-                  min_stage_layers: int = 1, tie_break: bool = True) -> StageAssignment:
+                  min_stage_layers: int = 1, tie_break: bool = True, method: str = "auto") -> StageAssignment:
     """Split the layers over pp*vp virtual stages so the slowest pipeline rank is as fast as possible
     while every rank fits in `memory_cap_gb`.
 
@@ -543,7 +551,9 @@ def assign_stages(layer_time_s: Sequence[float], layer_memory_gb: Sequence[float
     first/last_extra_*: the embedding (rank 0) and the output layer + loss (rank pp-1), as totals
         (scale their activations by in-flight micro-batches before passing them).
     tie_break: among the splits with the optimal slowest rank, pick the one with the fastest slowest
-        virtual stage (vp > 1) or the least peak memory (vp = 1) - a second solve.
+        virtual stage (vp > 1) or the least peak memory (vp = 1).
+    method: "auto" (the exact dynamic program for vp = 1, the ILP bounded by a heuristic split for
+        vp > 1), "ilp" (the ILP alone, no heuristic) or "dp" (vp = 1 only).
     time_limit_s: for the whole call; solver: "auto", "highs" or "cbc".
     Raises LayoutError when there are fewer layers than stages, DoesNotFitError when no split fits.
     """
@@ -552,47 +562,72 @@ def assign_stages(layer_time_s: Sequence[float], layer_memory_gb: Sequence[float
                 first_extra_memory_gb=first_extra_memory_gb, last_extra_memory_gb=last_extra_memory_gb)
     if isinstance(min_stage_layers, bool) or not isinstance(min_stage_layers, int) or min_stage_layers < 0:
         raise ConfigError(f"min_stage_layers={min_stage_layers!r}: must be 0 or a positive integer")
-    if not (isinstance(memory_cap_gb, (int, float)) and math.isfinite(memory_cap_gb) and memory_cap_gb > 0):
+    if isinstance(memory_cap_gb, bool) or not (isinstance(memory_cap_gb, (int, float))
+                                               and math.isfinite(memory_cap_gb) and memory_cap_gb > 0):
         raise ConfigError(f"memory_cap_gb={memory_cap_gb!r}: must be a positive number of GB")
     if isinstance(time_limit_s, bool) or not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
         raise ConfigError(f"time_limit_s={time_limit_s!r}: must be a positive number of seconds")
+    if method not in ("auto", "ilp", "dp"):
+        raise ConfigError(f"method={method!r}: use 'auto', 'ilp' or 'dp'")
+    if method == "dp" and d.vp > 1:
+        raise ConfigError(f"method='dp' is exact only for vp=1 (a rank's {d.vp} chunks are not contiguous); "
+                          "use method='auto' or 'ilp'")
     if d.S * min_stage_layers > d.L:
         raise LayoutError(f"pp*vp = {d.pp}*{d.vp} = {d.S} virtual stages need at least {d.S * min_stage_layers} "
                           f"layers ({min_stage_layers} each) but the model has {d.L}; use pp*vp <= "
                           f"{d.L // max(1, min_stage_layers)}")
     cap, nmin = float(memory_cap_gb), min_stage_layers
-    name = resolve_solver(solver)
     t0 = time.perf_counter()
-    start, exact = _incumbent(d, cap, nmin)
-    if start is None and d.vp == 1:   # the dynamic program is exact for vp = 1: nothing fits
-        _explain_infeasible(d, cap, nmin, name, time_limit_s)
+    if method == "dp" or (method == "auto" and d.vp == 1):
+        best, label = _solve_dp(d, cap, nmin, tie_break), "dp"
+    else:
+        best, label = _solve_ilp(d, cap, nmin, tie_break, time_limit_s, resolve_solver(solver),
+                                 with_incumbent=method == "auto")
+    t, m = d.rank_costs(best)
+    return StageAssignment(stage_layers=best, rank_time_s=tuple(t), rank_memory_gb=tuple(m), slowest_s=max(t),
+                           solver=label, solve_time_s=time.perf_counter() - t0)
 
+
+def _solve_dp(d: _Inputs, cap: float, nmin: int, tie_break: bool) -> tuple[int, ...]:
+    room = _stage_room(d, cap)
+    best = _dp(d, nmin, minimise="time", memory_room=room)
+    if best is None:
+        least = _dp(d, nmin, minimise="memory", memory_room=[math.inf] * d.S)
+        _raise_does_not_fit(d, cap, least)
+    if tie_break:
+        slowest = max(d.rank_costs(best)[0])
+        again = _dp(d, nmin, minimise="memory", memory_room=room, time_cap=slowest)
+        if again is not None and _no_slower(max(d.rank_costs(again)[0]), slowest):
+            best = again
+    return best
+
+
+def _solve_ilp(d: _Inputs, cap: float, nmin: int, tie_break: bool, time_limit_s: float, name: str, *,
+               with_incumbent: bool) -> tuple[tuple[int, ...], str]:
+    t0 = time.perf_counter()
+    start = _incumbent(d, cap, nmin) if with_incumbent else None
     model = _StageModel(d, cap, nmin, "stages")
     T = model.build("slowest_rank_s")
     model.add_memory()
     model.add_epigraph(T)
     if start is not None:
-        t_start = max(d.rank_costs(start)[0])
-        model.add_incumbent(T, t_start, t_start if exact else None)
+        model.add_incumbent(T, max(d.rank_costs(start)[0]))
         model.start_from(start)
     status = solve(model.prob, time_limit_s=time_limit_s, solver=name, warm_start=start is not None)
-
     found = [start] if start is not None else []
     if has_solution(model.prob):
         sl = model.stage_layers()
         if min(sl) >= nmin and _fits(d.rank_costs(sl)[1], cap):   # never trust a tolerance slip
             found.append(sl)
     if not found:
-        _explain_infeasible(d, cap, nmin, name, time_limit_s, status)
+        _raise_does_not_fit(d, cap, _least_memory_ilp(d, nmin, name, time_limit_s), status)
     best = min(found, key=lambda sl: (max(d.rank_costs(sl)[0]), max(d.rank_costs(sl)[1])))
-    optimal = exact or proved_optimal(model.prob)
-    left = time_limit_s - (time.perf_counter() - t0)
+    label = name if proved_optimal(model.prob) else f"{name} (time limit)"
+    # the tie-break may use a quarter of the time limit: it refines, it must not double the cost
+    left = min(time_limit_s - (time.perf_counter() - t0), time_limit_s / 4)
     if tie_break and d.S > 1 and left > 0:
         best = _tie_break(d, cap, nmin, name, left, best)
-    t, m = d.rank_costs(best)
-    return StageAssignment(stage_layers=best, rank_time_s=tuple(t), rank_memory_gb=tuple(m), slowest_s=max(t),
-                           solver=name if optimal else f"{name} (time limit)",
-                           solve_time_s=time.perf_counter() - t0)
+    return best, label
 
 
 def _tie_break(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: float,
@@ -603,9 +638,6 @@ def _tie_break(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: flo
     Z = model.build("tie_break")
     model.add_memory()
     model.add_tie_break(slowest, Z)
-    current = max(m) if d.vp == 1 else max(
-        math.fsum(d.time[sum(first[:s]):sum(first[:s + 1])]) + d.stage_extra_time(s) for s in range(d.S))
-    model.prob += Z <= current * (1 + _TIME_REL) + _TIME_ABS + _MEMORY_TOL, "incumbent_upper"
     model.start_from(first)
     solve(model.prob, time_limit_s=time_limit_s, solver=solver, warm_start=True)
     if not has_solution(model.prob):
@@ -618,23 +650,25 @@ def _tie_break(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: flo
     return first
 
 
-def _explain_infeasible(d: _Inputs, cap: float, nmin: int, solver: str, time_limit_s: float,
-                        status: str = "Infeasible"):
-    """Find the split with the least peak memory and say which rank, and what on it, cannot fit."""
-    model = _StageModel(d, cap, nmin, "stages_min_memory")
+def _least_memory_ilp(d: _Inputs, nmin: int, solver: str, time_limit_s: float) -> tuple[int, ...] | None:
+    model = _StageModel(d, math.inf, nmin, "stages_min_memory")
     M = model.build("peak_memory_gb")
     model.add_peak_memory(M)
     solve(model.prob, time_limit_s=time_limit_s, solver=solver)
-    if not has_solution(model.prob):
-        raise DoesNotFitError(f"the stage-split ILP found no split of {d.L} layers over pp*vp = {d.S} stages "
-                              f"within time_limit_s={time_limit_s} (solver status {status!r}); raise time_limit_s")
-    sl = model.stage_layers()
-    _, mem = d.rank_costs(sl)
+    return model.stage_layers() if has_solution(model.prob) else None
+
+
+def _raise_does_not_fit(d: _Inputs, cap: float, least: tuple[int, ...] | None, status: str = "Infeasible"):
+    """Say which rank of the split with the least peak memory cannot fit, and what on it."""
+    if least is None:
+        raise DoesNotFitError(f"no split of {d.L} layers over pp*vp = {d.S} stages was found within the time "
+                              f"limit (solver status {status!r}); raise time_limit_s")
+    _, mem = d.rank_costs(least)
     r = max(range(d.pp), key=lambda i: mem[i])
     if _fits(mem, cap):
         raise DoesNotFitError(f"the stage-split ILP stopped without a split that fits in {cap:.1f} GB "
                               f"(solver status {status!r}) although one exists; raise time_limit_s")
-    layers = _rank_layer_indices(sl, d.pp, r)
+    layers = _rank_layer_indices(least, d.pp, r)
     static = math.fsum(d.static[i] for i in layers)
     act = d.in_flight[r] * math.fsum(d.act[i] for i in layers)
     parts = [f"{len(layers)} layer{'s' if len(layers) != 1 else ''} "

@@ -37,7 +37,8 @@ MAX_VP = 8
 @dataclass
 class SearchResult:
     ranked: list[Estimate]                 # fitting candidates, best first
-    rejected: list[Estimate]               # evaluated but over memory (best few kept for messages)
+    rejected: list[Estimate]               # evaluated but over memory: the leanest few, for messages
+    rejected_fast: list[Estimate] = field(default_factory=list)   # over memory: the fastest few
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -152,9 +153,12 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
                                    ranked, rejected, stats)
     ranked.sort(key=lambda e: e.step_time_s)
-    rejected.sort(key=lambda e: e.peak_memory_gb)
+    # keep the leanest rejections (for "does not fit" messages) and the fastest ones (layouts that
+    # would have won with more memory, shown as runner-ups)
+    leanest = sorted(rejected, key=lambda e: e.peak_memory_gb)[:8]
+    fastest = sorted(rejected, key=lambda e: e.step_time_s)[:8]
     stats["seconds"] = time.perf_counter() - t0
-    return SearchResult(ranked=ranked[:keep], rejected=rejected[:8], stats=stats)
+    return SearchResult(ranked=ranked[:keep], rejected=leanest, rejected_fast=fastest, stats=stats)
 
 
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats) -> None:
