@@ -25,10 +25,52 @@ def profile(model: Any, *, seq_len: int = TRACE_SEQ_LEN, **trace_kwargs) -> Mode
         from meshplan.planner.analytic import profile_from_config
         return profile_from_config(model, seq_len=seq_len)
     if isinstance(model, str):
-        from meshplan import models
-        model = models.build(model, device="meta")
+        model = load_model(model)
     from meshplan.planner.trace import trace   # torch-heavy: only when a module must be traced
     return trace(model, seq_len=min(seq_len, TRACE_SEQ_LEN), **trace_kwargs)
+
+
+def load_model(spec: str):
+    """An nn.Module on the meta device from a preset name, `path/to/file.py:factory` (a function
+    returning an nn.Module; it is called under the meta device) or a transformers config JSON."""
+    import os
+    if spec.endswith(".json"):
+        if not os.path.exists(spec):
+            raise ConfigError(f"model config file {spec!r} does not exist")
+        import json
+
+        import torch
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise ConfigError("a transformers config JSON needs the transformers package: pip install transformers") from None
+        data = json.loads(open(spec).read())
+        if "model_type" not in data:
+            raise ConfigError(f"{spec}: not a transformers config (no 'model_type' key)")
+        cfg = AutoConfig.for_model(**data)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    if ".py:" in spec:
+        import importlib.util
+
+        import torch
+        path, _, factory = spec.rpartition(":")
+        if not os.path.exists(path):
+            raise ConfigError(f"model file {path!r} does not exist")
+        mod_spec = importlib.util.spec_from_file_location("meshplan_user_model", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        fn = getattr(mod, factory, None)
+        if fn is None or not callable(fn):
+            raise ConfigError(f"{path} has no function {factory!r}; expected path/to/file.py:factory where "
+                              "factory() returns an nn.Module")
+        with torch.device("meta"):
+            model = fn()
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"{spec} returned {type(model).__name__}, not an nn.Module")
+        return model
+    from meshplan import models
+    return models.build(spec, device="meta")
 
 
 def resolve_cluster(cluster: Any):

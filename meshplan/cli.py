@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="meshplan", description="Auto-parallel planner for PyTorch training.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("estimate", help="predict step time, throughput, MFU and memory of one layout")
-    e.add_argument("--model", default="llama3-8b", help="preset name (see `meshplan models`)")
+    e.add_argument("--model", default="llama3-8b",
+                   help="preset name (see `meshplan models`), path/to/file.py:factory, or a transformers config.json")
     e.add_argument("--cluster", default="dgx-h100", help="cluster preset or a cluster JSON file")
     e.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
     e.add_argument("--layout", default="", help="e.g. tp=2,pp=1,dp=4,mbs=1,recompute=selective,zero=1")
@@ -105,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print the Estimate as JSON")
     e.set_defaults(fn=cmd_estimate)
     p = sub.add_parser("plan", help="find the fastest layout that fits and explain it")
-    p.add_argument("--model", default="llama3-8b", help="preset name (see `meshplan models`)")
+    p.add_argument("--model", default="llama3-8b",
+                   help="preset name (see `meshplan models`), path/to/file.py:factory, or a transformers config.json")
     p.add_argument("--cluster", default="dgx-h100", help="cluster preset or a cluster JSON file")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=8192)

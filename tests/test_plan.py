@@ -94,3 +94,31 @@ def test_plan_refuses_other_model_or_cluster(p70):
         p70.check_matches(cluster=mp.Cluster.preset("dgx-a100", nodes=8))
     with pytest.raises(ConfigError, match="needs 64 processes"):
         p70.check_matches(world_size=8)
+
+
+def test_cli_plan_user_model_file_and_hf_config(tmp_path, capsys):
+    from pathlib import Path
+
+    from meshplan.cli import main
+    root = Path(__file__).resolve().parents[1]
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", "--model", f"{root}/examples/my_model.py:build", "--cluster", "dgx-h100", "--nodes", "1",
+                 "--seq-len", "2048", "--global-batch", "32", "--json", str(out_json)]) == 0
+    assert "Plan for GPT" in capsys.readouterr().out
+    assert Plan.load(out_json).world_size == 8
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,'
+                   ' "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024}')
+    assert main(["plan", "--model", str(cfg), "--nodes", "1", "--seq-len", "1024", "--global-batch", "16"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    assert main(["plan", "--model", f"{root}/examples/my_model.py:nope"]) == 2
+    assert "no function 'nope'" in capsys.readouterr().err
+
+
+def test_partial_recompute_is_in_the_search_space():
+    from meshplan.planner.search import _recompute_options
+    opts = _recompute_options(LLAMA70B, pp=4)
+    assert opts[0] == "none" and opts[-1] == "full" and any(isinstance(o, int) for o in opts)
+    pl = plan(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=4), seq_len=4096, global_batch=64,
+              fixed={"tp": 8, "pp": 4, "recompute": 10, "mbs": 1})
+    assert pl.layout["recompute"] == 10

@@ -17,15 +17,16 @@ layers per stage (n_min = 1 by default).
 Runs. Consecutive identical layers (same t, a, w) form a run k of n_k layers with values
 (t_k, a_k, w_k); a Llama is 1 run, DeepSeek-V3 2 (3 dense, 58 MoE). The model counts layers per
 run instead of placing each layer, so its size is O(S x runs), not O(L x S^2): a 126-layer Llama on
-32 virtual stages has 31 + 8 general integers and no binary.
+32 virtual stages has 31 + 8 general integers and no binary. Layers of one kind that are not
+adjacent (a model alternating dense and MoE layers) share their rank-count variables.
 
 Variables
   q_sk in {0..n_k}  layers of run k before boundary s (s = 1 .. S-1; q_0k = 0, q_Sk = n_k);
                     boundary b_s = sum_k q_sk and stage s runs layers [b_s, b_{s+1})
   z_sk in {0, 1}    run k lies wholly before boundary s (only where b_s may fall in run k or k+1;
                     for a one-layer run z_sk is q_sk itself)
-  c_rk in {0..n_k}  layers of run k on rank r (for runs longer than one layer; otherwise the
-                    expression below is used directly)
+  c_rj in {0..N_j}  layers of kind j (identical t, a, w; N_j of them) on rank r; for a kind of
+                    one layer the expression below is used directly
   T                 the slowest rank's time (the epigraph variable)
   The prefix sums are linear: time of stage s = sum_k t_k (q_{s+1,k} - q_sk), likewise memory.
 
@@ -38,27 +39,33 @@ Constraint families (one method each in `_StageModel`)
               exactly one stage
   order       q_{s+1,k} >= q_sk (stages are contiguous and in order) and
               b_{s+1} - b_s >= n_min (no stage is empty)
-  count       c_rk = sum_{s on r} (q_{s+1,k} - q_sk)
-  memory      for every rank r: sum_k (w_k + f_r a_k) c_rk + e^M_r <= C
-  epigraph    for every rank r: sum_k t_k c_rk + e^T_r <= T
-  incumbent   T <= T_h (and T >= T_h for vp = 1): the bound from a heuristic split, see below
+  count       c_rj = sum_{runs k of kind j} sum_{s on r} (q_{s+1,k} - q_sk)
+  memory      for every rank r: sum_j (w_j + f_r a_j) c_rj + e^M_r <= C
+  epigraph    for every rank r: sum_j t_j c_rj + e^T_r <= T
+  incumbent   T <= T_h: the slowest rank of a heuristic split, see below
 
 Each q_sk's range is pruned beforehand from b_s in [s n_min, L - (S - s) n_min].
 
-Incumbent. Branch and bound proves min-max splits slowly when layers differ one by one (the LP
-bound spreads time perfectly), so a split found without a solver bounds the search and is the
-answer if the solver stops at its time limit without beating it: for vp = 1 the exact dynamic
-program over boundaries (min over i of max(best over the first i layers, time of [i, j)), memory
-checked per stage) - its value is then also a lower bound and the solver only confirms it; for
-vp > 1 the same program balancing virtual stages (each holding a 1/vp share of its rank's memory
+Methods. With vp = 1 a stage is a rank, and the problem is the classic min-max linear partition
+with per-part limits: a dynamic program over boundaries solves it exactly in about L^2 steps
+(best[j] = min over i of max(best over the first i layers, time of [i, j)), memory checked per
+stage), so `method="auto"` uses it there and keeps the ILP for vp > 1, where a rank's chunks are
+not contiguous and no such recursion exists. `method="ilp"` runs the ILP for any vp (tests check
+both against brute force).
+
+Incumbent (vp > 1). Branch and bound proves min-max splits slowly when layers differ one by one
+(the LP bound spreads time perfectly), so a split found without a solver bounds the search (the
+incumbent family) and is the answer if the solver stops at its time limit without beating it:
+the same dynamic program balancing virtual stages (each holding a 1/vp share of its rank's memory
 room), improved by moving single boundaries. CBC also starts from it (HiGHS through pulp cannot).
 
-Tie-break. Many splits share the optimal T. A second solve keeps T <= T* and minimises the
-slowest virtual stage (vp > 1: the interleaved schedule fills and drains the pipeline chunk by
-chunk) or the peak rank memory (vp = 1).
+Tie-break. Many splits share the optimal T. A second solve (or dynamic program) keeps T <= T* and
+minimises the slowest virtual stage (vp > 1: the interleaved schedule fills and drains the
+pipeline chunk by chunk) or the peak rank memory (vp = 1). It gets a quarter of the time limit.
 
-Infeasibility. When the memory family admits no split, a third model with the same variables
-minimises the peak rank memory; its optimum names the rank and what on it cannot fit, in GB.
+Infeasibility. When the memory family admits no split, the same variables (or the dynamic
+program) minimise the peak rank memory instead; that optimum names the rank and what on it
+cannot fit, in GB.
 
 Zero-layer stages: n_min = 0 is allowed for callers that want the embedding or the output layer
 to be a stage of its own (Megatron's account-for-embedding / account-for-loss splits); it is
@@ -422,17 +429,24 @@ class _StageModel:
                     self.z[s, k] = pulp.LpVariable(f"z_{s}_{k}", cat="Binary")
 
     def _rank_count_variables(self) -> None:
-        # A rank's layer count per run gets an integer variable of its own: branching on it closes the
-        # gap between the LP bound and the integer optimum far faster than branching on boundaries
-        # (measured: CBC went from its 10 s limit to 20 ms on a DeepSeek-V3-like pp=8, vp=2 instance).
+        # A rank's layer count per kind (identical layers, wherever they sit: a Llama has 1 kind, a
+        # model alternating dense and MoE layers 2) gets an integer variable of its own: branching on
+        # it closes the gap between the LP bound and the integer optimum far faster than branching on
+        # boundaries (measured: CBC went from its 10 s limit to 20 ms on a DeepSeek-V3-like pp=8,
+        # vp=2 instance).
+        kinds: dict[tuple[float, float, float], list[int]] = {}
+        for k, run in enumerate(self.runs):
+            kinds.setdefault((run.time, run.act, run.static), []).append(k)
+        self.kinds = list(kinds.items())
         for r in range(self.d.pp):
-            for k, run in enumerate(self.runs):
-                expr = pulp.lpSum(self.q(s + 1, k) - self.q(s, k) for s in range(r, self.d.S, self.d.pp))
-                if run.length > 1:
-                    self.c[r, k] = pulp.LpVariable(f"c_{r}_{k}", 0, run.length, cat="Integer")
-                    self._count_expr[r, k] = expr
+            for j, (_, ks) in enumerate(self.kinds):
+                expr = pulp.lpSum(self.q(s + 1, k) - self.q(s, k) for k in ks for s in range(r, self.d.S, self.d.pp))
+                total = sum(self.runs[k].length for k in ks)
+                if total > 1:
+                    self.c[r, j] = pulp.LpVariable(f"c_{r}_{j}", 0, total, cat="Integer")
+                    self._count_expr[r, j] = expr
                 else:
-                    self.c[r, k] = expr
+                    self.c[r, j] = expr
 
     def q(self, s: int, k: int):
         """q_sk: how many layers of run k lie before boundary s."""
@@ -446,11 +460,11 @@ class _StageModel:
         return pulp.lpSum(self.q(s, k) for k in range(len(self.runs)))
 
     def rank_time(self, r: int):
-        return pulp.lpSum(run.time * self.c[r, k] for k, run in enumerate(self.runs)) + self.d.extra_time[r]
+        return pulp.lpSum(t * self.c[r, j] for j, ((t, _, _), _) in enumerate(self.kinds)) + self.d.extra_time[r]
 
     def rank_memory(self, r: int):
         f = self.d.in_flight[r]
-        return (pulp.lpSum((run.static + f * run.act) * self.c[r, k] for k, run in enumerate(self.runs))
+        return (pulp.lpSum((w + f * a) * self.c[r, j] for j, ((_, a, w), _) in enumerate(self.kinds))
                 + self.d.extra_mem[r])
 
     def stage_time(self, s: int):
@@ -473,8 +487,8 @@ class _StageModel:
                 self.prob += self.boundary(s + 1) - self.boundary(s) >= self.nmin, f"nonempty_{s}"
 
     def add_count(self) -> None:
-        for (r, k), expr in self._count_expr.items():
-            self.prob += self.c[r, k] == expr, f"count_{r}_{k}"
+        for (r, j), expr in self._count_expr.items():
+            self.prob += self.c[r, j] == expr, f"count_{r}_{j}"
 
     def add_memory(self) -> None:
         for r in range(self.d.pp):
@@ -515,11 +529,11 @@ class _StageModel:
         for (s, k), z in self.z.items():
             if z is not self._q[s, k]:
                 z.setInitialValue(1 if b[s] >= self.runs[k].start + self.runs[k].length else 0)
-        for (r, k), c in self.c.items():
+        for (r, j), c in self.c.items():
             if isinstance(c, pulp.LpVariable):
-                run = self.runs[k]
-                c.setInitialValue(sum(len(range(max(b[s], run.start), min(b[s + 1], run.start + run.length)))
-                                      for s in range(r, self.d.S, self.d.pp)))
+                c.setInitialValue(sum(len(range(max(b[s], self.runs[k].start),
+                                                min(b[s + 1], self.runs[k].start + self.runs[k].length)))
+                                      for k in self.kinds[j][1] for s in range(r, self.d.S, self.d.pp)))
 
     def stage_layers(self) -> tuple[int, ...]:
         b = [0] + [int(round(pulp.value(self.boundary(s)))) for s in range(1, self.d.S)] + [self.d.L]
@@ -613,7 +627,9 @@ def _solve_ilp(d: _Inputs, cap: float, nmin: int, tie_break: bool, time_limit_s:
     if start is not None:
         model.add_incumbent(T, max(d.rank_costs(start)[0]))
         model.start_from(start)
-    status = solve(model.prob, time_limit_s=time_limit_s, solver=name, warm_start=start is not None)
+    # a quarter of the time limit is kept for the tie-break: it refines, it must not double the cost
+    first_limit = time_limit_s * (0.75 if tie_break and d.S > 1 else 1.0)
+    status = solve(model.prob, time_limit_s=first_limit, solver=name, warm_start=start is not None)
     found = [start] if start is not None else []
     if has_solution(model.prob):
         sl = model.stage_layers()
@@ -623,8 +639,7 @@ def _solve_ilp(d: _Inputs, cap: float, nmin: int, tie_break: bool, time_limit_s:
         _raise_does_not_fit(d, cap, _least_memory_ilp(d, nmin, name, time_limit_s), status)
     best = min(found, key=lambda sl: (max(d.rank_costs(sl)[0]), max(d.rank_costs(sl)[1])))
     label = name if proved_optimal(model.prob) else f"{name} (time limit)"
-    # the tie-break may use a quarter of the time limit: it refines, it must not double the cost
-    left = min(time_limit_s - (time.perf_counter() - t0), time_limit_s / 4)
+    left = time_limit_s - (time.perf_counter() - t0)
     if tie_break and d.S > 1 and left > 0:
         best = _tie_break(d, cap, nmin, name, left, best)
     return best, label

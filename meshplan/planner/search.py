@@ -161,12 +161,20 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     return SearchResult(ranked=ranked[:keep], rejected=leanest, rejected_fast=fastest, stats=stats)
 
 
+def _recompute_options(profile: ModelProfile, pp: int) -> list:
+    """none, selective, then full recomputation of a growing number of layers per pipeline rank
+    (Megatron's --recompute-num-layers), then all of them."""
+    per_rank = max(1, profile.num_layers // pp)
+    partial = sorted({max(1, round(per_rank * q)) for q in (0.25, 0.5, 0.75)} - {per_rank})
+    return ["none", "selective", *partial, "full"]
+
+
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
     per_dp = global_batch // dp
     mbss = [m for m in divisors(per_dp) if m <= MAX_MBS]
     for precision in precisions:
-        for rc in _opts("recompute", f, RECOMPUTE_ORDER):
+        for rc in _opts("recompute", f, _recompute_options(profile, base["pp"])):
             best_here = None
             for mbs in _opts("mbs", f, mbss):
                 lay = dict(base, mbs=mbs, recompute=rc)
