@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshplan.cost_models import constants as K  # noqa: E402
-from meshplan.cost_models.validation import DEFAULT_CSV, load_rows, run_row, split_of  # noqa: E402
+from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, run_row, split_of  # noqa: E402
 
 # Constants re-fitted by --fit, with the bounds they may take (physical ranges, not free knobs).
 FITTED = {"TRAINING_GEMM_EFF": (0.5, 1.0), "ATTN_FWD_EFF": (0.4, 0.95), "ATTN_BWD_EFF": (0.3, 0.95),
@@ -46,7 +46,7 @@ def fit(rows, traced, profiles):
     """Coordinate descent on the fitted constants over the fit split only, each constant kept
     inside its physical bounds. The loss weights every source equally (the mean over sources of
     each source's mean |error|), so the source with the most rows does not set the constants."""
-    fit_rows = [r for r in rows if split_of(r.id) == "fit"]
+    fit_rows = [r for r in rows if split_of(r.id, r.family) == "fit"]
 
     def loss():
         per_src = defaultdict(list)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         if x.predicted is None:
             skipped.append(x)
             continue
-        sp = split_of(x.row.id)
+        sp = split_of(x.row.id, x.row.family)
         by_src[x.row.family][sp].append(x)
         if not x.fits:
             not_fit.append(x)
@@ -131,6 +131,14 @@ def main(argv=None) -> int:
     worst = max(every, key=lambda x: abs(x.error))
     p(f"{'OVERALL':16s} {len(all_fit):5d} {mape(all_fit) * 100:8.1f}% {len(all_test):6d} {mape(all_test) * 100:8.1f}% "
       f"{abs(worst.error) * 100:8.1f}%   (worst: {worst.row.id})")
+    modelled = [x for x in every if x.row.family not in NOT_FITTED]
+    mt = [x for x in all_test if x.row.family not in NOT_FITTED]
+    worst_m = max(modelled, key=lambda x: abs(x.error))
+    p(f"{'MODELLED':16s} {len(all_fit):5d} {mape(all_fit) * 100:8.1f}% {len(mt):6d} {mape(mt) * 100:8.1f}% "
+      f"{abs(worst_m.error) * 100:8.1f}%   (worst: {worst_m.row.id}; excludes {', '.join(NOT_FITTED)})")
+    over = [x for x in mt if abs(x.error) > 0.25]
+    p(f"held-out modelled rows worse than 25%: {len(over)} of {len(mt)}"
+      + (": " + ", ".join(f"{x.row.id} ({x.error * 100:+.0f}%)" for x in over) if over else ""))
     p("")
     p(f"published layouts predicted NOT to fit in memory: {len(not_fit)}")
     for x in not_fit:
