@@ -101,6 +101,25 @@ def test_matches_brute_force(seed):
             assert evaluate_split(got.stage_layers, **inst).rank_time_s == got.rank_time_s
 
 
+def test_dynamic_program_matches_brute_force_on_many_instances():
+    # vp = 1 without a solver: cheap enough to check 40 random instances, caps binding or not
+    rng = random.Random(123)
+    for _ in range(40):
+        L, pp = rng.randint(2, 9), rng.randint(1, 4)
+        if pp > L:
+            continue
+        inst = random_instance(rng, L=L, pp=pp, vp=1, kinds=rng.choice((None, 1, 2)))
+        mems = sorted(max(evaluate_split(sl, **inst).rank_memory_gb) for sl in compositions(L, pp))
+        for cap in (mems[0] * 0.99, mems[len(mems) // 3], mems[-1]):
+            want = brute_force(inst, cap)
+            if want is None:
+                with pytest.raises(DoesNotFitError, match="needs"):
+                    assign_stages(**inst, memory_cap_gb=cap, method="dp")
+                continue
+            got = assign_stages(**inst, memory_cap_gb=cap, method="dp")
+            assert got.slowest_s == pytest.approx(want, rel=1e-9) and max(got.rank_memory_gb) <= cap * (1 + 1e-6)
+
+
 def test_zero_layer_stages_when_allowed():
     # a huge output layer: with min_stage_layers=0 the last stage holds only the output layer
     inst = dict(layer_time_s=[1.0] * 6, layer_memory_gb=[0.1] * 6, pp=3, vp=1, last_extra_time_s=3.0)
@@ -198,7 +217,7 @@ def test_heterogeneous_layers_stay_bounded_by_the_heuristic():
     inst["in_flight"] = None
     got = assign_stages(**inst, memory_cap_gb=1e6, time_limit_s=1.0)
     lower = (sum(inst["layer_time_s"]) + inst["first_extra_time_s"] + inst["last_extra_time_s"]) / 4
-    assert lower <= got.slowest_s <= lower * 1.05
+    assert lower <= got.slowest_s <= lower * 1.06   # the heuristic alone reaches 1.044 here
     assert got.solve_time_s < 2.0
 
 

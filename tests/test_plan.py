@@ -122,3 +122,22 @@ def test_partial_recompute_is_in_the_search_space():
     pl = plan(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=4), seq_len=4096, global_batch=64,
               fixed={"tp": 8, "pp": 4, "recompute": 10, "mbs": 1})
     assert pl.layout["recompute"] == 10
+
+
+def test_stage_ilp_refinement_never_slower(p70):
+    """The plan keeps the ILP's stage split only when the full estimate agrees it is faster."""
+    from meshplan.planner.stages import refine_stages
+    from meshplan.cost_models.layout import Layout
+    lay = dict(p70.layout, stage_layers=None)
+    even = estimate_profile(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), Layout.from_dict(lay), seq_len=8192,
+                            global_batch=512)
+    refined = refine_stages(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), even, seq_len=8192, global_batch=512)
+    assert refined.step_time_s <= even.step_time_s and refined.fits
+    assert p70.estimate_obj.step_time_s <= even.step_time_s
+
+
+def test_fp8_plan_keeps_first_last_blocks_and_head_in_bf16():
+    pl = plan(LLAMA8B, mp.Cluster.preset("dgx-h100", nodes=1), seq_len=4096, global_batch=64, precision="fp8")
+    assert pl.fp8_modules
+    assert not any(m.startswith(("layers.0.", "layers.31.")) for m in pl.fp8_modules)
+    assert "output" not in pl.fp8_modules

@@ -75,10 +75,26 @@ def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], se
     return "".join(msg)
 
 
+def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, global_batch: int) -> tuple[str, ...]:
+    """FP8 placement ILP: which linears gain from FP8 within the memory left on each stage."""
+    from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates
+    cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
+    budget = [best.capacity_gb - sum(s.values()) for s in best.memory_by_stage]
+    choice = choose_fp8(cands, memory_budget_gb=budget)
+    return tuple(sorted(choice.modules))
+
+
 def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
                fixed: Mapping[str, Any] | None = None) -> Plan:
     if not result.ranked:
         raise DoesNotFitError(_no_fit_message(profile, cluster, result.rejected, seq_len))
+    # the pipeline-stage ILP may move layers off the embedding / output stages; try it on the
+    # leading candidates (unless the user fixed the split) and keep the fastest
+    if not (fixed and "stage_layers" in fixed):
+        from meshplan.planner.stages import refine_stages
+        head = [refine_stages(profile, cluster, e, seq_len=seq_len, global_batch=global_batch)
+                for e in result.ranked[:3]]
+        result.ranked = sorted(head + result.ranked[3:], key=lambda e: e.step_time_s)
     best = result.ranked[0]
     lay = Layout.from_dict(best.layout)
     stage_layers = check_layout(lay, profile, cluster, seq_len=seq_len, global_batch=global_batch)
@@ -100,8 +116,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     assert tuple(mesh) == MESH_AXES
     fp8_modules: tuple[str, ...] = ()
     if best.precision == "fp8":
-        fp8_modules = tuple(f"{inst}.{li.name}" for b in profile.blocks for inst in b.instances
-                            for li in b.linears if li.role != "router")
+        fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch)
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
                 precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay),

@@ -298,11 +298,12 @@ class _Class:
     grouped: bool                     # a real input group (its saving needs every member)
 
 
-def _match(patterns: Sequence[str], names: list[str], what: str) -> set[str]:
+def _match(patterns: Sequence[str], names: list[str], what: str) -> dict[str, bool]:
+    """module -> whether it was named exactly (True) or only matched by a glob pattern (False)."""
     if isinstance(patterns, str):
         patterns = (patterns,)
     known = set(names)
-    out: set[str] = set()
+    out: dict[str, bool] = {}
     for p in patterns:
         if not isinstance(p, str) or not p:
             raise ConfigError(f"{what}: module names must be non-empty strings, got {p!r}")
@@ -313,7 +314,8 @@ def _match(patterns: Sequence[str], names: list[str], what: str) -> set[str]:
                               + (f"; did you mean {', '.join(close)}?" if close else
                                  f"; candidates look like {', '.join(names[:3])} (glob patterns work: "
                                  f"'layers.*.feed_forward.*')"))
-        out |= hit
+        for n in hit:
+            out[n] = out.get(n, False) or n == p
     return out
 
 
@@ -417,7 +419,8 @@ def choose_fp8(candidates: Sequence[Fp8Candidate], *, memory_budget_gb: float | 
 
     memory_budget_gb: GB each GPU may still grow by (negative: FP8 must save that much), one value
         for every pipeline rank or one per rank; None for no memory limit.
-    force_in / force_out: module names or glob patterns ("layers.*.attention.*").
+    force_in / force_out: module names or glob patterns ("layers.*.attention.*"); where both lists
+        claim a module, an exact name beats a pattern.
     min_gain_s: a module must save more than this per step to be chosen (unless forced in).
     Raises DoesNotFitError when no choice fits a budget, naming the rank and the forced modules.
     """
@@ -428,11 +431,16 @@ def choose_fp8(candidates: Sequence[Fp8Candidate], *, memory_budget_gb: float | 
         raise ConfigError(f"FP8 candidates repeat module names: {dup[:5]}")
     if isinstance(min_gain_s, bool) or not isinstance(min_gain_s, (int, float)) or not math.isfinite(min_gain_s):
         raise ConfigError(f"min_gain_s={min_gain_s!r}: must be a finite number of seconds")
-    fin = _match(force_in, names, "force_in")
-    fout = _match(force_out, names, "force_out")
-    both = sorted(fin & fout)
-    if both:
-        raise ConfigError(f"{both[0]} is both forced in and forced out of FP8; keep it in one list")
+    fin_m = _match(force_in, names, "force_in")
+    fout_m = _match(force_out, names, "force_out")
+    # an exact name beats a pattern ("layers.*.w2" out, "layers.7.w2" in); equal claims conflict
+    clash = sorted(n for n in set(fin_m) & set(fout_m) if fin_m[n] == fout_m[n])
+    if clash:
+        how = "name" if fin_m[clash[0]] else "pattern"
+        raise ConfigError(f"{clash[0]} is both forced in and forced out of FP8 (by {how} in both lists); keep it "
+                          "in one list or name it exactly in the one that should win")
+    fin = {n for n in fin_m if not (n in fout_m and fout_m[n])}
+    fout = {n for n in fout_m if n not in fin}
     groups: dict[str, set[int]] = {}
     for c in cands:
         if c.input_group:

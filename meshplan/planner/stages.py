@@ -1,0 +1,70 @@
+"""Feed the pipeline-stage ILP from the cost model and apply its split to a candidate layout.
+
+`refine_stages` takes a layout the search found, prices every layer (time for one micro-batch
+fwd + bwd + recompute, activation memory, weight/optimizer state) exactly as `estimate_profile`
+does, adds the embedding to the first stage and the output layer + loss to the last, and asks
+`ilp_stages.assign_stages` for the split that minimises the slowest pipeline rank under the
+memory cap. The new split is kept only if the full estimate agrees it is faster.
+"""
+
+from __future__ import annotations
+
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.compute import elementwise_time, gemm_time
+from meshplan.cost_models.estimate import GB, Estimate, estimate_profile
+from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
+from meshplan.cost_models.layout import Layout
+from meshplan.cost_models.memory import state_bytes
+from meshplan.cost_models.pipeline import in_flight
+from meshplan.errors import MeshplanError
+from meshplan.planner.ilp_stages import assign_stages
+from meshplan.planner.profile import ModelProfile
+
+__all__ = ["refine_stages"]
+
+
+def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, global_batch: int, fp8: bool) -> dict:
+    ctx = Context.build(cluster, L, seq_len, fp8)
+    policy = L.recompute
+    blocks = profile.layer_blocks()
+    T, sp_div = ctx.tokens, (L.tp if L.sp else 1)
+    m = global_batch // (L.dp * L.mbs)
+    times, acts, static = [], [], []
+    for b in blocks:
+        c = layer_cost(b, ctx, policy=policy)
+        times.append(c.fwd_s + c.bwd_s + c.recompute_s)
+        acts.append(activation_bytes(b, ctx, policy=policy) / GB)
+        sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero)
+        se = state_bytes(b.expert_params / (L.ep * L.etp), L.edp, L.zero)
+        static.append((sum(sd.values()) + sum(se.values())) / GB)
+    emb_state = sum(state_bytes(profile.embedding_params / L.tp, L.dp * L.cp, L.zero).values()) / GB
+    head_params = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
+    head_state = sum(state_bytes(head_params / L.tp, L.dp * L.cp, L.zero).values()) / GB
+    e = elementwise_time(2 * K.BF16 * profile.hidden * T / sp_div, cluster)
+    g = gemm_time(T, profile.vocab / L.tp, profile.hidden, cluster)
+    ce = elementwise_time(3 * (K.BF16 + K.FP32) * T * profile.vocab / L.tp, cluster)
+    flights = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
+    return dict(layer_time_s=times, layer_memory_gb=acts, static_memory_gb=static, in_flight=flights,
+                first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce,
+                first_extra_memory_gb=emb_state + K.BF16 * profile.hidden * T / sp_div * flights[0] / GB,
+                last_extra_memory_gb=head_state + (K.BF16 + K.FP32) * T * profile.vocab / L.tp / GB)
+
+
+def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,
+                  time_limit_s: float = 1.0) -> Estimate:
+    """The estimate of `est`'s layout with the ILP's stage split, if that is faster; else `est`."""
+    L = Layout.from_dict(est.layout)
+    if L.pp == 1 or not isinstance(L.recompute, str):
+        return est
+    try:
+        inputs = _stage_inputs(profile, cluster, L, seq_len, global_batch, est.precision == "fp8")
+        sa = assign_stages(**inputs, pp=L.pp, vp=L.vp, memory_cap_gb=cluster.usable_memory_gb,
+                           time_limit_s=time_limit_s)
+    except MeshplanError:
+        return est
+    if L.stage_layers == sa.stage_layers:
+        return est
+    lay = dict(est.layout, stage_layers=sa.stage_layers)
+    new = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
+                           precision=est.precision)
+    return new if new.fits and new.step_time_s < est.step_time_s else est
