@@ -242,7 +242,9 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         pp_total = max(pp_total, pp_exposed)            # with m < p the fill/drain hops are all there is
 
     # --- data parallel / FSDP -------------------------------------------------------------
-    dp_group = group(cluster, L.dp * L.cp, L.tp)
+    shard = L.shard
+    dp_group = group(cluster, max(1, shard), L.tp)               # the group parameters are sharded over
+    rep_group = group(cluster, L.dp * L.cp // max(1, shard), L.tp * max(1, shard))   # HSDP replicas
     edp_group = group(cluster, L.edp, L.ep * L.etp)
     dp_exposed_max = dp_total_max = opt_max = 0.0
     for r in range(p):
@@ -253,19 +255,23 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             collective_time("reduce_scatter", K.GRAD_BYTES * eparams, edp_group, cluster)
         eta = K.DP_OVERLAP_EFF
         if L.zero == 0:
-            ar = collective_time("all_reduce", K.GRAD_BYTES * dparams, dp_group, cluster) + \
+            dp_full = group(cluster, L.dp * L.cp, L.tp)
+            ar = collective_time("all_reduce", K.GRAD_BYTES * dparams, dp_full, cluster) + \
                 collective_time("all_reduce", K.GRAD_BYTES * eparams, edp_group, cluster)
             total, exposed = ar, max(0.0, ar - eta * t_b)
         elif L.zero in (1, 2):
             total = ag + rs
             exposed = max(0.0, rs - eta * t_b) + max(0.0, ag - eta * t_f)
-        else:   # FSDP: gather for forward and again for backward, reduce-scatter, every micro-batch
+        else:   # FSDP: gather for forward (and again for backward when resharded), reduce-scatter,
+            #      every micro-batch; HSDP adds one all-reduce of the gradient shards across replicas
             eta = K.FSDP_OVERLAP_EFF
+            n_ag = 2 if L.reshard_after_forward else 1
             n_layers = max(1, len(rank_layers[r]))
-            per_mb = max(0.0, ag - eta * t_f) + max(0.0, ag + rs - eta * t_b) + 2 * ag / n_layers
-            per_mb = min(per_mb, 2 * ag + rs)          # never more than all of it exposed
-            total, exposed = m * (2 * ag + rs), m * per_mb
-        shard_d = L.dp * L.cp if L.zero >= 1 else 1
+            per_mb = max(0.0, ag - eta * t_f) + max(0.0, (n_ag - 1) * ag + rs - eta * t_b) + 2 * ag / n_layers
+            per_mb = min(per_mb, n_ag * ag + rs)       # never more than all of it exposed
+            rep = collective_time("all_reduce", K.GRAD_BYTES * dparams / max(1, shard), rep_group, cluster)
+            total, exposed = m * (n_ag * ag + rs) + rep, m * per_mb + max(0.0, rep - eta * t_b)
+        shard_d = shard
         shard_e = L.edp if L.zero >= 1 else 1
         opt = K.OPTIMIZER_STEP_BYTES * (dparams / shard_d + eparams / shard_e) / \
             (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
@@ -277,10 +283,13 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     mem_stages: list[dict[str, float]] = []
     for r in range(p):
         _, _, _, _, dparams, eparams, act, largest_full = rank_parts[r]
-        sd = state_bytes(dparams, L.dp * L.cp, L.zero)
+        sd = state_bytes(dparams, shard, L.zero)
         se = state_bytes(eparams, L.edp, L.zero)
         mem = {k: sd[k] + se[k] for k in sd}
-        if L.zero >= 3 and L.dp * L.cp > 1 and rank_layers[r]:   # gathered layers exist only when sharded
+        if L.zero >= 3 and shard > 1 and not L.reshard_after_forward:
+            # weights gathered in forward stay until their backward: all of them at the peak
+            mem["weights"] = K.PARAM_BYTES * (dparams + eparams)
+        elif L.zero >= 3 and shard > 1 and rank_layers[r]:   # gathered layers exist only when sharded
             big = max(blocks[i].params for i in rank_layers[r])
             mem["weights"] += 2 * K.PARAM_BYTES * big / L.tp          # current + prefetched layer
             mem["gradients"] += K.PARAM_BYTES * big / L.tp            # unsharded bf16 grads before reduce-scatter

@@ -46,6 +46,9 @@ class Layout:
     sp: bool | None = None   # sequence parallel; default: on whenever tp > 1
     tp_comm_overlap: bool = False   # Megatron --tp-comm-overlap (userbuffers)
     flash_attention: bool = True    # False: attention scores are materialised (pre-2022 stacks)
+    fsdp_shard: int = 0             # zero=3: ranks each parameter is sharded over (0 = all dp*cp: FSDP;
+                                    # a divisor of dp*cp: HSDP, shards inside groups, replicas across)
+    reshard_after_forward: bool = True   # zero=3: free gathered weights after forward (False ~ ZeRO-2 memory)
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (pp*vp entries); None = even split
 
     def __post_init__(self) -> None:
@@ -75,6 +78,10 @@ class Layout:
             object.__setattr__(self, "vp", 2)
         if self.sp is None:
             object.__setattr__(self, "sp", self.tp > 1)
+        if isinstance(self.fsdp_shard, bool) or not isinstance(self.fsdp_shard, int) or self.fsdp_shard < 0:
+            raise ConfigError(f"layout fsdp_shard={self.fsdp_shard!r}: a non-negative integer (0 = shard over all of dp*cp)")
+        if self.fsdp_shard and self.zero != 3:
+            raise ConfigError(f"fsdp_shard={self.fsdp_shard} (HSDP) needs zero=3, not zero={self.zero}")
         if self.stage_layers is not None:
             sl = tuple(int(x) for x in self.stage_layers)
             if len(sl) != self.pp * self.vp or min(sl) < 0:
@@ -91,6 +98,13 @@ class Layout:
     def edp(self) -> int:
         """Expert data-parallel degree: the dense part's dp*cp*tp ranks regrouped as ep*etp*edp."""
         return max(1, (self.dp * self.cp * self.tp) // (self.ep * self.etp))
+
+    @property
+    def shard(self) -> int:
+        """Ranks the dense parameters' optimizer state (and, with zero=3, weights) are sharded over."""
+        if self.zero == 0:
+            return 1
+        return self.fsdp_shard or self.dp * self.cp
 
     @property
     def stages(self) -> int:
@@ -126,6 +140,10 @@ class Layout:
             parts.append(f"ep{self.ep}")
             if self.etp > 1:
                 parts.append(f"etp{self.etp}")
+        if self.zero == 3 and self.fsdp_shard:
+            parts.append(f"hsdp{self.fsdp_shard}")
+        if self.zero == 3 and not self.reshard_after_forward:
+            parts.append("keep-gathered")
         parts += [f"z{self.zero}", f"mbs{self.mbs}", f"rc={self.recompute}", self.schedule]
         return " ".join(parts)
 
@@ -184,6 +202,9 @@ def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch
     if profile.vocab % L.tp:
         raise LayoutError(f"tp={L.tp} does not divide the vocabulary ({profile.vocab}); pad the vocabulary to a "
                           f"multiple of {L.tp} (Megatron pads to 128*tp) or use tp in {{{_opts(profile.vocab, 64)}}}")
+    if L.fsdp_shard and (L.dp * L.cp) % L.fsdp_shard:
+        raise LayoutError(f"fsdp_shard={L.fsdp_shard} must divide dp*cp = {L.dp * L.cp}; use one of "
+                          f"{{{_opts(L.dp * L.cp)}}}")
     moe = [b for b in blocks if b.is_moe]
     if moe:
         e = min(b.experts for b in moe)

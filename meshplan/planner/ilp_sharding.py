@@ -106,6 +106,7 @@ STATE_BYTES_PER_PARAM = K.PARAM_BYTES + K.GRAD_BYTES + K.OPTIMIZER_BYTES
 # gradients: about twice the forward's traffic (derived, as in cost_models/layer.py).
 ELEMENTWISE_BWD_RATIO = 2.0
 _CACHE_SIZE = 512
+_MS, _GB = 1e3, 1e9          # units the solver sees
 
 _SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -811,12 +812,13 @@ class _Model:
         self.comm_terms: list = []
         self.one_strategy(fixed)
         self.block_io(io)
-        reads, grads = self.consumption()
-        self.conversion(reads, grads)
+        self.conversion(self.consumption())
         if memory:
             self.memory()
         self.comm = pulp.lpSum(self.comm_terms)
-        self.lp += self.compute + self.sync + self.comm + self.a.fixed_compute
+        # the solver sees milliseconds and gigabytes: seconds (1e-6) next to bytes (1e9) in one
+        # matrix make its tolerances meaningless
+        self.lp += (self.compute + self.sync + self.comm) * _MS
 
     def produced(self, name: str) -> dict[str, list]:
         if name in self.a.inputs:
@@ -841,47 +843,60 @@ class _Model:
         if io is not None:
             self.lp += self.b[io] == 1, "block_io_fixed"
 
-    def consumption(self) -> tuple[dict, dict]:
-        """a[t,l] and g[t,l]: the layouts each tensor is read in and its gradients come back in."""
-        reads: dict[tuple[str, str], list] = {}
-        grads: dict[tuple[str, str], list] = {}
+    def consumption(self) -> dict:
+        """r[e,l]: the layout in which consumer e (an op, or the next block) reads each tensor."""
+        reads: dict[str, dict[str, dict[str, list]]] = {}
         for o in self.a.ops:
             for i, s in enumerate(o.strats):
                 for n, lay, g in zip(o.inputs, s.ins, s.grads):
-                    reads.setdefault((n, lay), []).append(self.x[o.name, i])
-                    grads.setdefault((n, g), []).append(self.x[o.name, i])
+                    e = reads.setdefault(n, {}).setdefault(o.name, {})
+                    e.setdefault(("f", lay), []).append(self.x[o.name, i])
+                    e.setdefault(("b", g), []).append(self.x[o.name, i])
+        nxt = reads.setdefault(self.a.out_name, {}).setdefault("<next block>", {})
         for lay, v in self.b.items():   # the next block reads the output as this block's input
-            reads.setdefault((self.a.out_name, lay), []).append(v)
-            grads.setdefault((self.a.out_name, lay), []).append(v)
-        a_vars, g_vars = {}, {}
-        for kind, src, dst in (("a", reads, a_vars), ("g", grads, g_vars)):
-            for k, (key, users) in enumerate(src.items()):
-                var = pulp.LpVariable(f"{kind}_{k}", lowBound=0, upBound=1)
-                for u in users:
-                    self.lp += var >= u
-                dst[key] = var
-        return a_vars, g_vars
+            nxt.setdefault(("f", lay), []).append(v)
+            nxt.setdefault(("b", lay), []).append(v)
+        return reads
 
-    def conversion(self, reads: dict, grads: dict) -> None:
-        for forward, table in ((True, reads), (False, grads)):
-            for k, ((name, lay), var) in enumerate(table.items()):
-                t = self.a.tensors[name]
-                if not forward and not t.grad:
-                    continue
-                for p, outs in self.produced(name).items():
-                    src, dst = (p, lay) if forward else (lay, "R" if p == "P" else p)
-                    cost = _conversion(src, dst, t.nbytes, self.a)
-                    if cost is None:
-                        self.lp += pulp.lpSum(outs) + var <= 1
-                    elif cost > 0:
-                        y = pulp.LpVariable(f"{'y' if forward else 'z'}_{k}_{p}", lowBound=0, upBound=1)
-                        self.lp += y >= pulp.lpSum(outs) + var - 1
-                        self.comm_terms.append(cost * y)
+    def conversion(self, reads: dict) -> None:
+        """Per edge, a joint distribution w[e,p,l] over (produced, read) layouts whose marginals
+        are the producer's and the consumer's choices; y[t,p,l] >= w[e,p,l] charges each
+        conversion once per tensor and target layout, however many consumers share it."""
+        k = 0
+        for name, edges in reads.items():
+            t = self.a.tensors[name]
+            produced = {p: pulp.lpSum(v) for p, v in self.produced(name).items()}
+            charged: dict[tuple[str, str, str], pulp.LpVariable] = {}
+            for e, want in edges.items():
+                for side in ("f", "b"):
+                    if side == "b" and not t.grad:
+                        continue
+                    lays = [lay for (sd, lay) in want if sd == side]
+                    w = {}
+                    for p in produced:
+                        for lay in lays:
+                            src, dst = (p, lay) if side == "f" else (lay, "R" if p == "P" else p)
+                            cost = _conversion(src, dst, t.nbytes, self.a)
+                            if cost is None:
+                                continue
+                            k += 1
+                            w[p, lay] = v = pulp.LpVariable(f"w_{k}", lowBound=0, upBound=1)
+                            if cost > 0:
+                                key = (side, p, lay)
+                                if key not in charged:
+                                    charged[key] = pulp.LpVariable(f"y_{k}", lowBound=0, upBound=1)
+                                    self.comm_terms.append(cost * charged[key])
+                                self.lp += charged[key] >= v
+                    for p, out in produced.items():
+                        self.lp += pulp.lpSum(w[p, lay] for lay in lays if (p, lay) in w) == out
+                    for lay in lays:
+                        self.lp += pulp.lpSum(w[p, lay] for p in produced if (p, lay) in w) == \
+                            pulp.lpSum(want[side, lay])
 
     def memory(self) -> None:
         if self.p.min_state > 0:
-            self.lp += pulp.lpSum(self.x[o.name, i] * s.state for o in self.a.ops
-                                  for i, s in enumerate(o.strats)) <= self.p.budget * (1 + 1e-9), "memory"
+            self.lp += pulp.lpSum(self.x[o.name, i] * (s.state / _GB) for o in self.a.ops
+                                  for i, s in enumerate(o.strats)) <= self.p.budget / _GB * (1 + 1e-9), "memory"
 
     # -- solve and read back
     def run(self) -> str:
@@ -892,7 +907,7 @@ class _Model:
         return "feasible" if has_solution(self.lp) else status
 
     def objective(self) -> float:
-        return float(pulp.value(self.lp.objective))
+        return float(pulp.value(self.lp.objective)) / _MS + self.a.fixed_compute
 
     def choice(self, o: _Op) -> _Strat:
         best = max(range(len(o.strats)), key=lambda i: self.x[o.name, i].value() or 0.0)

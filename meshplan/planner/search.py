@@ -28,7 +28,7 @@ from meshplan.planner.profile import ModelProfile
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "sp",
-           "tp_comm_overlap", "flash_attention", "stage_layers")
+           "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MBS = 8
 MAX_VP = 8
@@ -150,8 +150,9 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         for k in ("sp", "tp_comm_overlap", "flash_attention"):
                             if k in f:
                                 base[k] = f[k]
-                        _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
-                                   ranked, rejected, stats)
+                        for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
+                            _cost_mesh(profile, cluster, dict(base, **variant), f, seq_len, global_batch,
+                                       precisions, dp, ranked, rejected, stats)
     ranked.sort(key=lambda e: e.step_time_s)
     # keep the leanest rejections (for "does not fit" messages) and the fastest ones (layouts that
     # would have won with more memory, shown as runner-ups)
@@ -159,6 +160,18 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     fastest = sorted(rejected, key=lambda e: e.step_time_s)[:8]
     stats["seconds"] = time.perf_counter() - t0
     return SearchResult(ranked=ranked[:keep], rejected=leanest, rejected_fast=fastest, stats=stats)
+
+
+def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) -> list[dict]:
+    """ZeRO-3 flavours: FSDP (shard over all of dp*cp, reshard after forward), keep the gathered
+    weights until backward (ZeRO-2-like), and HSDP (shard inside a node, replicate across)."""
+    if zero != 3:
+        return [{}]
+    out = [dict(fsdp_shard=0, reshard_after_forward=True), dict(fsdp_shard=0, reshard_after_forward=False)]
+    if 1 < node_ranks < dpcp and dpcp % node_ranks == 0:
+        out.append(dict(fsdp_shard=node_ranks, reshard_after_forward=True))
+    keep = [v for v in out if all(f[k] == v[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f)]
+    return keep or [{k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}]
 
 
 def _recompute_options(profile: ModelProfile, pp: int) -> list:
