@@ -697,7 +697,7 @@ class Cluster:
             f"  scale-up {g.scaleup}, {self.num_domains} domain(s) of {self.scaleup_domain}, "
             f"busbw {g.scaleup_busbw_gb_s:.3g} GB/s",
             f"  network  {self.nic_gb_s:.3g} GB/s busbw per GPU",
-            f"  price    " + (f"${price:,.2f}/h on demand" if price is not None else "unknown"),
+            "  price    " + (f"${price:,.2f}/h on demand" if price is not None else "unknown"),
         ])
 
 

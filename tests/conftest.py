@@ -9,3 +9,20 @@ import os
 
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def h100x8():
+    """One DGX H100 node (8 GPUs)."""
+    from meshplan.cluster import Cluster
+    return Cluster.preset("dgx-h100", nodes=1)
+
+
+@pytest.fixture(scope="module")
+def h100x16():
+    """Two DGX H100 nodes (16 GPUs)."""
+    from meshplan.cluster import Cluster
+    return Cluster.preset("dgx-h100", nodes=2)

@@ -25,15 +25,6 @@ MOE = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32768, experts=8, 
            shared_experts=1)
 
 
-@pytest.fixture(scope="module")
-def h100x8():
-    return Cluster.preset("dgx-h100", nodes=1)
-
-
-@pytest.fixture(scope="module")
-def h100x16():
-    return Cluster.preset("dgx-h100", nodes=2)
-
 
 def est(cfg, cluster, seq_len=2048, global_batch=64, precision="bf16", **layout):
     return meshplan.estimate(cfg, cluster, layout, seq_len=seq_len, global_batch=global_batch, precision=precision)

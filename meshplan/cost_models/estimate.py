@@ -170,7 +170,6 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     # --- per-rank time and memory ---------------------------------------------------------
     tp_g = ctx.tp
     rank_fb, rank_w, rank_parts = [], [], []
-    rank_mem: list[dict[str, float]] = []
     emb_params = profile.embedding_params / L.tp
     head_params = (profile.head_params if profile.head_params else
                    (profile.embedding_params if profile.tied_embeddings and p > 1 else 0)) / L.tp

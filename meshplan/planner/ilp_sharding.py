@@ -116,7 +116,8 @@ _LINEAR = {"linear", "mm", "addmm", "matmul"}
 _NORMS = {"layer_norm", "rms_norm", "native_layer_norm", "_fused_rms_norm"}
 _ROW = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum",
         "cumprod", "sort", "argsort", "logcumsumexp"}          # along the last dim (assumed)
-_PERMUTE = {"transpose", "permute", "t", "mT", "swapaxes", "swapdims", "movedim", "adjoint"}
+_SWAP = {"transpose", "t", "mT", "swapaxes", "swapdims", "adjoint"}
+_PERMUTE = _SWAP | {"permute", "movedim"}
 _IDENTITY = {"to", "_to_copy", "clone", "contiguous", "type_as", "detach", "alias", "dropout",
              "native_dropout", "lift_fresh_copy", "getitem", "expand", "expand_as", "slice",
              "select", "narrow", "split", "chunk", "unbind", "split_with_sizes", "view", "reshape",
@@ -230,10 +231,19 @@ def _reshape_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
         i, j = i + 1, j + 1
 
 
-def _alignments(src: tuple[int, ...], dst: tuple[int, ...], permute: bool) -> list[dict[int, int]]:
-    """Candidate maps src dim -> dst dim consistent with the shapes (dims left out are dropped)."""
+def _alignments(src: tuple[int, ...], dst: tuple[int, ...], base: str) -> list[dict[int, int]]:
+    """Candidate maps src dim -> dst dim consistent with the shapes (dims left out are dropped).
+    Op arguments are not in the IR, so equal sizes can leave several candidates."""
     n, m = len(src), len(dst)
-    if permute and n == m:
+    if base in _SWAP and n == m:      # exactly two dims trade places (or none, if equal sizes)
+        swaps = []
+        for i, j in itertools.combinations(range(n), 2):
+            perm = list(range(n))
+            perm[i], perm[j] = j, i
+            if all(src[a] == dst[b] for a, b in enumerate(perm)):
+                swaps.append(dict(enumerate(perm)))
+        return swaps
+    if base in _PERMUTE and n == m:
         return [dict(enumerate(p)) for p in itertools.permutations(range(n))
                 if all(src[a] == dst[b] for a, b in enumerate(p))]
     if _numel(src) == _numel(dst) and src != dst:
@@ -511,7 +521,7 @@ class _Analysis:
             act = act[:1]
         data = act
         shapes = {n: tuple(s) for n, s in zip(o.inputs, o.input_shapes)}
-        maps = {n: _alignments(shapes[n], out_shape, base in _PERMUTE) for n in data}
+        maps = {n: _alignments(shapes[n], out_shape, base) for n in data}
         where: dict[str, dict[str, int | None]] = {}
         for n in data:
             t = self.tensors[n]

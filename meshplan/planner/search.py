@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from meshplan.cost_models import constants as K
 from meshplan.cost_models.estimate import Estimate, estimate_profile
 from meshplan.cost_models.layout import Layout, divisors, split_layers
-from meshplan.errors import ConfigError, DoesNotFitError, MeshplanError
+from meshplan.errors import ConfigError, MeshplanError
 from meshplan.planner.profile import ModelProfile
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
