@@ -141,3 +141,13 @@ def test_fp8_plan_keeps_first_last_blocks_and_head_in_bf16():
     assert pl.fp8_modules
     assert not any(m.startswith(("layers.0.", "layers.31.")) for m in pl.fp8_modules)
     assert "output" not in pl.fp8_modules
+
+
+def test_traced_plan_placements_come_from_the_sharding_ilp():
+    model = mp.models.build("llama3-8b", device="meta")
+    pl = plan(model, mp.Cluster.preset("dgx-h100", nodes=1), seq_len=8192, global_batch=64,
+              fixed={"tp": 8, "pp": 1, "cp": 1})
+    by_module = {k.split(":", 1)[1]: v for k, v in pl.placements.items() if ":" in k}
+    assert by_module["attention.wq"] == "colwise" and by_module["feed_forward.w1"] == "colwise"
+    assert by_module["attention.wo"] == "rowwise" and by_module["feed_forward.w2"] == "rowwise"
+    assert by_module["attention_norm"] == "sequence"

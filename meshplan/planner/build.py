@@ -19,10 +19,31 @@ _ROLE_PLACEMENT = {"attn_qkv": "colwise", "mlp_in": "colwise", "shared_in": "col
                    "router": "replicate", "expert_in": "expert", "expert_out": "expert", "other": "replicate"}
 
 
-def placements_for(profile: ModelProfile, layout: Layout) -> dict[str, str]:
+def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_len: int = 0) -> dict[str, str]:
     """Per-module placements relative to each block signature (`<signature>:<module>`), plus the
-    embedding and output layer. tp == 1 means everything is replicated within the TP group."""
+    embedding and output layer. tp == 1 means everything is replicated within the TP group.
+
+    For traced profiles (blocks carry their op graph) the intra-block sharding ILP chooses the
+    placements; analytic profiles (no graph) fall back to the data-flow roles of their linears."""
     out: dict[str, str] = {}
+    if layout.tp > 1 and cluster is not None and profile.blocks and all(b.ops for b in profile.blocks):
+        from meshplan.errors import MeshplanError
+        from meshplan.planner.ilp_sharding import shard_profile
+        try:
+            tokens = int(layout.mbs * seq_len / layout.cp)
+            solved = shard_profile(profile, cluster, tp=layout.tp, tokens=tokens, sp_allowed=bool(layout.sp))
+        except MeshplanError:
+            solved = {}
+        if solved:
+            for sig, bs in solved.items():
+                for mod, placement in bs.placements.items():
+                    out[f"{sig}:{mod}"] = placement
+                out[f"{sig}:<io>"] = bs.io_layout
+            if profile.embedding_fqn:
+                out[profile.embedding_fqn] = "vocab_parallel"
+            if profile.head_fqn:
+                out[profile.head_fqn] = "colwise"
+            return out
     for b in profile.blocks:
         for li in b.linears:
             out[f"{b.signature}:{li.name}"] = _ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
@@ -119,7 +140,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
         fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch)
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
-                precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay),
+                precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay, cluster, seq_len=seq_len),
                 stages=stage_modules(profile, stage_layers), schedule=lay.schedule, micro_batch_size=lay.mbs,
                 num_microbatches=best.num_microbatches, recompute=lay.recompute, fp8_modules=fp8_modules,
                 estimate=best.to_dict(), runner_ups=tuple(runner_ups),
