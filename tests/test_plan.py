@@ -151,3 +151,15 @@ def test_traced_plan_placements_come_from_the_sharding_ilp():
     assert by_module["attention.wq"] == "colwise" and by_module["feed_forward.w1"] == "colwise"
     assert by_module["attention.wo"] == "rowwise" and by_module["feed_forward.w2"] == "rowwise"
     assert by_module["attention_norm"] == "sequence"
+
+
+def test_fp8_estimate_costs_only_the_chosen_fp8_layers():
+    cl = mp.Cluster.preset("dgx-h100", nodes=1)
+    lay = {"tp": 1, "dp": 8, "mbs": 1}
+    full = estimate_profile(LLAMA8B, cl, lay, seq_len=4096, global_batch=64, precision="fp8")
+    bf16 = estimate_profile(LLAMA8B, cl, lay, seq_len=4096, global_batch=64, precision="bf16")
+    some = estimate_profile(LLAMA8B, cl, lay, seq_len=4096, global_batch=64, precision="fp8",
+                            fp8_modules=frozenset(f"layers.{i}.attention.wq" for i in range(1, 31)))
+    none = estimate_profile(LLAMA8B, cl, lay, seq_len=4096, global_batch=64, precision="fp8", fp8_modules=frozenset())
+    assert full.step_time_s < some.step_time_s < none.step_time_s
+    assert none.time_s["compute"] == pytest.approx(bf16.time_s["compute"], rel=1e-6)

@@ -139,15 +139,27 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     for s, (st, n) in enumerate(zip(starts, stage_layers)):
         rank_layers[s % p].extend(range(st, st + n))
 
+    # Which layers run their GEMMs in FP8: all of them under precision="fp8", unless an FP8 module
+    # set is given (the FP8 placement ILP's choice), in which case a layer counts as FP8 when any of
+    # its linears is in the set (layer granularity; the ILP excludes whole first/last blocks).
+    layer_fp8 = [fp8] * profile.num_layers
+    if fp8 and fp8_modules is not None:
+        seen = {bi: 0 for bi in range(len(profile.blocks))}
+        for i, bi in enumerate(profile.layers):
+            inst = profile.blocks[bi].instances[seen[bi]] if profile.blocks[bi].instances else ""
+            seen[bi] += 1
+            layer_fp8[i] = any(m.startswith(inst + ".") for m in fp8_modules)
+    ctxs = {True: ctx, False: ctx if not fp8 else Context.build(cluster, L, seq_len, False)}
+
     # A layer's cost depends only on its block and the layout fields the layer sees, so it is
     # shared across every candidate of a search that differs in pp / vp / dp / zero / schedule.
     ctx_key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
-               L.tp_comm_overlap, seq_len, fp8)
+               L.tp_comm_overlap, seq_len)
 
-    local: dict[tuple[int, str], Any] = {}
+    local: dict[tuple, Any] = {}
 
     def cost(i: int, policy: str):
-        lk = (profile.layers[i], policy)
+        lk = (profile.layers[i], policy, layer_fp8[i])
         hit = local.get(lk)
         if hit is None:
             key = (ctx_key, lk)
@@ -155,16 +167,16 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             if hit is None:
                 if len(_LAYER_CACHE) > _LAYER_CACHE_MAX:
                     _LAYER_CACHE.clear()
-                hit = _LAYER_CACHE[key] = layer_cost(blocks[i], ctx, policy=policy)
+                hit = _LAYER_CACHE[key] = layer_cost(blocks[i], ctxs[layer_fp8[i]], policy=policy)
             local[lk] = hit
         return hit
 
-    act_local: dict[tuple[int, str], float] = {}
+    act_local: dict[tuple, float] = {}
 
     def act_bytes(i: int, policy: str) -> float:
-        lk = (profile.layers[i], policy)
+        lk = (profile.layers[i], policy, layer_fp8[i])
         if lk not in act_local:
-            act_local[lk] = activation_bytes(blocks[i], ctx, policy=policy)
+            act_local[lk] = activation_bytes(blocks[i], ctxs[layer_fp8[i]], policy=policy)
         return act_local[lk]
 
     # --- per-rank time and memory ---------------------------------------------------------

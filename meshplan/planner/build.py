@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from meshplan.cost_models.estimate import Estimate
+from meshplan.cost_models.estimate import Estimate, estimate_profile
 from meshplan.cost_models.layout import Layout, check_layout
 from meshplan.errors import DoesNotFitError
 from meshplan.planner.explain import why_lost
@@ -138,6 +138,9 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     fp8_modules: tuple[str, ...] = ()
     if best.precision == "fp8":
         fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch)
+        # the plan's prediction costs exactly the FP8 set it will run
+        best = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
+                                precision="fp8", fp8_modules=frozenset(fp8_modules))
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
                 precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay, cluster, seq_len=seq_len),
