@@ -97,6 +97,19 @@ class Estimate:
                 f"  bottleneck: {self.bottleneck}")
 
 
+def embedding_time(profile: ModelProfile, cluster, tokens: float, sp_div: int) -> float:
+    """Forward seconds of the embedding lookup (memory-bound write of the hidden state); backward is 2x."""
+    return elementwise_time(2 * K.BF16 * profile.hidden * tokens / sp_div, cluster)
+
+
+def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[float, float]:
+    """(output-layer GEMM, cross-entropy) forward seconds; the output layer stays BF16 (standard FP8
+    recipes). Backward is 2x the GEMM plus the same cross-entropy pass."""
+    g = gemm_time(tokens, profile.vocab / tp, profile.hidden, cluster)
+    ce = elementwise_time(3 * _LOGIT_BYTES * tokens * profile.vocab / tp, cluster)
+    return g, ce
+
+
 _FLOPS_CACHE: dict = {}
 
 
@@ -212,14 +225,12 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         # embedding on rank 0, final norm + output layer + loss on the last rank
         extra_f = extra_b = extra_tp = 0.0
         if r == 0:
-            e = elementwise_time(2 * K.BF16 * profile.hidden * T / sp_div, cluster)
+            e = embedding_time(profile, cluster, T, sp_div)
             extra_f += e
             extra_b += 2 * e
             dense_params += emb_params
         if r == p - 1:
-            fp8_head = False   # the output layer stays in BF16 (standard FP8 recipes)
-            g = gemm_time(T, profile.vocab / L.tp, profile.hidden, cluster, fp8=fp8_head)
-            ce = elementwise_time(3 * _LOGIT_BYTES * T * profile.vocab / L.tp, cluster)
+            g, ce = head_times(profile, cluster, T, L.tp)
             extra_f += g + ce
             extra_b += 2 * g + ce
             wgrad += g

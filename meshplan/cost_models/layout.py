@@ -194,10 +194,10 @@ def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch
             raise LayoutError(f"tp={L.tp} does not divide the {kv} key/value heads (GQA groups); "
                               f"use tp in {{{_opts(kv)}}}")
     for b in blocks:
-        for width, what in ((b.ffn_hidden, "MLP hidden size"), (b.moe_ffn_hidden, "expert hidden size")):
-            tdeg = L.etp if what == "expert hidden size" else L.tp
+        for width, what, name, tdeg in ((b.ffn_hidden, "MLP hidden size", "tp", L.tp),
+                                        (b.moe_ffn_hidden, "expert hidden size", "etp", L.etp)):
             if width and width % tdeg:
-                raise LayoutError(f"{'etp' if tdeg is L.etp else 'tp'}={tdeg} does not divide the {what} {width}; "
+                raise LayoutError(f"{name}={tdeg} does not divide the {what} {width}; "
                                   f"use one of {{{_opts(width, 64)}}}")
     if profile.vocab % L.tp:
         raise LayoutError(f"tp={L.tp} does not divide the vocabulary ({profile.vocab}); pad the vocabulary to a "

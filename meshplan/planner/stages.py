@@ -10,8 +10,7 @@ memory cap. The new split is kept only if the full estimate agrees it is faster.
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.compute import elementwise_time, gemm_time
-from meshplan.cost_models.estimate import GB, Estimate, estimate_profile
+from meshplan.cost_models.estimate import _LOGIT_BYTES, GB, Estimate, embedding_time, estimate_profile, head_times
 from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
 from meshplan.cost_models.layout import Layout
 from meshplan.cost_models.memory import state_bytes
@@ -40,14 +39,13 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
     emb_state = sum(state_bytes(profile.embedding_params / L.tp, L.dp * L.cp, L.zero).values()) / GB
     head_params = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
     head_state = sum(state_bytes(head_params / L.tp, L.dp * L.cp, L.zero).values()) / GB
-    e = elementwise_time(2 * K.BF16 * profile.hidden * T / sp_div, cluster)
-    g = gemm_time(T, profile.vocab / L.tp, profile.hidden, cluster)
-    ce = elementwise_time(3 * (K.BF16 + K.FP32) * T * profile.vocab / L.tp, cluster)
+    e = embedding_time(profile, cluster, T, sp_div)
+    g, ce = head_times(profile, cluster, T, L.tp)
     flights = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
     return dict(layer_time_s=times, layer_memory_gb=acts, static_memory_gb=static, in_flight=flights,
                 first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce,
                 first_extra_memory_gb=emb_state + K.BF16 * profile.hidden * T / sp_div * flights[0] / GB,
-                last_extra_memory_gb=head_state + (K.BF16 + K.FP32) * T * profile.vocab / L.tp / GB)
+                last_extra_memory_gb=head_state + _LOGIT_BYTES * T * profile.vocab / L.tp / GB)
 
 
 def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,
