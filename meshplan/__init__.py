@@ -27,9 +27,12 @@ _LAZY = {
     "plan": ("meshplan.api", "plan"),
     "Plan": ("meshplan.planner.plan", "Plan"),
     "profile": ("meshplan.api", "profile"),
+    "whatif": ("meshplan.reports.whatif", "whatif"),
     "trace": ("meshplan.planner.trace", "trace"),
     "profile_from_config": ("meshplan.planner.analytic", "profile_from_config"),
     "MeshplanError": ("meshplan.errors", "MeshplanError"),
+    "parallelize": ("meshplan.runtime.parallel", "parallelize"),
+    "ParallelModel": ("meshplan.runtime.parallel", "ParallelModel"),
 }
 _SUBMODULES = ("models", "cluster", "errors", "planner", "cost_models", "kernels", "runtime", "reports")
 

@@ -30,9 +30,11 @@ def profile(model: Any, *, seq_len: int = TRACE_SEQ_LEN, **trace_kwargs) -> Mode
     return trace(model, seq_len=min(seq_len, TRACE_SEQ_LEN), **trace_kwargs)
 
 
-def load_model(spec: str):
-    """An nn.Module on the meta device from a preset name, `path/to/file.py:factory` (a function
-    returning an nn.Module; it is called under the meta device) or a transformers config JSON."""
+def load_model(spec: str, *, device: str = "meta", **config):
+    """An nn.Module from a preset name, `path/to/file.py:factory` (a function returning an
+    nn.Module; it is called under `device`) or a transformers config JSON. On the meta device by
+    default (planning); `device="cpu"` builds real weights (training: the same seed on every rank
+    gives the same weights). `config` overrides preset config names (e.g. seq_len)."""
     import os
     if spec.endswith(".json"):
         if not os.path.exists(spec):
@@ -48,7 +50,7 @@ def load_model(spec: str):
         if "model_type" not in data:
             raise ConfigError(f"{spec}: not a transformers config (no 'model_type' key)")
         cfg = AutoConfig.for_model(**data)
-        with torch.device("meta"):
+        with torch.device(device):
             return AutoModelForCausalLM.from_config(cfg)
     if ".py:" in spec:
         import importlib.util
@@ -64,13 +66,16 @@ def load_model(spec: str):
         if fn is None or not callable(fn):
             raise ConfigError(f"{path} has no function {factory!r}; expected path/to/file.py:factory where "
                               "factory() returns an nn.Module")
-        with torch.device("meta"):
+        with torch.device(device):
             model = fn()
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"{spec} returned {type(model).__name__}, not an nn.Module")
         return model
     from meshplan import models
-    return models.build(spec, device="meta")
+    model = models.build(spec, device=device, **config)
+    if device != "meta" and hasattr(model, "init_weights"):
+        model.init_weights()
+    return model
 
 
 def resolve_cluster(cluster: Any):

@@ -7,6 +7,9 @@ import sys
 
 from meshplan.errors import MeshplanError
 
+# modules that add subcommands (train, launch, whatif, calibrate) with register(subparsers)
+_SUBCOMMAND_MODULES: tuple[str, ...] = ("meshplan.runtime.cli_train", "meshplan.runtime.cli_launch", "meshplan.reports.cli_whatif", "meshplan.reports.cli_calibrate")
+
 _LAYOUT_INT = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs")
 
 
@@ -68,6 +71,13 @@ def cmd_plan(args) -> int:
     if args.json:
         pl.save(args.json)
         print(f"plan written to {args.json}", file=sys.stderr)
+    if args.report:
+        from meshplan.reports.html import write_plan_report
+        write_plan_report(pl, args.report)
+        print(f"report written to {args.report}", file=sys.stderr)
+    if args.export:
+        from meshplan.reports.export import export_text
+        print(export_text(pl, args.export))
     return 0
 
 
@@ -116,11 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=5, help="runner-ups to keep")
     p.add_argument("--allow-cross-domain", action="store_true", help="let TP/EP span scale-up domains")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
+    p.add_argument("--export", choices=["megatron", "torchtitan", "nemo"],
+                   help="print the plan as Megatron-LM flags, a torchtitan config or NeMo overrides")
     p.set_defaults(fn=cmd_plan)
     m = sub.add_parser("models", help="list model presets")
     m.set_defaults(fn=cmd_models)
     c = sub.add_parser("clusters", help="list cluster presets and GPU ids")
     c.set_defaults(fn=cmd_clusters)
+    # Other subcommands live next to the code they drive; each module has register(subparsers).
+    import importlib
+    for mod in _SUBCOMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
     return ap
 
 

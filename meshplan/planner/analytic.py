@@ -115,4 +115,6 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
     return ModelProfile(name=name, fingerprint=fp, seq_len=seq, vocab=vocab, hidden=h,
                         embedding_params=emb, head_params=0 if tie else vocab * h, tied_embeddings=tie,
                         other_params=other, blocks=tuple(out), layers=layers,
-                        embedding_fqn="tok_embeddings", head_fqn="output")
+                        embedding_fqn="tok_embeddings", head_fqn="output",
+                        pre_modules=("tok_embeddings",) + (("pos_embeddings",) if c.get("position") == "learned" else ()),
+                        post_modules=("norm",) + (() if tie else ("output",)))

@@ -31,7 +31,9 @@ def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_l
         from meshplan.planner.ilp_sharding import shard_profile
         try:
             tokens = int(layout.mbs * seq_len / layout.cp)
-            solved = shard_profile(profile, cluster, tp=layout.tp, tokens=tokens, sp_allowed=bool(layout.sp))
+            # the cost model priced the layout's sp choice, so the placements must carry it out
+            solved = shard_profile(profile, cluster, tp=layout.tp, tokens=tokens, sp_allowed=bool(layout.sp),
+                                   io_layout="sequence" if layout.sp else "replicate")
         except MeshplanError:
             solved = {}
         if solved:
@@ -39,22 +41,30 @@ def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_l
                 for mod, placement in bs.placements.items():
                     out[f"{sig}:{mod}"] = placement
                 out[f"{sig}:<io>"] = bs.io_layout
-            if profile.embedding_fqn:
-                out[profile.embedding_fqn] = "vocab_parallel"
-            if profile.head_fqn:
-                out[profile.head_fqn] = "colwise"
+            _outer_placements(profile, out, sequence=any(bs.io_layout == "sequence" for bs in solved.values()))
             return out
     for b in profile.blocks:
         for li in b.linears:
             out[f"{b.signature}:{li.name}"] = _ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
                 else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
     if layout.tp > 1:
-        if profile.embedding_fqn:
-            out[profile.embedding_fqn] = "vocab_parallel"
-        if profile.head_fqn:
-            out[profile.head_fqn] = "colwise"
         out["*norm*"] = "sequence" if layout.sp else "replicate"
+        _outer_placements(profile, out, sequence=bool(layout.sp))
     return out
+
+
+def _outer_placements(profile: ModelProfile, out: dict[str, str], *, sequence: bool) -> None:
+    """Modules outside the blocks: the token embedding is vocabulary-parallel and the head
+    column-parallel; with sequence parallelism the other modules before the blocks (learned
+    positions) hand on the sequence shard ("seq_split") and those after (final norm) work on it."""
+    for m in profile.pre_modules:
+        out[m] = "seq_split" if sequence else "replicate"
+    for m in profile.post_modules:
+        out[m] = "sequence" if sequence else "replicate"
+    if profile.embedding_fqn:
+        out[profile.embedding_fqn] = "vocab_parallel"
+    if profile.head_fqn:
+        out[profile.head_fqn] = "colwise"
 
 
 def stage_modules(profile: ModelProfile, stage_layers: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
@@ -69,10 +79,12 @@ def stage_modules(profile: ModelProfile, stage_layers: tuple[int, ...]) -> tuple
     for s, n in enumerate(stage_layers):
         mods = list(order[start:start + n])
         start += n
-        if s == 0 and profile.embedding_fqn:
-            mods.insert(0, profile.embedding_fqn)
-        if s == len(stage_layers) - 1 and profile.head_fqn:
-            mods.append(profile.head_fqn)
+        if s == 0:
+            pre = profile.pre_modules or ((profile.embedding_fqn,) if profile.embedding_fqn else ())
+            mods[:0] = [m for m in pre if m]
+        if s == len(stage_layers) - 1:
+            post = profile.post_modules or ((profile.head_fqn,) if profile.head_fqn else ())
+            mods.extend(m for m in post if m and m not in mods)
         stages.append(tuple(mods))
     return tuple(stages)
 

@@ -673,8 +673,9 @@ class ShardingProblem:
     """One block at one TP degree: `solve()` it, or `evaluate()` a (partial) assignment."""
 
     def __init__(self, analysis: _Analysis, *, state_budget_bytes: float | None, state_slack: float,
-                 solver: str, time_limit_s: float):
+                 solver: str, time_limit_s: float, io_layout: str | None = None):
         self.a, self.solver, self.time_limit_s = analysis, solver, time_limit_s
+        self.io_layout = io_layout
         self.min_state = sum(min(s.state for s in o.strats) for o in analysis.ops)
         self.budget = (state_budget_bytes if state_budget_bytes is not None
                        else self.min_state * (1 + state_slack))
@@ -723,7 +724,11 @@ class ShardingProblem:
                 f"block {self.a.prefix or self.a.block.signature!r}: its weights need at least "
                 f"{self.min_state / _GB:.3g} GB of training state per GPU at tp={self.a.tp}, "
                 f"more than the {self.budget / _GB:.3g} GB budget; raise state_budget_bytes or tp")
-        model = _Model(self, {}, None, memory=True)
+        lay = {"replicate": "R", "sequence": "S"}.get(self.io_layout or "")
+        if lay is not None and lay not in self.io_layouts:
+            raise LayoutError(f"the block input cannot be sequence-sharded here (tp={self.a.tp}, or the "
+                              f"sequence does not divide by tp)")
+        model = _Model(self, {}, lay, memory=True)
         status = model.run()
         if status not in ("optimal", "feasible"):
             raise LayoutError(self._diagnose(status))
@@ -917,7 +922,8 @@ class _Model:
 def build_problem(block: BlockProfile, cluster, *, tp: int, tokens: int, seq_len: int | None = None,
                   sp_allowed: bool = True, microbatches: int = 1,
                   state_budget_bytes: float | None = None, state_slack: float = DEFAULT_STATE_SLACK,
-                  solver: str = "auto", time_limit_s: float = 5.0) -> ShardingProblem:
+                  solver: str = "auto", time_limit_s: float = 5.0,
+                  io_layout: str | None = None) -> ShardingProblem:
     """The sharding problem of one block (see the module docstring).
 
     tokens: tokens per micro-batch (mbs x seq_len). seq_len: for attention's quadratic cost and
@@ -925,6 +931,8 @@ def build_problem(block: BlockProfile, cluster, *, tp: int, tokens: int, seq_len
     microbatches: micro-batches per optimizer step, over which weight-gradient traffic is spread.
     state_budget_bytes: cap on one instance's per-GPU parameter state (default: see memory).
     solver: "auto" (HiGHS if installed), "highs" or "cbc".
+    io_layout: force the block's input/output layout ("sequence" when the layout says sp;
+    "replicate"); None lets the ILP choose.
     """
     if not isinstance(block, BlockProfile):
         raise ConfigError(f"expected a BlockProfile (from meshplan.planner.trace), got {type(block).__name__}")
@@ -944,8 +952,10 @@ def build_problem(block: BlockProfile, cluster, *, tp: int, tokens: int, seq_len
     resolve_solver(solver)   # an unknown or missing solver fails here, before any work
     analysis = _Analysis(block, cluster, tp=tp, tokens=tokens, seq_len=seq_len,
                          sp_allowed=sp_allowed, microbatches=microbatches)
+    if io_layout not in (None, "replicate", "sequence"):
+        raise ConfigError(f"io_layout must be 'replicate', 'sequence' or None, got {io_layout!r}")
     return ShardingProblem(analysis, state_budget_bytes=state_budget_bytes, state_slack=state_slack,
-                           solver=solver, time_limit_s=time_limit_s)
+                           solver=solver, time_limit_s=time_limit_s, io_layout=io_layout)
 
 
 _CACHE: OrderedDict[tuple, BlockSharding] = OrderedDict()

@@ -140,3 +140,19 @@ class Plan:
 
     def summary(self) -> str:
         return self.estimate_obj.summary()
+
+    # ---- exports to other frameworks (meshplan/reports/export.py, docs/exports.md) ------
+    def to_megatron_args(self, model=None) -> list[str]:
+        """Megatron-LM flags; `model` (preset name, ModelConfig, ModelProfile) adds the shape flags."""
+        from meshplan.reports.export import to_megatron_args
+        return to_megatron_args(self, model)
+
+    def to_torchtitan(self, model=None) -> dict[str, Any]:
+        """torchtitan (v0.2.2 TOML) job config sections as a nested dict."""
+        from meshplan.reports.export import to_torchtitan
+        return to_torchtitan(self, model)
+
+    def to_nemo(self, model=None, *, flavor: str = "nemo") -> dict[str, Any]:
+        """NeMo 2 (or flavor='megatron-bridge') recipe overrides, dotted key -> value."""
+        from meshplan.reports.export import to_nemo
+        return to_nemo(self, model, flavor=flavor)

@@ -148,6 +148,10 @@ class ModelProfile:
     post_ops: tuple[OpInfo, ...] = field(default=(), repr=False)   # ops after the last block
     embedding_fqn: str = ""        # module FQNs, for stage assignment
     head_fqn: str = ""
+    # parameter-owning modules outside the blocks, in execution order: those that run before
+    # the first block go to the first pipeline stage, the rest to the last (final norm, head)
+    pre_modules: tuple[str, ...] = ()
+    post_modules: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:

@@ -730,4 +730,14 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
         pre_ops=tuple(_op_info(n, nodes, dtype, md) for n in pre),
         post_ops=tuple(_op_info(n, nodes, dtype, md) for n in post),
         embedding_fqn=token.module if token is not None else "",
-        head_fqn=head.module if head is not None else "")
+        head_fqn=head.module if head is not None else "",
+        pre_modules=_param_owners(pre), post_modules=_param_owners(post))
+
+
+def _param_owners(nodes) -> tuple[str, ...]:
+    """Modules whose ops read parameters, first use first (a tied head counts as its own module)."""
+    out: list[str] = []
+    for n in nodes:
+        if n.params and n.module and n.module not in out:
+            out.append(n.module)
+    return tuple(out)

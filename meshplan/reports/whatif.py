@@ -1,0 +1,576 @@
+"""What-if capacity planning: plan one model on many (GPU type, GPU count) clusters and compare
+time to train, cost and what limits scaling.
+
+    w = meshplan.whatif("llama3-405b", tokens="15T", seq_len=8192, global_batch=2048,
+                        gpus=("h100-sxm", "h200", "b200"), counts=(1024, 4096, 16384),
+                        deadline_days=90, budget_usd="20M")
+    print(w.to_table()); w.to_html()
+
+For every point the best layout comes from `meshplan.plan` on a cluster built from the GPU's
+node preset (or from a cluster JSON file, e.g. a calibrated profile, used as the node type). The
+model is profiled once and the profile reused, so a sweep costs one trace plus one search per
+point. Derived columns:
+
+    tokens/s   = tokens/s/GPU x GPUs                       time = tokens / (tokens/s)
+    GPU-hours  = GPUs x time                               cost = GPU-hours x price per GPU-hour
+    headroom   = usable memory - predicted peak per GPU
+    limited by = the largest of: bubble, exposed DP comm, exposed TP comm, other exposed comm
+                 (CP + EP + PP p2p), and memory (seconds spent recomputing activations because
+                 they did not fit) — "compute" when none reaches COMPUTE_BOUND_SHARE of the step.
+
+Marks: the cheapest option that meets the deadline, the fastest within the budget, and the
+time-cost Pareto front. A request nothing satisfies is said so, with the nearest options.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence, TextIO
+
+from meshplan.errors import ConfigError, DoesNotFitError, MeshplanError
+
+__all__ = [
+    "WhatIf", "WhatIfRow", "PriceSource", "whatif", "compute_marks", "scaling_limits",
+    "parse_tokens", "parse_duration_days", "parse_money", "parse_counts", "parse_prices",
+    "DEFAULT_GPUS", "DEFAULT_COUNTS", "WHATIF_VERSION", "LIMITERS",
+]
+
+WHATIF_VERSION = 1
+DEFAULT_GPUS = ("h100-sxm", "h200", "b200")
+DEFAULT_COUNTS = (1024, 2048, 4096, 8192, 16384)
+# The same threshold Estimate.bottleneck uses (cost_models/estimate.py): below 5% of the step no
+# overhead is worth naming and the point is compute-bound.
+COMPUTE_BOUND_SHARE = 0.05
+LIMITERS = ("bubble", "DP comm", "TP comm", "other comm", "memory")
+STATUSES = ("ok", "does not fit", "no plan")
+_SECONDS_PER_DAY = 86400.0
+
+# ---- parsing --------------------------------------------------------------------------------
+_NUM = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_TOKEN_FORMS = "a number with an optional suffix K, M, B or T (e.g. 15T, 300B, 2.5e12)"
+_MONEY_FORMS = "US dollars as a number with an optional $ and suffix k, M or B (e.g. 20M, 1.5k, $300000)"
+_DURATION_FORMS = "a number with a unit d (days), h (hours) or w (weeks) (e.g. 90d, 36h, 2w); a bare number is days"
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _positive(what: str, text: Any, value: float, forms: str, allow_zero: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{what} {text!r} must be {'non-negative' if allow_zero else 'positive'}; "
+                          f"use {forms}")
+    return float(value)
+
+
+def _scaled(what: str, text: Any, forms: str, pattern: str, allow_zero: bool = False) -> float:
+    if _is_number(text):
+        return _positive(what, text, float(text), forms, allow_zero)
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} {text!r} is not {forms}")
+    s = text.strip().replace(",", "").replace("_", "")
+    m = re.fullmatch(pattern, s)
+    if not m:
+        raise ConfigError(f"{what} {text!r} is not understood; use {forms}")
+    return _positive(what, text, float(m.group(1)) * _SCALE[m.group(2).lower()], forms, allow_zero)
+
+
+def parse_tokens(text: str | float) -> float:
+    """'15T' -> 1.5e13, '300B', '2.5e12', '800M'; a number passes through."""
+    return _scaled("token count", text, _TOKEN_FORMS, rf"({_NUM})\s*([kKmMbBgGtT]?)")
+
+
+def parse_money(text: str | float, *, allow_zero: bool = False) -> float:
+    """'20M' -> 2e7 USD, '1.5k', '$300000', '$1.2B'; a number passes through."""
+    return _scaled("amount", text, _MONEY_FORMS, rf"\$?\s*({_NUM})\s*([kKmMbB]?)", allow_zero)
+
+
+def parse_duration_days(text: str | float) -> float:
+    """'90d' -> 90.0, '36h' -> 1.5, '2w' -> 14.0; a bare number is days."""
+    if _is_number(text):
+        return _positive("duration", text, float(text), _DURATION_FORMS)
+    if not isinstance(text, str):
+        raise ConfigError(f"duration {text!r} is not {_DURATION_FORMS}")
+    m = re.fullmatch(rf"({_NUM})\s*([dDhHwW]?)", text.strip())
+    if not m:
+        raise ConfigError(f"duration {text!r} is not understood; use {_DURATION_FORMS}")
+    per_unit = {"": 1.0, "d": 1.0, "h": 1 / 24, "w": 7.0}[m.group(2).lower()]
+    return _positive("duration", text, float(m.group(1)) * per_unit, _DURATION_FORMS)
+
+
+def parse_counts(text: str | Iterable[int]) -> tuple[int, ...]:
+    """'1024,2048' (or an iterable of ints) -> sorted unique GPU counts."""
+    items = [p.strip() for p in text.split(",") if p.strip()] if isinstance(text, str) else list(text)
+    out = set()
+    for item in items:
+        if isinstance(item, str) and item.isdigit():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            raise ConfigError(f"GPU count {item!r} is not a positive whole number; use e.g. --gpus 1024,2048,4096")
+        out.add(item)
+    if not out:
+        raise ConfigError("no GPU counts given; use e.g. --gpus 1024,2048,4096")
+    return tuple(sorted(out))
+
+
+def parse_prices(items: str | Iterable[str] | Mapping[str, Any] | None) -> dict[str, float]:
+    """['h100-sxm=2.5', 'b200=$3.1,h200=2.9'] or {'h100-sxm': 2.5} -> {gpu: USD per GPU-hour}."""
+    if items is None:
+        return {}
+    if isinstance(items, Mapping):
+        pairs = [(str(k), v) for k, v in items.items()]
+    else:
+        parts = [items] if isinstance(items, str) else list(items)
+        pairs = []
+        for part in (p.strip() for chunk in parts for p in chunk.split(",")):
+            if not part:
+                continue
+            if "=" not in part:
+                raise ConfigError(f"price {part!r} is not gpu=usd_per_gpu_hour (e.g. --price h100-sxm=2.5)")
+            k, v = (s.strip() for s in part.split("=", 1))
+            pairs.append((k, v))
+    return {k: parse_money(v, allow_zero=True) for k, v in pairs}
+
+
+# ---- results --------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class PriceSource:
+    """The price used for one GPU option, and where it comes from."""
+
+    gpu: str                          # the option's label
+    gpu_id: str
+    usd_per_gpu_hour: float | None    # None: no known price, costs are unknown
+    source: str
+    overridden: bool = False          # True when given with --price / prices=
+
+    def __post_init__(self) -> None:
+        if self.usd_per_gpu_hour is not None and not (_is_number(self.usd_per_gpu_hour)
+                                                      and self.usd_per_gpu_hour >= 0):
+            raise ConfigError(f"price for {self.gpu!r} must be a non-negative number, got {self.usd_per_gpu_hour!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhatIfRow:
+    """One (GPU type, GPU count) point. Numeric fields are None unless status == 'ok'."""
+
+    gpu: str                          # option label: GPU id or the cluster file's stem
+    gpu_id: str
+    num_gpus: int
+    nodes: int
+    gpus_per_node: int
+    status: str                       # "ok" | "does not fit" | "no plan"
+    reason: str = ""                  # why there is no plan
+    layout: str = ""                  # Layout.short() of the best plan
+    precision: str = ""
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None          # whole cluster
+    mfu: float | None = None
+    days: float | None = None                  # to train the token budget
+    gpu_hours: float | None = None
+    price_usd_per_gpu_hour: float | None = None
+    cost_usd: float | None = None              # None when the GPU has no price
+    peak_memory_gb: float | None = None
+    capacity_gb: float | None = None           # usable memory per GPU
+    headroom_gb: float | None = None
+    limiter: str = ""                          # one of LIMITERS or "compute"
+    limiter_share: float | None = None         # its share of the step time
+    limits_s: dict[str, float] = field(default_factory=dict)   # seconds per step, per LIMITERS entry
+    estimate: dict[str, Any] | None = None     # Estimate.to_dict() of the best plan
+    plan_seconds: float = 0.0                  # time the planner took for this point
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ConfigError(f"row status {self.status!r}: use one of {STATUSES}")
+        if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
+            raise ConfigError(f"row num_gpus must be a positive whole number, got {self.num_gpus!r}")
+        if self.status == "ok":
+            missing = [f for f in ("step_time_s", "tokens_per_s", "mfu", "days", "gpu_hours", "peak_memory_gb",
+                                   "capacity_gb", "headroom_gb") if getattr(self, f) is None]
+            if missing:
+                raise ConfigError(f"row {self.key}: a planned row needs {missing}")
+        elif not self.reason:
+            raise ConfigError(f"row {self.key}: status {self.status!r} needs a reason")
+
+    @property
+    def key(self) -> str:
+        return f"{self.gpu}@{self.num_gpus}"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhatIf:
+    """A what-if sweep: rows, marks, price sources and the messages a reader must see."""
+
+    version: int = WHATIF_VERSION
+    model: str
+    tokens: float
+    seq_len: int
+    global_batch: int
+    precision: str
+    deadline_days: float | None = None
+    budget_usd: float | None = None
+    rows: tuple[WhatIfRow, ...]
+    prices: tuple[PriceSource, ...]
+    cheapest: str | None = None            # cheapest row meeting the deadline (cheapest overall if none given)
+    fastest: str | None = None             # fastest row within the budget (fastest overall if none given)
+    pareto: tuple[str, ...] = ()           # time-cost Pareto front, cheapest first
+    fastest_overall: str | None = None
+    cheapest_overall: str | None = None
+    chosen: str | None = None              # the row detailed in reports
+    chosen_plan: dict[str, Any] | None = None   # Plan.to_dict() of the chosen row
+    messages: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.version != WHATIF_VERSION:
+            raise ConfigError(f"what-if version {self.version} is not supported (expects {WHATIF_VERSION})")
+        keys = [r.key for r in self.rows]
+        if len(set(keys)) != len(keys):
+            raise ConfigError(f"what-if rows repeat a (gpu, count) point: {keys}")
+        for name in ("cheapest", "fastest", "fastest_overall", "cheapest_overall", "chosen"):
+            k = getattr(self, name)
+            if k is not None and k not in keys:
+                raise ConfigError(f"what-if {name}={k!r} names no row; rows: {keys}")
+        bad = [k for k in self.pareto if k not in keys]
+        if bad:
+            raise ConfigError(f"what-if pareto names unknown rows {bad}")
+
+    # ---- access ----
+    def row(self, key: str) -> WhatIfRow:
+        for r in self.rows:
+            if r.key == key:
+                return r
+        raise KeyError(key)
+
+    def marks_of(self, key: str) -> tuple[str, ...]:
+        """'cheapest', 'fastest', 'pareto' for the row `key`."""
+        out = []
+        if key == self.cheapest:
+            out.append("cheapest")
+        if key == self.fastest:
+            out.append("fastest")
+        if key in self.pareto:
+            out.append("pareto")
+        return tuple(out)
+
+    @property
+    def plan(self):
+        """The chosen row's `Plan`, or None."""
+        if self.chosen_plan is None:
+            return None
+        from meshplan.planner.plan import Plan
+        return Plan.from_dict(self.chosen_plan)
+
+    # ---- serialisation and renderings ----
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["rows"] = [asdict(r) for r in self.rows]
+        d["prices"] = [asdict(p) for p in self.prices]
+        d["pareto"] = list(self.pareto)
+        d["messages"] = list(self.messages)
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WhatIf:
+        if not isinstance(data, dict) or "rows" not in data:
+            raise ConfigError("not a meshplan what-if report: expected an object with 'rows'")
+        d = dict(data)
+        try:
+            d["rows"] = tuple(WhatIfRow(**r) for r in d["rows"])
+            d["prices"] = tuple(PriceSource(**p) for p in d.get("prices", ()))
+            d["pareto"] = tuple(d.get("pareto", ()))
+            d["messages"] = tuple(d.get("messages", ()))
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"malformed what-if JSON: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> WhatIf:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"what-if report is not valid JSON: {e}") from None
+
+    def to_table(self) -> str:
+        from meshplan.reports.render import to_table
+        return to_table(self)
+
+    def to_markdown(self) -> str:
+        from meshplan.reports.render import to_markdown
+        return to_markdown(self)
+
+    def to_html(self) -> str:
+        from meshplan.reports.html import whatif_html
+        return whatif_html(self)
+
+
+# ---- derived quantities ---------------------------------------------------------------------
+def scaling_limits(est) -> dict[str, float]:
+    """Seconds per step that each scaling limiter costs, from an Estimate's components.
+
+    memory = the recomputation the layout needs because activations did not fit: the share of
+    compute time spent on FLOPs beyond the model's, (hardware - model FLOPs) / hardware FLOPs.
+    """
+    t = est.time_s
+    recompute = t.get("compute", 0.0) * (1.0 - est.mfu / est.hfu) if est.hfu > 0 else 0.0
+    return {"bubble": t.get("bubble", 0.0), "DP comm": t.get("dp", 0.0), "TP comm": t.get("tp", 0.0),
+            "other comm": t.get("cp", 0.0) + t.get("ep", 0.0) + t.get("pp", 0.0),
+            "memory": max(0.0, recompute)}
+
+
+def _limiter(limits: Mapping[str, float], step_s: float) -> tuple[str, float]:
+    name = max(LIMITERS, key=lambda k: limits.get(k, 0.0))
+    share = limits.get(name, 0.0) / step_s if step_s > 0 else 0.0
+    return ("compute", share) if share < COMPUTE_BOUND_SHARE else (name, share)
+
+
+def by_time(r: WhatIfRow):
+    """Sort key: fastest first; ties go to the cheaper, then the smaller option."""
+    return (r.days, math.inf if r.cost_usd is None else r.cost_usd, r.num_gpus, r.key)
+
+
+def by_cost(r: WhatIfRow):
+    """Sort key for priced rows: cheapest first; ties go to the faster, then the smaller option."""
+    return (r.cost_usd, r.days, r.num_gpus, r.key)
+
+
+def compute_marks(rows: Sequence[WhatIfRow], *, deadline_days: float | None = None,
+                  budget_usd: float | None = None) -> dict[str, Any]:
+    """Which rows are the cheapest meeting the deadline, the fastest within the budget, and on
+    the time-cost Pareto front (no other row is at least as fast and as cheap, and better in one).
+    Rows with no plan never count; rows with no price only count where cost does not matter."""
+    ok = [r for r in rows if r.ok]
+    priced = [r for r in ok if r.cost_usd is not None]
+    meets = [r for r in priced if deadline_days is None or r.days <= deadline_days]
+    within = ok if budget_usd is None else [r for r in priced if r.cost_usd <= budget_usd]
+    front = [r for r in priced
+             if not any(s.days <= r.days and s.cost_usd <= r.cost_usd and (s.days < r.days or s.cost_usd < r.cost_usd)
+                        for s in priced)]
+    return dict(
+        cheapest=min(meets, key=by_cost).key if meets else None,
+        fastest=min(within, key=by_time).key if within else None,
+        pareto=tuple(r.key for r in sorted(front, key=by_cost)),
+        fastest_overall=min(ok, key=by_time).key if ok else None,
+        cheapest_overall=min(priced, key=by_cost).key if priced else None,
+    )
+
+
+# ---- the GPU options ------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class _Option:
+    label: str
+    spec: Any                 # GPUSpec
+    base: Any = None          # Cluster used as the node type (cluster file / object), or None
+    preset: str | None = None
+
+    @property
+    def gpus_per_node(self) -> int:
+        if self.base is not None:
+            return self.base.gpus_per_node
+        if self.preset is not None:
+            from meshplan.cluster import Cluster
+            return Cluster.preset(self.preset).gpus_per_node
+        return self.spec.node_gpus
+
+    def cluster(self, count: int):
+        from meshplan.cluster import Cluster
+        gpn = self.gpus_per_node
+        if count % gpn:
+            lo, hi = count // gpn * gpn, (count // gpn + 1) * gpn
+            near = " or ".join(str(n) for n in (lo, hi) if n > 0)
+            raise ConfigError(f"{count} GPUs of {self.label} is not a whole number of {gpn}-GPU nodes; "
+                              f"valid counts are multiples of {gpn} (nearest: {near})")
+        try:
+            if self.base is not None:
+                return self.base.replace(nodes=count // gpn)
+            if self.preset is not None:
+                return Cluster.preset(self.preset, nodes=count // gpn)
+            return Cluster(gpu=self.spec, gpus_per_node=gpn, nodes=count // gpn)
+        except ConfigError as e:
+            raise ConfigError(f"{count} x {self.label}: {e}") from None
+
+
+def _preset_for(gpu_id: str) -> str | None:
+    from meshplan.cluster import PRESETS, Cluster
+    for name in sorted(PRESETS):
+        if name != "local-cpu" and Cluster.preset(name).gpu.id == gpu_id:
+            return name
+    return None
+
+
+def _options(gpus: Any) -> list[_Option]:
+    from meshplan.cluster import Cluster, GPUSpec, gpu
+    items = [g.strip() for g in gpus.split(",") if g.strip()] if isinstance(gpus, str) else list(gpus)
+    if not items:
+        raise ConfigError(f"no GPU types given; use e.g. --gpu {','.join(DEFAULT_GPUS)}")
+    out: list[_Option] = []
+    for item in items:
+        if isinstance(item, Cluster):
+            out.append(_Option(label=item.name, spec=item.gpu, base=item))
+        elif isinstance(item, GPUSpec):
+            out.append(_Option(label=item.id, spec=item, preset=_preset_for(item.id)))
+        elif isinstance(item, str) and (item.endswith(".json") or Path(item).is_file()):
+            if not Path(item).is_file():
+                raise ConfigError(f"cluster file {item!r} does not exist; --gpu takes GPU ids or cluster JSON files")
+            cl = Cluster.load(item)
+            out.append(_Option(label=Path(item).stem, spec=cl.gpu, base=cl))
+        elif isinstance(item, str):
+            spec = gpu(item)          # UnknownNameError lists the known GPUs
+            if spec.id == "cpu":
+                raise ConfigError("what-if sweeps are for GPU clusters; 'cpu' is this machine's processes")
+            out.append(_Option(label=spec.id, spec=spec, preset=_preset_for(spec.id)))
+        else:
+            raise ConfigError(f"GPU option {item!r}: give a GPU id, a cluster JSON path, a GPUSpec or a Cluster")
+    labels = [o.label for o in out]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ConfigError(f"GPU option(s) {dup} given twice")
+    return out
+
+
+def _price_sources(options: Sequence[_Option], overrides: Mapping[str, float]) -> list[PriceSource]:
+    from meshplan.cluster import _GPU_ALIASES, _norm
+    remaining = dict(overrides)
+    out = []
+    for o in options:
+        hit = None
+        for k in list(remaining):
+            nk = _GPU_ALIASES.get(_norm(k), _norm(k))
+            if k == o.label or nk == _norm(o.label) or (o.base is None and nk == o.spec.id):
+                hit = k
+                break
+        if hit is not None:
+            out.append(PriceSource(gpu=o.label, gpu_id=o.spec.id, usd_per_gpu_hour=remaining.pop(hit),
+                                   source=f"given on the command line ({hit}=...)", overridden=True))
+        else:
+            out.append(PriceSource(gpu=o.label, gpu_id=o.spec.id, usd_per_gpu_hour=o.spec.price_usd_per_hour,
+                                   source=o.spec.price_source))
+    if remaining:
+        raise ConfigError(f"price given for {sorted(remaining)}, which is not among the swept GPUs "
+                          f"{[o.label for o in options]}")
+    return out
+
+
+# ---- progress -------------------------------------------------------------------------------
+class _Progress:
+    """One stderr line rewritten with carriage returns: [#####-----] 7/15 h200 x 4096 12 s."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: TextIO | None):
+        self.total, self.stream, self.t0, self.last = total, stream, time.perf_counter(), 0
+
+    def update(self, done: int, label: str) -> None:
+        if self.stream is None:
+            return
+        n = round(self.WIDTH * done / max(1, self.total))
+        line = (f"whatif [{'#' * n}{'-' * (self.WIDTH - n)}] {done}/{self.total} {label} "
+                f"{time.perf_counter() - self.t0:.0f} s")
+        self.stream.write("\r" + line + " " * max(0, self.last - len(line)))
+        self.stream.flush()
+        self.last = len(line)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.update(self.total, "done")
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# ---- the sweep ------------------------------------------------------------------------------
+def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, seconds: float) -> WhatIfRow:
+    from meshplan.cost_models.layout import Layout
+    est = plan.estimate_obj
+    n = cl.num_gpus
+    tps = est.tokens_per_s_per_gpu * n
+    train_s = tokens / tps
+    gpu_hours = n * train_s / 3600.0
+    limits = scaling_limits(est)
+    name, share = _limiter(limits, est.step_time_s)
+    return WhatIfRow(
+        gpu=opt.label, gpu_id=opt.spec.id, num_gpus=n, nodes=cl.nodes, gpus_per_node=cl.gpus_per_node,
+        status="ok", layout=Layout.from_dict(plan.layout).short(), precision=plan.precision,
+        step_time_s=est.step_time_s, tokens_per_s=tps, mfu=est.mfu, days=train_s / _SECONDS_PER_DAY,
+        gpu_hours=gpu_hours, price_usd_per_gpu_hour=price,
+        cost_usd=None if price is None else gpu_hours * price,
+        peak_memory_gb=est.peak_memory_gb, capacity_gb=est.capacity_gb,
+        headroom_gb=est.capacity_gb - est.peak_memory_gb, limiter=name, limiter_share=share,
+        limits_s=limits, estimate=json.loads(json.dumps(est.to_dict())), plan_seconds=seconds)
+
+
+def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
+           gpus: Any = DEFAULT_GPUS, counts: Any = DEFAULT_COUNTS, deadline_days: str | float | None = None,
+           budget_usd: str | float | None = None, prices: Any = None, precision: str = "bf16",
+           progress: bool | TextIO = True) -> WhatIf:
+    """Plan `model` on every (GPU type, count) and compare time to train `tokens`, cost and limits.
+
+    model: preset name, nn.Module, config mapping or ModelProfile (profiled once for the sweep).
+    gpus: GPU ids, cluster JSON paths (a calibrated profile used as the node type), GPUSpecs or
+    Clusters. counts: GPU counts (multiples of each node size). tokens / deadline_days /
+    budget_usd / prices accept numbers or strings such as '15T', '90d', '20M', {'b200': 3.5}.
+    progress: True prints a progress line to stderr, False nothing, or a stream to write it to.
+    """
+    from meshplan import api
+    t0 = time.perf_counter()
+    tok = parse_tokens(tokens)
+    deadline = None if deadline_days is None else parse_duration_days(deadline_days)
+    budget = None if budget_usd is None else parse_money(budget_usd)
+    for name, v in (("seq_len", seq_len), ("global_batch", global_batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive whole number, got {v!r}")
+    if precision not in ("bf16", "fp16", "fp8", "auto"):
+        raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp16', 'fp8' or 'auto'")
+    options = _options(gpus)
+    count_list = parse_counts(counts)
+    if precision == "fp8":
+        no_fp8 = [o.label for o in options if not o.spec.fp8_tflops]
+        if no_fp8:
+            raise ConfigError(f"{no_fp8} have no FP8 matrix units; use precision 'bf16' or 'auto'")
+    price_list = _price_sources(options, parse_prices(prices))
+    # build every cluster before planning anything, so a bad count fails at once
+    points = [(o, p, o.cluster(n)) for o, p in zip(options, price_list) for n in count_list]
+    prof = api.profile(model, seq_len=seq_len)
+    stream = (sys.stderr if progress is True else None) if isinstance(progress, bool) else progress
+    bar = _Progress(len(points), stream)
+    rows: list[WhatIfRow] = []
+    plans: dict[str, Any] = {}
+    for i, (opt, price, cl) in enumerate(points):
+        bar.update(i, f"{opt.label} x {cl.num_gpus}")
+        t1 = time.perf_counter()
+        base = dict(gpu=opt.label, gpu_id=opt.spec.id, num_gpus=cl.num_gpus, nodes=cl.nodes,
+                    gpus_per_node=cl.gpus_per_node, capacity_gb=cl.usable_memory_gb,
+                    price_usd_per_gpu_hour=price.usd_per_gpu_hour)
+        try:
+            plan = api.plan(prof, cl, seq_len=seq_len, global_batch=global_batch, precision=precision, top_k=3)
+        except DoesNotFitError as e:
+            rows.append(WhatIfRow(**base, status="does not fit", reason=str(e), plan_seconds=time.perf_counter() - t1))
+            continue
+        except MeshplanError as e:   # e.g. no mesh divides the batch on this count
+            rows.append(WhatIfRow(**base, status="no plan", reason=str(e), plan_seconds=time.perf_counter() - t1))
+            continue
+        row = _planned_row(opt, cl, plan, price.usd_per_gpu_hour, tok, time.perf_counter() - t1)
+        rows.append(row)
+        plans[row.key] = plan
+    bar.close()
+    marks = compute_marks(rows, deadline_days=deadline, budget_usd=budget)
+    chosen = marks["cheapest"] or marks["fastest"] or marks["fastest_overall"]
+    from meshplan.reports.render import verdicts
+    msgs = verdicts(rows, marks, model=prof.name, tokens=tok, deadline_days=deadline, budget_usd=budget,
+                     prices=price_list)
+    return WhatIf(model=prof.name, tokens=tok, seq_len=seq_len, global_batch=global_batch, precision=precision,
+                  deadline_days=deadline, budget_usd=budget, rows=tuple(rows), prices=tuple(price_list),
+                  chosen=chosen, chosen_plan=json.loads(plans[chosen].to_json()) if chosen else None,
+                  messages=tuple(msgs), seconds=time.perf_counter() - t0, **marks)

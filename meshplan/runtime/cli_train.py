@@ -1,0 +1,160 @@
+"""`meshplan train`: plan, then launch training on local processes (torchrun) with that plan.
+
+Run by a user, it plans (or loads `--plan`), prints the plan's summary, writes it to the output
+directory, and re-runs itself under torchrun with `--nproc` processes (`--max-restarts` restarts
+the whole job from the last checkpoint if a process dies). Each torchrun worker (`--worker`)
+builds the model with real weights (same seed on every rank), parallelises it with the plan and
+runs the training loop (meshplan.runtime.train).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from meshplan.errors import ConfigError
+
+DEFAULT_MODEL = "tiny-llama"
+
+
+def register(sub) -> None:
+    t = sub.add_parser("train", help="plan and train a model on local processes (default: a tiny Llama "
+                                     "on the embedded corpus with 4 CPU processes)")
+    t.add_argument("--model", default=DEFAULT_MODEL,
+                   help="preset name, path/to/file.py:factory, or a transformers config.json")
+    t.add_argument("--data", default=None, help="directory of text files or a uint16/uint32 token file "
+                                                "(default: the corpus shipped with meshplan)")
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                   help="bf16: bf16 compute with fp32 master weights; fp32: everything in fp32")
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--plan", default=None, help="reuse a saved plan (meshplan plan --json)")
+    t.add_argument("--fix", default="", help="constrain the plan, e.g. tp=2,pp=2")
+    t.add_argument("--nproc", type=int, default=4, help="processes (GPUs) on this machine")
+    t.add_argument("--cluster", default="local-cpu", help="cluster preset or JSON to plan for")
+    t.add_argument("--out", default="meshplan-run", help="output directory: plan, metrics.jsonl, checkpoints")
+    t.add_argument("--checkpoint-every", type=int, default=50)
+    t.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
+    t.add_argument("--max-restarts", type=int, default=0, help="restart the job this many times after a failure")
+    t.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the job fails")
+    t.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    t.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    t.set_defaults(fn=cmd_train)
+
+
+def _cluster(name: str, nproc: int):
+    from meshplan.cluster import Cluster
+    if name.endswith(".json"):
+        cl = Cluster.load(name)
+    elif name == "local-cpu":
+        cl = Cluster.preset("local-cpu")
+        if nproc != cl.num_gpus:
+            cl = cl.replace(gpus_per_node=nproc, scaleup_domain=nproc)
+    else:
+        cl = Cluster.preset(name)
+    if cl.num_gpus != nproc:
+        raise ConfigError(f"cluster {cl.name!r} has {cl.num_gpus} GPUs but --nproc is {nproc}; "
+                          "pass --nproc matching the cluster, or a cluster JSON for this machine")
+    return cl
+
+
+def _plan(args):
+    import meshplan as mp
+    from meshplan.api import load_model
+    from meshplan.cli import _parse_layout
+    from meshplan.planner.plan import Plan
+    if args.plan:
+        plan = Plan.load(args.plan)
+        plan.check_matches(world_size=args.nproc)
+        return plan
+    cluster = _cluster(args.cluster, args.nproc)
+    model = load_model(args.model, seq_len=args.seq_len) if "." not in args.model else load_model(args.model)
+    fixed = {"cp": 1, "ep": 1, **(_parse_layout(args.fix) if args.fix else {})}
+    return mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed)
+
+
+def cmd_train(args) -> int:
+    if args.worker:
+        return _worker(args)
+    from meshplan.runtime.launch import launch_local
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"planning {args.model} for {args.nproc} processes on {args.cluster} ...", file=sys.stderr, flush=True)
+    plan = _plan(args)
+    print(plan.explain())
+    plan_path = out / "plan.json"
+    plan.save(plan_path)
+    argv = [a for a in sys.argv[1:] if a != "train"] if sys.argv[1:2] == ["train"] else _rebuild_argv(args)
+    worker = ["meshplan.cli", "train", *_strip(argv, ("--plan",)), "--plan", str(plan_path), "--worker"]
+    print(f"launching {plan.world_size} processes (torchrun); metrics -> {out / 'metrics.jsonl'}",
+          file=sys.stderr, flush=True)
+    return launch_local(plan.world_size, worker, module=True, max_restarts=args.max_restarts)
+
+
+def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """argv without the given options and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in options:
+            skip = True
+            continue
+        if any(a.startswith(o + "=") for o in options):
+            continue
+        out.append(a)
+    return out
+
+
+def _rebuild_argv(args) -> list[str]:
+    """argv for the workers when train was called through the API rather than the command line."""
+    out = []
+    for k in ("model", "data", "steps", "global_batch", "seq_len", "precision", "lr", "warmup", "seed",
+              "nproc", "cluster", "out", "checkpoint_every", "timeout", "fail_at_step"):
+        v = getattr(args, k)
+        if v is not None:
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    if args.no_resume:
+        out.append("--no-resume")
+    return out
+
+
+def _worker(args) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from meshplan.api import load_model
+    from meshplan.planner.plan import Plan
+    from meshplan.runtime.parallel import parallelize
+    from meshplan.runtime.train import TrainConfig, train
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        plan = Plan.load(args.plan)
+        torch.manual_seed(args.seed)
+        model = (load_model(args.model, device="cpu", seq_len=args.seq_len) if "." not in args.model
+                 else load_model(args.model, device="cpu"))
+        pm = parallelize(model, plan, compute_dtype=None if args.precision == "fp32" else "plan")
+        cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
+                          data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+                          resume=not args.no_resume, fail_at_step=args.fail_at_step)
+        res = train(model, plan, cfg, pm=pm)
+        if dist.get_rank() == 0 and res.losses:
+            first, last = res.losses[min(res.losses)], res.losses[max(res.losses)]
+            print(f"\ntrained steps {res.start_step + 1}..{res.final_step}: loss {first:.3f} -> {last:.3f}; "
+                  f"checkpoint {res.checkpoint}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0

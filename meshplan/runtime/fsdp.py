@@ -1,0 +1,59 @@
+"""Data parallelism and ZeRO with FSDP2 (`fully_shard`), as the Plan's layout says.
+
+Each block the stage owns is its own FSDP unit (one all-gather / reduce-scatter per block), then
+the stage root takes what is left (embedding, final norm, head). How the plan's ZeRO stage maps:
+
+| layout                     | FSDP2 setting                                                    |
+|----------------------------|------------------------------------------------------------------|
+| zero=3                     | reshard_after_forward as planned (True: ZeRO-3; False: ZeRO-2-like memory) |
+| zero=3, fsdp_shard < dp    | HSDP: 2-D mesh (replicate, shard); shard over fsdp_shard ranks   |
+| zero=2                     | reshard_after_forward=False, gradients reduce-scattered per micro-batch |
+| zero=0/1                   | reshard_after_forward=False, gradients accumulated unsharded and reduce-scattered once per step (see parallel.py) |
+
+Between steps the weights are always sharded (FSDP2 has no "keep unsharded" mode), so zero<3
+uses a little less memory than planned, never more.
+
+Overlap (FSDP2's own streams / async work): the next unit's all-gather is issued before the
+current unit's forward finishes (implicit forward prefetch); in backward the previous unit's
+all-gather is prefetched and each unit's gradient reduce-scatter runs while earlier units
+compute their backward. `overlap=False` turns explicit prefetching off (units unshard on
+demand), which the tests use to check that results do not depend on it.
+
+Gradients are summed across data-parallel ranks (divide factor 1): the loss is already divided
+by the global token count, so the sum is the global-batch mean gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["apply_fsdp"]
+
+
+def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, reshard_after_forward: bool,
+               param_dtype: torch.dtype | None, overlap: bool = True) -> list[nn.Module]:
+    """Shard `stage` over `dp_mesh`; returns the FSDP units, blocks first, root last."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    reshard = bool(reshard_after_forward) if zero == 3 else False
+    units = []
+    for fqn in blocks:
+        block = stage.get_submodule(fqn)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        units.append(block)
+    # the root's parameters are used again first thing in backward (head): keep them gathered
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    units.append(stage)
+    for u in units:
+        # SUM, not AVG: gloo has no pre-multiplied sums, and the loss is already normalised
+        u.set_gradient_divide_factor(1.0)
+        u.set_force_sum_reduction_for_comms(True)
+    if overlap:
+        # explicit prefetch one unit ahead in both directions, on top of FSDP2's implicit prefetch
+        for i, u in enumerate(units[:-1]):
+            if i + 1 < len(units) - 1:
+                u.set_modules_to_forward_prefetch([units[i + 1]])
+            if i > 0:
+                u.set_modules_to_backward_prefetch([units[i - 1]])
+    return units

@@ -1,0 +1,93 @@
+"""Run a function on N local processes with an initialised process group (tests, calibration).
+
+`run_ranks(world, fn, *args)` spawns `world` processes, initialises gloo (or NCCL on GPUs) with
+a timeout on every collective, calls `fn(rank, world, *args)` and returns the list of results
+by rank. A rank that raises ends the whole group: the exception is re-raised in the caller with
+the failing rank named, the others are terminated instead of waiting on a collective forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["run_ranks", "free_port", "RankFailed"]
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised or died; the message names the rank and carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, timeout_s: float, backend: str, fn, args) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    out = Path(outdir)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        result = fn(rank, world, *args)
+        (out / f"{rank}.pkl").write_bytes(pickle.dumps(("ok", result)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
+        (out / f"{rank}.pkl").write_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 120.0, backend: str = "gloo") -> list:
+    """Run `fn(rank, world, *args)` on `world` fresh processes; results by rank.
+
+    `fn` must be importable (module-level). `timeout_s` bounds every collective and the whole run.
+    """
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="meshplan-ranks-") as outdir:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, timeout_s, backend, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s + 60
+        failure = None
+        try:
+            while True:
+                try:
+                    if ctx.join(timeout=1.0):
+                        break
+                except Exception as e:  # one rank failed: report the first one that wrote its error
+                    failure = e
+                    break
+                if time.monotonic() > deadline:
+                    failure = TimeoutError(f"ranks did not finish within {timeout_s + 60:.0f} s")
+                    break
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        results, errors = [], []
+        for r in range(world):
+            f = Path(outdir) / f"{r}.pkl"
+            if f.exists():
+                status, value = pickle.loads(f.read_bytes())
+                if status == "error":
+                    errors.append((r, value))
+                results.append(value)
+            else:
+                results.append(None)
+        if errors:
+            r, msg = errors[0]
+            raise RankFailed(f"rank {r} of {world} failed: {msg}")
+        if failure is not None:
+            raise RankFailed(f"distributed run failed: {failure}")
+        return results

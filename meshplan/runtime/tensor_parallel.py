@@ -1,0 +1,172 @@
+"""Tensor and sequence parallelism from the Plan's per-module placements.
+
+The planner's intra-block ILP labels every module of each unique block (keys
+`<block signature>:<module path in the block>`) and the block's input/output layout
+(`<signature>:<io>` = "replicate" | "sequence"), plus absolute FQNs for the modules outside the
+blocks. This module turns those labels into PyTorch parallel styles and applies them with
+`parallelize_module`; nothing here looks at class names of the user's model.
+
+Labels and what they become (tp = size of the "tp" mesh axis):
+
+| label          | module     | style                                                                  |
+|----------------|------------|------------------------------------------------------------------------|
+| colwise        | Linear     | ColwiseParallel; input Shard(1) (sequence-sharded) when the block is SP |
+| rowwise        | Linear     | RowwiseParallel; output Shard(1) (reduce-scatter) when SP, else all-reduce |
+| sequence       | any        | SequenceParallel: weights replicated, works on the local sequence shard |
+| replicate      | any        | nothing (whole tensors, weights replicated, identical grads); inside a |
+|                |            | sequence-parallel block, a norm's input is gathered first              |
+| heads          | attention  | local head counts: integer head-count attributes divided by tp          |
+| vocab_parallel | Embedding  | RowwiseParallel over the vocabulary; output Shard(1) when SP            |
+| seq_split      | any        | output cut to this rank's sequence shard (learned positions under SP)  |
+
+Without SP, activations between styles are plain local tensors. With SP, the residual stream
+(embedding output, row-parallel outputs, sequence-parallel norm outputs) stays a DTensor sharded
+on the sequence: code reading `x.shape` (head reshapes, position ids, causal masks built from
+the embedding output, as in transformers' Llama) sees the global sequence length, residual adds
+stay DTensor + DTensor, and the next column-parallel linear gathers its input by its placement.
+Inside TP regions the user's reshapes see local feature sizes; attention modules that reshape with `-1` need nothing, and those that keep
+head counts as attributes get them divided ("heads"). The loss sees full logits: the head's
+output is gathered (Replicate) because the loss function is the user's.
+
+Communication (all through DTensor redistributions): colwise input all-gather (SP) / identity,
+rowwise all-reduce or reduce-scatter (SP), their transposes in backward. Overlap of these with
+compute needs async-TP (symmetric memory, CUDA only); on CPU they are synchronous.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshplan.errors import LayoutError
+
+__all__ = ["apply_tensor_parallel", "block_signatures", "HEAD_COUNT_ATTRS", "sequence_parallel"]
+
+# attribute names user attention modules keep head counts in (local-shape handling for "heads")
+HEAD_COUNT_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_key_value_heads",
+                    "n_head", "n_local_heads", "n_local_kv_heads", "num_attention_heads", "heads", "kv_heads")
+_SUPPORTED = ("colwise", "rowwise", "sequence", "replicate", "heads", "vocab_parallel", "seq_split")
+
+
+def block_signatures(model: nn.Module) -> dict[str, str]:
+    """Block instance FQN -> structural signature, for the ORIGINAL (unsplit) model."""
+    from meshplan.planner.blocks import find_block_containers
+    out: dict[str, str] = {}
+    for c in find_block_containers(model):
+        for sig in dict.fromkeys(c.signatures[c.start:c.stop]):
+            for fqn in c.instances(sig):
+                out[fqn] = sig
+    return out
+
+
+def _styles(label: str, sequence: bool, module: nn.Module, fqn: str):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    linear_or_emb = isinstance(module, (nn.Linear, nn.Embedding))
+    if label in ("colwise", "rowwise", "vocab_parallel") and not linear_or_emb:
+        raise LayoutError(f"module {fqn!r} is a {type(module).__name__}; the plan shards it {label}, which "
+                          "the runtime supports for nn.Linear / nn.Embedding only")
+    if label == "colwise":
+        # a sequence-sharded input arrives as a DTensor (from a "sequence" norm) and is gathered by
+        # its placement; plain inputs are whole
+        return ColwiseParallel(input_layouts=Replicate())
+    if label == "rowwise":
+        # under SP the output joins the sequence-sharded residual stream: reduce-scatter
+        return RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate(), use_local_output=not sequence)
+    if label == "vocab_parallel":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sequence else Replicate(),
+                               use_local_output=not sequence)
+    if label == "sequence":
+        # a DTensor output keeps the global shape, so the user's `B, T, _ = x.shape` stays right
+        return SequenceParallel(use_local_output=False)
+    if label == "replicate" and sequence and not linear_or_emb and any(True for _ in module.parameters()):
+        # a norm the ILP runs on whole tokens inside a sequence-parallel block: gather its input
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True)
+    if label == "replicate" and sequence and linear_or_emb:
+        raise LayoutError(f"module {fqn!r}: a replicated linear inside a sequence-parallel block is not "
+                          "supported by the runtime yet; re-plan with sp=False")
+    return None
+
+
+def _head(sequence: bool):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    # gathered logits: the user's loss function sees whole tensors
+    return ColwiseParallel(input_layouts=Shard(1) if sequence else Replicate(), output_layouts=Replicate())
+
+
+def _split_sequence_output(tp_mesh):
+    """Forward hook: keep this rank's slice of the sequence (dim -2); backward all-gathers it."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(module, args, out):
+        dt = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        return dt.redistribute(tp_mesh, [Shard(out.dim() - 2)])
+    return hook
+
+
+def _localise_heads(module: nn.Module, fqn: str, tp: int) -> None:
+    for attr in HEAD_COUNT_ATTRS:
+        v = module.__dict__.get(attr)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            if v % tp:
+                raise LayoutError(f"{fqn}.{attr} = {v} heads cannot be split over tp={tp}; use a tp that "
+                                  f"divides {v}")
+            setattr(module, attr, v // tp)
+
+
+def sequence_parallel(placements: dict[str, str]) -> bool:
+    """Whether the plan's blocks keep the residual stream sharded on the sequence."""
+    ios = {k.split(":", 1)[0]: v for k, v in placements.items() if k.endswith(":<io>")}
+    if len(set(ios.values())) > 1:
+        raise LayoutError(f"the plan mixes sequence-parallel and replicated blocks ({ios}); the runtime "
+                          "needs one layout for the residual stream; re-plan")
+    return "sequence" in ios.values() or placements.get("*norm*") == "sequence"
+
+
+def apply_tensor_parallel(stage: nn.Module, placements: dict[str, str], signatures: dict[str, str],
+                          tp_mesh) -> None:
+    """Shard `stage` (a whole model or a pipeline stage of it) over `tp_mesh` as the placements say."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    tp = tp_mesh.size()
+    if tp == 1:
+        return
+    modules = dict(stage.named_modules())
+    sequence = sequence_parallel(placements)
+    unknown = sorted({v for v in placements.values() if v not in _SUPPORTED})
+    if unknown:
+        raise LayoutError(f"placements {unknown} are not supported by the runtime yet (it runs "
+                          f"{list(_SUPPORTED)}); re-plan with ep=1 or for a dense model")
+    plan: dict = {}
+    for key, label in placements.items():
+        if key.endswith(":<io>") or "*" in key:
+            continue
+        if ":" in key:
+            sig, rel = key.split(":", 1)
+            targets = [f"{inst}.{rel}" for inst, s in signatures.items() if s == sig]
+        else:
+            targets = [key]
+        for fqn in targets:
+            mod = modules.get(fqn)
+            if mod is None or type(mod).__name__ in ("_PassThrough", "_ZeroEmbedding"):
+                continue                # owned by another pipeline stage
+            if label == "heads":
+                _localise_heads(mod, fqn, tp)
+            elif label == "seq_split":
+                if sequence:
+                    mod.register_forward_hook(_split_sequence_output(tp_mesh))
+            elif ":" not in key and label == "colwise":       # the output layer (outside the blocks)
+                plan[fqn] = _head(sequence)
+            else:
+                style = _styles(label, sequence, mod, fqn)
+                if style is not None:
+                    plan[fqn] = style
+    # norms the fallback placements name by pattern ("*norm*"): sequence-parallel under SP
+    pattern = placements.get("*norm*")
+    if pattern == "sequence":
+        for fqn, mod in modules.items():
+            if fqn not in plan and "norm" in fqn.rsplit(".", 1)[-1].lower() and any(True for _ in mod.parameters(recurse=False)):
+                plan[fqn] = _styles("sequence", True, mod, fqn)
+    if plan:
+        parallelize_module(stage, tp_mesh, plan)

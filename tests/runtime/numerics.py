@@ -1,0 +1,132 @@
+"""Workers for the runtime's numerical-equivalence tests (imported by spawned ranks).
+
+Each case runs the sharded model and, on every rank, the same single-device model with the same
+weights and batch, and compares loss, every full gradient and every parameter after one AdamW
+step with `torch.testing.assert_close`.
+
+Tolerances (fp32 everywhere): sharding changes the order of floating-point sums (a row-parallel
+matmul sums tp partial products, FSDP and micro-batching sum gradients in another order), so
+results agree to rounding, not bit for bit. With values O(1) and sums of a few hundred terms, the
+fp32 reordering error is ~1e-6 relative; rtol=1e-4 / atol=1e-5 leaves two orders of margin while
+any real mistake (a missing reduction, a wrong shard, a gradient scaled by tp or dp) gives errors
+of O(1e-1) or more. AdamW's first step moves a weight by lr * g / (|g| + eps): with the default
+eps=1e-8 a gradient of ~1e-8 (there are a few among 10^5) turns a 1e-9 reordering difference into
+a visible step difference, so the tests use eps=1e-4, which bounds the step difference by
+lr * |dg| / eps (~1e-7 here) while every other weight still moves by ~lr.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
+PARAM_TOL = dict(rtol=1e-4, atol=2e-5)
+LR = 1e-3
+EPS = 1e-4
+
+
+def build_model(kind: str, *, seq_len: int):
+    torch.manual_seed(1234)
+    if kind == "hf-llama":
+        import transformers
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
+                                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=seq_len, tie_word_embeddings=False,
+                                       attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(cfg)
+        model.config.use_cache = False
+        return model
+    from meshplan import models
+    model = models.build(kind, seq_len=seq_len, device="cpu")
+    model.init_weights()
+    return model
+
+
+def batch(global_batch: int, seq_len: int, vocab: int = 256, *, pad: bool = True):
+    g = torch.Generator().manual_seed(99)
+    ids = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    if pad:
+        y[0, -5:] = -100        # padding: the global mean must skip it on whichever rank holds it
+    return x, y
+
+
+def reference(model, x, y):
+    from meshplan.runtime.pipeline import logits_of
+    logits = logits_of(model(x))
+    loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt.step()
+    params = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return float(loss.detach()), grads, params
+
+
+def equivalence(rank: int, world: int, case: dict) -> dict:
+    """Run one plan sharded and unsharded; raise AssertionError on any mismatch."""
+    from meshplan.runtime import parallelize
+    torch.manual_seed(0)
+    model = build_model(case["model"], seq_len=case["seq_len"])
+    ref = copy.deepcopy(model)
+    x, y = batch(case["global_batch"], case["seq_len"])
+    pm = parallelize(model, case["plan"], compute_dtype=None, overlap=case.get("overlap", True))
+    loss = pm.forward_backward(x, y)
+    grads = pm.full_grads()
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    opt.step()
+    params = pm.full_state_dict()
+    ref_loss, ref_grads, ref_params = reference(ref, x, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(ref_grads), (sorted(set(grads) ^ set(ref_grads)))
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], **GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+    for n in ref_params:
+        torch.testing.assert_close(params[n], ref_params[n], **PARAM_TOL, msg=lambda m, n=n: f"param {n}: {m}")
+    worst = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
+    return {"loss": loss, "ref_loss": ref_loss, "max_grad_err": worst}
+
+
+def expect_error(rank: int, world: int, case: dict) -> dict:
+    """parallelize must refuse a mismatched plan before any collective (no hang)."""
+    from meshplan.runtime import parallelize
+    model = build_model(case["model"], seq_len=case["seq_len"])
+    if case.get("change_model"):
+        model.layers[0].attention.wq = torch.nn.Linear(model.config.hidden, model.config.hidden + 8, bias=False)
+    try:
+        parallelize(model, case["plan"], compute_dtype=None)
+    except Exception as e:  # noqa: BLE001 - the test checks type and message
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None}
+
+
+def train_steps(rank: int, world: int, case: dict) -> dict:
+    """A few optimizer steps on one repeated batch with the plan's own precision: loss must fall."""
+    from meshplan.runtime import parallelize
+    model = build_model(case["model"], seq_len=case["seq_len"])
+    pm = parallelize(model, case["plan"])
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+    x, y = batch(case["global_batch"], case["seq_len"], pad=False)
+    losses = []
+    for _ in range(case.get("steps", 6)):
+        losses.append(pm.forward_backward(x, y))
+        opt.step()
+        pm.zero_grad()
+    return {"losses": losses}
+
+
+def run_cases(rank: int, world: int, cases: dict) -> dict:
+    """Several cases in one process group (spawning costs seconds); errors are reported per case."""
+    import torch.distributed as dist
+    out = {}
+    for name, case in cases.items():
+        try:
+            fn = {"error": expect_error, "train": train_steps}.get(case.get("kind"), equivalence)
+            out[name] = fn(rank, world, case)
+        except Exception as e:  # noqa: BLE001 - reported per case; ranks stay in step
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+        dist.barrier()
+    return out

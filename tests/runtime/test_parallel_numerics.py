@@ -1,0 +1,145 @@
+"""Numerical equivalence of meshplan's runtime with the single-device model (gloo, CPU).
+
+Every case parallelises the same model with a Plan made by `meshplan.plan` (layout fixed by the
+test), runs one global batch forward and backward, takes one AdamW step, and compares loss, every
+full gradient and every parameter with the unsharded model (tolerances: tests/runtime/numerics.py).
+Cases that share a world size run in one spawned process group, because starting ranks costs
+seconds each.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import numerics
+
+SEQ, BATCH = 32, 8
+
+# name -> (model, fixed layout); world size is the product of the degrees
+CASES_2 = {
+    "tp2": ("tiny-llama", dict(tp=2, sp=False, dp=1, pp=1)),
+    "tp2_sp": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "dp2_fsdp": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
+    "dp2_fsdp_no_overlap": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
+    "dp2_zero1_accum4": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=1, mbs=1)),
+    "pp2_1f1b": ("tiny-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
+    "pp2_vp2_interleaved": ("tiny-llama", dict(pp=2, vp=2, schedule="interleaved", tp=1, dp=1, mbs=2)),
+    "pp2_zbv": ("tiny-llama", dict(pp=2, vp=2, schedule="zbv", tp=1, dp=1, mbs=2)),
+    "recompute_full": ("tiny-llama", dict(dp=2, tp=1, pp=1, mbs=2, recompute="full")),
+    "recompute_selective_tp2_sp": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2, recompute="selective")),
+    "gpt_tp2_sp": ("tiny-gpt", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "gpt_pp2_tied": ("tiny-gpt", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
+    "hf_tp2": ("hf-llama", dict(tp=2, sp=False, dp=1, pp=1, mbs=2)),
+    "hf_pp2": ("hf-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
+}
+CASES_4 = {
+    "tp2_dp2_sp": ("tiny-llama", dict(tp=2, dp=2, pp=1, sp=True, zero=3, mbs=2)),
+    "tp2_pp2": ("tiny-llama", dict(tp=2, pp=2, dp=1, vp=1, schedule="1f1b", mbs=1)),
+    "hsdp_dp4": ("tiny-llama", dict(dp=4, tp=1, pp=1, zero=3, fsdp_shard=2, mbs=1)),
+    "gpt_tp2_pp2_sp_tied": ("tiny-gpt", dict(tp=2, pp=2, dp=1, vp=1, sp=True, schedule="1f1b", mbs=1)),
+}
+CASES_8 = {
+    "pp2_fsdp2_tp2": ("tiny-llama", dict(pp=2, dp=2, tp=2, zero=3, sp=True, vp=1, schedule="1f1b", mbs=1)),
+}
+
+
+def _cluster(world: int):
+    from meshplan.cluster import Cluster
+    return Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(kind: str, world: int, fixed_items: tuple):
+    import meshplan as mp
+    model = (numerics.build_model(kind, seq_len=SEQ) if kind.startswith("hf")
+             else mp.models.build(kind, seq_len=SEQ, device="meta"))
+    return mp.plan(model, _cluster(world), seq_len=SEQ, global_batch=BATCH, fixed=dict(fixed_items))
+
+
+def _cases(table: dict, world: int) -> dict:
+    out = {}
+    for name, (kind, fixed) in table.items():
+        out[name] = dict(model=kind, plan=_plan(kind, world, tuple(sorted(fixed.items()))), seq_len=SEQ,
+                         global_batch=BATCH, overlap="no_overlap" not in name)
+    return out
+
+
+def _run(world: int, cases: dict) -> dict:
+    from meshplan.runtime.spawn import run_ranks
+    results = run_ranks(world, numerics.run_cases, cases, timeout_s=240)
+    return {name: [r[name] for r in results] for name in cases}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    cases = _cases(CASES_2, 2)
+    # bad input: a plan for 4 ranks on 2, and a model changed since planning
+    cases["wrong_world"] = dict(kind="error", model="tiny-llama", seq_len=SEQ,
+                                plan=_plan("tiny-llama", 4, (("dp", 4),)))
+    cases["changed_model"] = dict(kind="error", model="tiny-llama", seq_len=SEQ, change_model=True,
+                                  plan=_plan("tiny-llama", 2, (("dp", 2),)))
+    return _run(2, cases)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    import meshplan as mp
+    cases = _cases(CASES_4, 4)
+    # end to end: the planner's own choice for 4 local CPU processes, trained a few steps
+    model = mp.models.build("tiny-llama", seq_len=SEQ, device="meta")
+    chosen = mp.plan(model, mp.Cluster.preset("local-cpu"), seq_len=SEQ, global_batch=BATCH,
+                     fixed={"cp": 1, "ep": 1})
+    cases["planned_train"] = dict(kind="train", model="tiny-llama", plan=chosen, seq_len=SEQ, global_batch=BATCH)
+    return _run(4, cases)
+
+
+def _check(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+    losses = {r["loss"] for r in results}
+    assert len(losses) == 1, f"ranks disagree on the loss: {losses}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES_2))
+def test_two_ranks(world2, name):
+    _check(world2[name])
+
+
+@pytest.mark.parametrize("name", sorted(CASES_4))
+def test_four_ranks(world4, name):
+    _check(world4[name])
+
+
+def test_eight_ranks_pp_fsdp_tp():
+    res = _run(8, _cases(CASES_8, 8))
+    _check(res["pp2_fsdp2_tp2"])
+
+
+def test_plan_for_other_world_size_is_refused(world2):
+    for r in world2["wrong_world"]:
+        assert r["raised"] == "ConfigError" and "needs 4 processes" in r["message"], r
+
+
+def test_changed_model_is_refused(world2):
+    for r in world2["changed_model"]:
+        assert r["raised"] == "ConfigError" and "changed since planning" in r["message"], r
+
+
+def test_planned_layout_trains(world4):
+    runs = world4["planned_train"]
+    assert all("error" not in r for r in runs), runs[0]
+    losses = runs[0]["losses"]
+    assert all(r["losses"] == losses for r in runs), "ranks disagree on the losses"
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_parallelize_needs_process_group():
+    import meshplan as mp
+    from meshplan.errors import ConfigError
+    from meshplan.runtime import parallelize
+    model = mp.models.build("tiny-llama", seq_len=SEQ, device="cpu")
+    plan = _plan("tiny-llama", 2, (("dp", 2),))
+    with pytest.raises(ConfigError, match="process group"):
+        parallelize(model, plan)
