@@ -130,3 +130,38 @@ def test_group_geometry_follows_rank_order(h100):
     assert group(h100, 8, 1) == Group(8, 8, 1)       # TP inside a node
     assert group(h100, 4, 8) == Group(4, 1, 4)       # one rank per node
     assert group(h100, 4, 2) == Group(4, 4, 1)
+
+
+# ---- deduplicating MoE dispatch (DeepEP) --------------------------------------------------------
+from meshplan.cost_models.comm import dedup_all_to_all_time, dedup_copies  # noqa: E402
+
+
+def test_dedup_copies_match_alltoall_with_one_expert_per_token():
+    """With top-1 routing nothing can be deduplicated: the expected copies leaving a GPU equal the
+    all-to-all's (n-1)/n of the token, and (D-1)/D of it crosses domains."""
+    g = Group(32, 8, 4)
+    gpus, doms = dedup_copies(64, 1, g)
+    assert gpus == pytest.approx(31 / 32)
+    assert doms == pytest.approx(3 / 4)
+
+
+def test_dedup_copies_hand_count_and_saving():
+    """E=128, k=8 over 32 GPUs in 4 nodes: P(a node holds none of the 8) = C(96,8)/C(128,8)."""
+    g = Group(32, 8, 4)
+    gpus, doms = dedup_copies(128, 8, g)
+    p_node = math.comb(96, 8) / math.comb(128, 8)
+    p_gpu = math.comb(124, 8) / math.comb(128, 8)
+    assert doms == pytest.approx(3 * (1 - p_node))
+    assert gpus == pytest.approx(31 * (1 - p_gpu))
+    assert doms < 8 * 24 / 32 / 2          # less than half the all-to-all's cross-node copies
+    assert dedup_copies(128, 8, Group(8, 8, 1))[1] == 0.0
+
+
+def test_dedup_dispatch_faster_than_alltoall_across_nodes(h100):
+    g = group(h100, 32, 1)
+    tok_bytes = 64e6                         # one copy of every local token (bandwidth-bound)
+    gpus, doms = dedup_copies(128, 8, g)
+    t_dedup = dedup_all_to_all_time(tok_bytes * gpus, tok_bytes * doms, g, h100)
+    t_a2a = collective_time("all_to_all", 8 * tok_bytes, g, h100)
+    assert 0 < t_dedup < 0.6 * t_a2a
+    assert dedup_all_to_all_time(0.0, 0.0, g, h100) == 0.0

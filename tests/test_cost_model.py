@@ -10,6 +10,7 @@ import pytest
 
 import meshplan
 from meshplan.cluster import Cluster
+from meshplan.errors import ConfigError
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.estimate import GB, estimate_profile
 from meshplan.cost_models.flops import model_flops_per_step
@@ -307,3 +308,65 @@ def test_estimate_json_round_trip(h100x8):
     back = meshplan.Estimate.from_dict(__import__("json").loads(e.to_json()))
     assert back == e
     assert "tokens/s/GPU" in e.summary()
+
+
+# ---- stack mechanisms: gradient dtype, MoE dispatch, ZeRO-3 flavours, FP8 weight caching ---------
+def test_bf16_gradients_halve_gradient_memory_and_reduce_scatter(h100x16):
+    fp32 = est(LLAMA8B, h100x16, seq_len=2048, global_batch=32, dp=16)
+    bf16 = est(LLAMA8B, h100x16, seq_len=2048, global_batch=32, dp=16, grad_dtype="bf16")
+    assert bf16.memory_gb["gradients"] == pytest.approx(fp32.memory_gb["gradients"] / 2, rel=1e-9)
+    assert bf16.comm_s["dp"] < fp32.comm_s["dp"]
+    assert bf16.layout["grad_dtype"] == "bf16" and "grads-bf16" in meshplan.Layout.from_dict(bf16.layout).short()
+
+
+def test_deepep_dispatch_cuts_cross_node_expert_traffic(h100x16):
+    moe = dict(MOE, experts=64, topk=8)
+    a2a = est(moe, h100x16, seq_len=4096, global_batch=16, dp=16, ep=16)
+    dee = est(moe, h100x16, seq_len=4096, global_batch=16, dp=16, ep=16, moe_dispatcher="deepep")
+    assert 0 < dee.comm_s["ep"] < 0.7 * a2a.comm_s["ep"]
+    assert dee.step_time_s < a2a.step_time_s
+    # without expert parallelism the dispatcher changes nothing
+    assert est(moe, h100x16, dp=16, moe_dispatcher="deepep").step_time_s == pytest.approx(
+        est(moe, h100x16, dp=16).step_time_s)
+
+
+def test_megatron_fsdp_hides_more_than_torch_fsdp():
+    c = Cluster.preset("dgx-h100", nodes=4)
+    torch_fsdp = est(LLAMA8B, c, seq_len=4096, global_batch=64, dp=32, zero=3, recompute="full")
+    mfsdp = est(LLAMA8B, c, seq_len=4096, global_batch=64, dp=32, zero=3, recompute="full", fsdp_impl="megatron")
+    assert mfsdp.time_s["dp"] < torch_fsdp.time_s["dp"]
+    assert mfsdp.comm_s["dp"] == pytest.approx(torch_fsdp.comm_s["dp"])      # same traffic, better hidden
+    with pytest.raises(ConfigError, match="needs zero=3"):
+        est(LLAMA8B, c, dp=32, zero=1, fsdp_impl="megatron")
+    with pytest.raises(ConfigError, match="grad_dtype"):
+        est(LLAMA8B, c, dp=32, grad_dtype="fp16")
+
+
+def test_deepspeed_zero3_gathers_modules_not_blocks():
+    """A 20480-wide GPT block holds 5B parameters; DeepSpeed gathers one sub-module (<= the 1.7B
+    FC1) under its live-parameter cap, FSDP two whole blocks."""
+    big = dict(layers=4, hidden=20480, heads=128, vocab=51200, gated=False)
+    c = Cluster.preset("dgx-a100", nodes=8)
+    fsdp = est(big, c, seq_len=2048, global_batch=64, dp=64, zero=3, recompute="full")
+    ds = est(big, c, seq_len=2048, global_batch=64, dp=64, zero=3, recompute="full", fsdp_impl="deepspeed")
+    fc1 = 20480 * 4 * 20480
+    live = max(fc1, min(K.DS_MAX_LIVE_PARAMS, fc1 + K.DS_PREFETCH_BUCKET))
+    sharded = fsdp.memory_gb["weights"] - 2 * K.PARAM_BYTES * 12 * 20480 ** 2 / GB   # minus two ~12h^2 blocks
+    assert ds.memory_gb["weights"] == pytest.approx(sharded + K.PARAM_BYTES * live / GB, rel=0.01)
+    assert ds.peak_memory_gb < fsdp.peak_memory_gb
+
+
+def test_fp8_weights_cast_once_per_step(h100x8):
+    from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
+    m, n, k = 4096, 4096, 4096
+    per_use = gemm_time(m, n, k, h100x8, fp8=True, weight_cast=True)
+    cached = gemm_time(m, n, k, h100x8, fp8=True)
+    assert cached < per_use
+    assert gemm_time(m, n, k, h100x8, weight_cast=True) == gemm_time(m, n, k, h100x8)   # BF16: no cast
+    hbm = h100x8.gpu.hbm_tb_s * 1e12 * K.HBM_EFF
+    assert per_use - cached == pytest.approx(n * k * K.FP8_CAST_BYTES_PER_ELEMENT / hbm)
+    assert fp8_weight_cast_time(n * k, h100x8) == pytest.approx(n * k * K.FP8_WEIGHT_CAST_BYTES / hbm)
+    # more micro-batches amortise the cast: FP8's per-micro-batch time gain grows with m
+    f1 = est(LLAMA8B, h100x8, seq_len=4096, global_batch=8, dp=8, precision="fp8")
+    f4 = est(LLAMA8B, h100x8, seq_len=4096, global_batch=32, dp=8, precision="fp8")
+    assert f4.step_time_s < 4 * f1.step_time_s

@@ -68,10 +68,15 @@ def layouts(draw, n: int, cfg: dict):
     schedule = draw(st.sampled_from(SCHEDULES))
     vp = draw(st.sampled_from([1, 2, 3])) if wild else {"interleaved": draw(st.sampled_from([2, 3])),
                                                          "zbv": 2}.get(schedule, 1)
+    zero = draw(st.integers(0, 3))
+    # stack mechanisms; an fsdp_impl other than fsdp2 with zero < 3 must be refused as a ConfigError
+    fsdp_impl = draw(st.sampled_from(["fsdp2", "fsdp2", "megatron", "deepspeed"])) if zero == 3 or wild else "fsdp2"
     return dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, vp=vp, schedule=schedule,
-                zero=draw(st.integers(0, 3)), mbs=draw(st.sampled_from([1, 2, 4])),
+                zero=zero, mbs=draw(st.sampled_from([1, 2, 4])),
                 recompute=draw(st.sampled_from(["none", "selective", "full", 0, 1, 4])),
-                tp_comm_overlap=draw(st.booleans()), flash_attention=draw(st.sampled_from([True, True, False])))
+                tp_comm_overlap=draw(st.booleans()), flash_attention=draw(st.sampled_from([True, True, False])),
+                grad_dtype=draw(st.sampled_from(["fp32", "bf16"])),
+                moe_dispatcher=draw(st.sampled_from(["alltoall", "deepep"])), fsdp_impl=fsdp_impl)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,

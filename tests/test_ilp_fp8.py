@@ -12,6 +12,8 @@ import time
 import pytest
 
 from meshplan.cluster import Cluster
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.compute import fp8_weight_cast_time
 from meshplan.cost_models.layer import Context, _gemms
 from meshplan.cost_models.layout import Layout
 from meshplan.errors import ConfigError, DoesNotFitError
@@ -146,10 +148,12 @@ def test_candidates_follow_the_cost_model(h100, llama8b):
     assert [c.module for c in layer3][:2] == ["layers.3.attention.wq", "layers.3.attention.wk"]
     assert sum(c.bf16_time_s for c in layer3) == pytest.approx(3 * m * fwd, rel=1e-12)
     fwd8, _ = _gemms(block, Context.build(h100, layout, 4096, fp8=True))
-    assert sum(c.fp8_time_s for c in layer3) == pytest.approx(3 * m * fwd8, rel=1e-12)
-    # weight cache: 1 byte per parameter of the tp shard
+    # plus Transformer Engine's once-per-step cast of each weight to FP8
+    casts = sum(fp8_weight_cast_time(c.weight_cache_gb * 2 ** 30 / K.FP8_WEIGHT_CACHE_BYTES, h100) for c in layer3)
+    assert sum(c.fp8_time_s for c in layer3) == pytest.approx(3 * m * fwd8 + casts, rel=1e-9)
+    # weight cache: FP8_WEIGHT_CACHE_BYTES (FP8 copy + its transpose) per parameter of the tp shard
     w1 = next(c for c in layer3 if c.module.endswith("feed_forward.w1"))
-    assert w1.weight_cache_gb == pytest.approx(4096 * 14336 / 2 / 2 ** 30)
+    assert w1.weight_cache_gb == pytest.approx(K.FP8_WEIGHT_CACHE_BYTES * 4096 * 14336 / 2 / 2 ** 30)
     # q/k/v share the attention norm's output; its saving is split over the three readers
     qkv = [c for c in layer3 if c.input_group == "layers.3:attn_in"]
     assert len(qkv) == 3
@@ -233,8 +237,8 @@ def test_force_in_and_out(h100, llama8b):
 def test_forced_in_module_that_breaks_the_budget(h100, llama8b):
     cands = fp8_candidates(llama8b, h100, {"dp": 8}, seq_len=8192)
     head = next(c for c in cands if c.module == "output")
-    assert head.weight_cache_gb > 0.4     # 128256 x 4096 weights, 1 byte each
-    with pytest.raises(DoesNotFitError, match=r"forcing FP8 on output \(\+0\.489 GB\).*pipeline rank 0.*"
+    assert head.weight_cache_gb > 0.9     # 128256 x 4096 weights, 2 bytes each (FP8 copy + transpose)
+    with pytest.raises(DoesNotFitError, match=r"forcing FP8 on output \(\+0\.979 GB\).*pipeline rank 0.*"
                                               r"memory budget of -0\.50 GB"):
         choose_fp8(cands, memory_budget_gb=-0.5, force_in=["output"], force_out=["layers.*"])
     with pytest.raises(DoesNotFitError, match="must shed 50.00 GB"):

@@ -59,7 +59,8 @@ def test_every_preset_builds_on_meta_fast_with_the_formula_param_count(name):
     start = time.perf_counter()
     model = mm.build(name)
     elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"{name} took {elapsed:.2f} s on meta"
+    # typically 0.01-0.3 s; the bound is loose because CI shares its 2 cores with spawned ranks
+    assert elapsed < 3.0, f"{name} took {elapsed:.2f} s on meta"
     assert model.config.name == name
     assert all(p.device.type == "meta" for p in model.parameters())
     assert _params(model) == model.config.num_params()

@@ -64,3 +64,35 @@ def test_quick_benchmark_runs(capsys):
 def test_deepspeed_zero3_rows_are_reported_but_never_fitted():
     rows = [r for r in load_rows() if r.family == "deepspeed-zero3"]
     assert rows and all(split_of(r.id, r.family) == "test" for r in rows)
+
+
+def test_sc21_table1_rows_take_the_papers_launch_settings():
+    """Table 1's micro-batch and interleaving come from Megatron-LM examples/sc21/run_table_1.sh;
+    Table 2 states its own micro-batch and keeps the unstated interleaving at 1."""
+    t1 = run_row(_rows()["megatron-sc21-t1-529.6B"], traced=False).estimate.layout
+    assert (t1["mbs"], t1["vp"], t1["schedule"]) == (1, 3, "interleaved")
+    assert run_row(_rows()["megatron-sc21-t1-1.7B"], traced=False).layout["mbs"] == 16
+    t2 = run_row(_rows()["megatron-sc21-t2-ptd-529.6B-2240gpu"], traced=False).estimate.layout
+    assert (t2["mbs"], t2["vp"]) == (1, 1)
+
+
+def test_stack_conventions_reach_the_layout():
+    rows = _rows()
+    nemo = run_row(rows["nemo2407-gpt3-20b-64gpu"], traced=False)
+    assert nemo.estimate.layout["grad_dtype"] == "bf16" and nemo.fits
+    xnode = run_row(rows["modelzoo-qwen3-235b-h100-xnode-ep"], traced=False).estimate.layout
+    assert xnode["moe_dispatcher"] == "deepep" and xnode["zero"] == 1
+    mfsdp = run_row(rows["modelzoo-qwen3-235b-h100-intranode-ep-fsdp"], traced=False).estimate.layout
+    assert mfsdp["fsdp_impl"] == "megatron" and mfsdp["zero"] == 3
+    mixtral = run_row(rows["modelzoo-mixtral-8x22b-h100-dropless"], traced=False).estimate.layout
+    assert mixtral["moe_dispatcher"] == "alltoall"
+    mosaic = run_row(rows["mosaic-mpt7b-h100bf16-s2048-g8-mb6"], traced=False).estimate.layout
+    assert mosaic["fsdp_impl"] == "fsdp2" and mosaic["grad_dtype"] == "fp32"
+
+
+def test_deepspeed_zero3_530b_layout_fits():
+    """It ran on 640 A100-80GB at micro-batch 4 (and not on 560): DeepSpeed's per-module gathering
+    must keep it in memory even with 2021's materialised attention scores."""
+    res = run_row(_rows()["megatron-sc21-t2-zero3-529.6B-640gpu"], traced=False)
+    assert res.estimate.layout["fsdp_impl"] == "deepspeed" and res.estimate.layout["flash_attention"] is False
+    assert res.fits and res.estimate.peak_memory_gb > 0.8 * res.estimate.capacity_gb

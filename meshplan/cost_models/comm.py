@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from meshplan.cost_models.constants import NVLS_MIN_GPUS, P2P_EFF, XGMI_EFF
 
-__all__ = ["Group", "group", "collective_time", "p2p_time", "intra_busbw"]
+__all__ = ["Group", "group", "collective_time", "p2p_time", "intra_busbw", "dedup_copies", "dedup_all_to_all_time"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -105,3 +105,46 @@ def p2p_time(nbytes: float, cluster, *, cross_domain: bool) -> float:
     gpu = cluster.gpu
     link = (gpu.per_peer_gb_s or gpu.scaleup_gb_s) * P2P_EFF
     return cluster.scaleup_latency_us * 1e-6 + nbytes / (link * 1e9)
+
+
+def _p_none(experts: int, topk: int, held: float) -> float:
+    """Probability that none of a token's `topk` distinct experts (drawn uniformly from `experts`)
+    is among `held` given experts: C(E - held, k) / C(E, k)."""
+    p = 1.0
+    for i in range(topk):
+        p *= max(0.0, experts - held - i) / (experts - i)
+    return p
+
+
+def dedup_copies(experts: int, topk: int, g: Group) -> tuple[float, float]:
+    """Copies of one token a node-deduplicating dispatcher (DeepEP) sends, in expectation, with
+    experts spread evenly over the `g.size` EP ranks and routing uniform (forced balance):
+    (to other GPUs over the scale-up fabric, to other scale-up domains over the network).
+
+    A token goes once to each destination GPU however many of its experts that GPU holds, and
+    once to each destination domain over the network, where it is forwarded over NVLink (DeepEP
+    normal kernels; DeepSeek-V3 report §3.2.2). The alltoall dispatcher instead sends `topk` copies.
+    Derived: E[distinct holders] = n * (1 - C(E - E/n, k) / C(E, k)).
+    """
+    n, dom = g.size, g.domains
+    per_gpu, per_dom = experts / n, experts / dom
+    # every remote-domain copy is also forwarded once over NVLink on arrival
+    gpus = (n - 1) * (1.0 - _p_none(experts, topk, per_gpu))
+    domains = (dom - 1) * (1.0 - _p_none(experts, topk, per_dom)) if dom > 1 else 0.0
+    return gpus, domains
+
+
+def dedup_all_to_all_time(intra_bytes: float, inter_bytes: float, g: Group, cluster) -> float:
+    """Seconds for a deduplicated dispatch or combine: `intra_bytes` leave each GPU over the
+    scale-up fabric, `inter_bytes` over its NIC; the two legs run concurrently."""
+    if g.size <= 1 or intra_bytes + inter_bytes <= 0:
+        return 0.0
+    t = 0.0
+    if g.per_domain > 1:
+        n = g.per_domain
+        t = intra_bytes / (intra_busbw(cluster, n, "all_to_all") * 1e9) + \
+            _latency(cluster, "all_to_all", n, cluster.scaleup_latency_us)
+    if g.domains > 1:
+        t_inter = inter_bytes / (cluster.nic_gb_s * 1e9)
+        t = max(t, t_inter) + _latency(cluster, "all_to_all", g.domains, cluster.net_latency_us)
+    return t

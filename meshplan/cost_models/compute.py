@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 
-__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate"]
+__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time"]
 
 
 def matmul_rate(cluster, fp8: bool) -> float:
@@ -19,9 +19,15 @@ def matmul_rate(cluster, fp8: bool) -> float:
     return gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency * K.TRAINING_GEMM_EFF
 
 
-def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count: float = 1.0) -> float:
+def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count: float = 1.0,
+              weight_cast: bool = False) -> float:
     """`count` GEMMs of (m x k) @ (k x n): max(compute, HBM traffic) plus a fixed per-kernel cost
-    that makes small GEMMs inefficient (Calculon-style shape dependence)."""
+    that makes small GEMMs inefficient (Calculon-style shape dependence).
+
+    FP8 adds the quantisation of the (m x k) activation operand. The (k x n) weight's FP8 copy is
+    made once per step and reused by every micro-batch (Transformer Engine casts a weight on the
+    first micro-batch and caches it and its transpose; that cast is `fp8_weight_cast_time`), so it
+    is not charged here unless `weight_cast` (an operand that is not a cached weight)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     flops = 2.0 * m * n * k
@@ -31,8 +37,9 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     t_memory = nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
     fixed = K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
     extra = 0.0
-    if fp8:   # quantise both inputs (fused cast + amax), memory-bound
-        extra = (m * k + k * n) * K.FP8_CAST_BYTES_PER_ELEMENT / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+    if fp8:   # quantise the inputs (fused cast + amax), memory-bound
+        cast = m * k + (k * n if weight_cast else 0.0)
+        extra = cast * K.FP8_CAST_BYTES_PER_ELEMENT / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
     return count * (max(t_compute, t_memory) + fixed + extra)
 
 
@@ -50,3 +57,11 @@ def elementwise_time(nbytes: float, cluster) -> float:
     if nbytes <= 0:
         return 0.0
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+
+
+def fp8_weight_cast_time(weight_elements: float, cluster) -> float:
+    """Once-per-step FP8 cast of `weight_elements` weights: read bf16, write the FP8 copy and its
+    transpose (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T in FP8)."""
+    if weight_elements <= 0:
+        return 0.0
+    return weight_elements * K.FP8_WEIGHT_CAST_BYTES / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)

@@ -1,8 +1,9 @@
 """Named constants of the cost model, each with where it comes from.
 
 "derived" = follows from a formula or a spec; "measured" = a published measurement;
-"fitted" = chosen by `benchmarks/validate_published.py --fit` (2026-11-22, analytic profiles)
-on the FIT split of
+"fitted" = chosen by `benchmarks/validate_published.py --fit` (2026-11-22, traced profiles; re-run
+after the stack mechanisms of issue #2: grad dtype, DeepEP dispatch, ZeRO-3 flavours, TE weight
+caching) on the FIT split of
 ../shared/data/published_runs.csv (rows are split by a hash of their id; the error on the other
 rows is reported separately). Re-fit by running that script; never tune to a single row.
 """
@@ -40,7 +41,7 @@ GEMM_FIXED_S = 12e-6                                                            
 # long-sequence MosaicML rows ran ALiBi attention in Triton, and attention time in a training step
 # includes its layout transposes and softmax-statistics kernels).
 ATTN_FWD_EFF = 0.40                                                                 # fitted
-ATTN_BWD_EFF = 0.31                                                                 # fitted
+ATTN_BWD_EFF = 0.30                                                                 # fitted (at its lower bound)
 # FlashAttention's backward does 5 of the forward's 2 matmul-equivalents => 2.5x fwd FLOPs
 # (Dao et al. 2022, Alg. 2/4), vs Megatron's 2x model-FLOP convention.
 ATTN_BWD_FLOP_RATIO = 2.5                                                           # derived
@@ -55,9 +56,14 @@ EAGER_ATTN_STORED_BYTES_PER_SCORE = 5.0
 
 HBM_EFF = 0.80       # achieved fraction of HBM bandwidth by streaming kernels (STREAM-like copies reach 80-90% on H100) # measured range
 
-# FP8 GEMMs add quantisation of both inputs (read bf16, write fp8 + amax) per GEMM: ~3 bytes per
-# element of each input, done in fused kernels (Transformer Engine). Derived.
+# FP8 GEMMs add quantisation of their activation input (read bf16, write fp8 + amax) per GEMM:
+# ~3 bytes per element, done in fused kernels (Transformer Engine). Derived.
 FP8_CAST_BYTES_PER_ELEMENT = 3.0
+# Weights are cast once per step, not per micro-batch: Transformer Engine quantises a weight on the
+# first micro-batch of a step and reuses the FP8 copy and its transpose for the others
+# (`is_first_microbatch`; the cache is FP8_WEIGHT_CACHE_BYTES below). Read bf16 (2) + write FP8 (1)
+# + write FP8 transpose (1) = 4 bytes per weight per step. Derived.
+FP8_WEIGHT_CAST_BYTES = 4.0
 # Per-GEMM fixed cost is larger for FP8 (scaling-factor updates, extra kernels): estimate.
 FP8_GEMM_FIXED_S = 20e-6                                                          # estimate
 
@@ -75,7 +81,7 @@ P2P_EFF = 0.80                                                                  
 # Fraction of DP gradient reduce-scatter / parameter all-gather hidden behind backward/forward
 # compute when overlap is on (Megatron --overlap-grad-reduce / --overlap-param-gather, FSDP2
 # prefetch); low because NCCL kernels share SMs with compute (Calculon processor_usage 0.15).
-DP_OVERLAP_EFF = 0.90                                                               # fitted
+DP_OVERLAP_EFF = 0.95                                                               # fitted (at its upper bound)
 # The same for ZeRO-3 / FSDP, whose per-micro-batch all-gathers are prefetched one layer ahead
 # (FSDP2 prefetch, DeepSpeed stage-3 prefetch buckets): a different mechanism, fitted separately.
 FSDP_OVERLAP_EFF = 0.10                                                             # fitted
@@ -93,7 +99,12 @@ LAYER_OVERHEAD_S = 5.5e-6                                                       
 
 # ---- memory ---------------------------------------------------------------------------------
 # (The CUDA context, NCCL buffers and allocator fragmentation are the cluster's memory_reserved_gb.)
-# Transformer Engine keeps an FP8 copy of each weight between micro-batches of a step (estimate:
-# 1 byte/param; the transposed copy is made per use). Constrained by the published FP8 layouts
-# that ran on H100 80GB (NeMo 24.07 Llama-3 8B on 8 GPUs).
-FP8_WEIGHT_CACHE_BYTES = 1
+# Transformer Engine keeps the FP8 copy of each weight and its transpose between the micro-batches of
+# a step (cast once on the first micro-batch, see FP8_WEIGHT_CAST_BYTES): 1 + 1 bytes/param (derived).
+FP8_WEIGHT_CACHE_BYTES = 2
+# DeepSpeed ZeRO-3 parameter coordinator defaults (deepspeed.ai/docs/config-json, "ZeRO
+# optimizations": stage3_max_live_parameters 1e9, stage3_prefetch_bucket_size 5e8,
+# reduce_bucket_size 5e8 elements): bound the unsharded working set of DeepSpeed's ZeRO-3.
+DS_MAX_LIVE_PARAMS = 1e9
+DS_PREFETCH_BUCKET = 5e8
+DS_REDUCE_BUCKET = 5e8

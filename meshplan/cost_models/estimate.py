@@ -14,16 +14,16 @@ from typing import Any
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
-from meshplan.cost_models.compute import elementwise_time, gemm_time
+from meshplan.cost_models.compute import elementwise_time, fp8_weight_cast_time, gemm_time
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
 from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
 from meshplan.cost_models.layout import Layout, check_layout
-from meshplan.cost_models.memory import state_bytes
+from meshplan.cost_models.memory import grad_bytes, state_bytes, zero3_working_bytes
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
 from meshplan.errors import ConfigError
 from meshplan.planner.profile import ModelProfile
 
-__all__ = ["Estimate", "estimate_profile", "PRECISIONS"]
+__all__ = ["Estimate", "estimate_profile", "PRECISIONS", "clear_caches"]
 
 PRECISIONS = ("bf16", "fp16", "fp8")
 # Memory is reported in GiB (2^30 bytes), the unit torch.cuda and nvidia-smi use; the "80 GB" of an
@@ -113,6 +113,12 @@ def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[
 _FLOPS_CACHE: dict = {}
 
 
+def clear_caches() -> None:
+    """Forget memoised layer costs: needed after changing a constant in `constants` (the fit does)."""
+    _LAYER_CACHE.clear()
+    _FLOPS_CACHE.clear()
+
+
 def _model_flops(profile: ModelProfile, seq_len: int, global_batch: int) -> float:
     key = (profile.fingerprint, profile.name, seq_len, global_batch)
     if key not in _FLOPS_CACHE:
@@ -120,6 +126,33 @@ def _model_flops(profile: ModelProfile, seq_len: int, global_batch: int) -> floa
             _FLOPS_CACHE.clear()
         _FLOPS_CACHE[key] = model_flops_per_step(profile, seq_len, global_batch)
     return _FLOPS_CACHE[key]
+
+
+def _fp8_weight_elements(b, layout: Layout) -> float:
+    """Weights of block `b` held by one GPU that run their GEMMs in FP8 (the router stays BF16)."""
+    n = 0.0
+    for li in b.linears:
+        if li.role == "router":
+            continue
+        div = layout.ep * layout.etp if li.role in ("expert_in", "expert_out") else layout.tp
+        n += li.in_features * li.out_features * li.count / div
+    return n
+
+
+def _zero3_units(layout: Layout, blocks) -> int:
+    """Collectives per pass over a rank's parameters under ZeRO-3: one per block (FSDP, Megatron-FSDP)
+    plus the root unit (embedding, head), or one per linear sub-module for DeepSpeed."""
+    if layout.fsdp_impl == "deepspeed":
+        return max(1, sum(li.count for b in blocks for li in b.linears) + 1)
+    return len(blocks) + 1
+
+
+def _fsdp_overlap(layout: Layout) -> float:
+    """Overlap efficiency of ZeRO-3's per-micro-batch gathers and reduce-scatters. Megatron-FSDP
+    issues them through the same bucketed asynchronous machinery as Megatron's distributed optimizer
+    (--overlap-param-gather / --overlap-grad-reduce, double-buffered, zero-copy), so it shares that
+    constant; PyTorch FSDP and DeepSpeed ZeRO-3 use the separately fitted FSDP constant."""
+    return K.DP_OVERLAP_EFF if layout.fsdp_impl == "megatron" else K.FSDP_OVERLAP_EFF
 
 
 def _policy_for(layout: Layout, index_in_rank: int) -> str:
@@ -167,7 +200,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     # A layer's cost depends only on its block and the layout fields the layer sees, so it is
     # shared across every candidate of a search that differs in pp / vp / dp / zero / schedule.
     ctx_key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
-               L.tp_comm_overlap, seq_len)
+               L.tp_comm_overlap, L.moe_dispatcher, seq_len)
 
     local: dict[tuple, Any] = {}
 
@@ -194,7 +227,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
 
     # --- per-rank time and memory ---------------------------------------------------------
     tp_g = ctx.tp
-    rank_fb, rank_w, rank_parts = [], [], []
+    rank_fb, rank_w, rank_parts, rank_cast = [], [], [], []
     emb_params = profile.embedding_params / L.tp
     head_params = (profile.head_params if profile.head_params else
                    (profile.embedding_params if profile.tied_embeddings and p > 1 else 0)) / L.tp
@@ -204,7 +237,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         comm_layers = {k: 0.0 for k in ("tp", "cp", "ep")}
         act = 0.0
         largest_full = 0.0
-        dense_params = expert_params = 0.0
+        dense_params = expert_params = fp8_w = 0.0
         for j, i in enumerate(rank_layers[r]):
             b = blocks[i]
             pol = _policy_for(L, j)
@@ -222,6 +255,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
                 largest_full = max(largest_full, act_bytes(i, "none"))
             dense_params += (b.params - b.expert_params) / L.tp
             expert_params += b.expert_params / (L.ep * L.etp)
+            if layer_fp8[i]:
+                fp8_w += _fp8_weight_elements(b, L)
         # embedding on rank 0, final norm + output layer + loss on the last rank
         extra_f = extra_b = extra_tp = 0.0
         if r == 0:
@@ -247,6 +282,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         fb = fwd + bwd + rcmp + extra_f + extra_b
         rank_fb.append(fb)
         rank_w.append(wgrad)
+        rank_cast.append(fp8_weight_cast_time(fp8_w, cluster))
         rank_parts.append((parts, comm_layers, fwd + extra_f, bwd + rcmp + extra_b, dense_params, expert_params,
                            act, largest_full))
 
@@ -269,29 +305,38 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     rep_group = group(cluster, L.dp * L.cp // max(1, shard), L.tp * max(1, shard))   # HSDP replicas
     edp_group = group(cluster, L.edp, L.ep * L.etp)
     dp_exposed_max = dp_total_max = opt_max = 0.0
+    gb = grad_bytes(L)
     for r in range(p):
         parts, _, t_f, t_b, dparams, eparams, _, _ = rank_parts[r]
         ag = collective_time("all_gather", K.PARAM_BYTES * dparams, dp_group, cluster) + \
             collective_time("all_gather", K.PARAM_BYTES * eparams, edp_group, cluster)
-        rs = collective_time("reduce_scatter", K.GRAD_BYTES * dparams, dp_group, cluster) + \
-            collective_time("reduce_scatter", K.GRAD_BYTES * eparams, edp_group, cluster)
+        rs = collective_time("reduce_scatter", gb * dparams, dp_group, cluster) + \
+            collective_time("reduce_scatter", gb * eparams, edp_group, cluster)
         eta = K.DP_OVERLAP_EFF
         if L.zero == 0:
             dp_full = group(cluster, L.dp * L.cp, L.tp)
-            ar = collective_time("all_reduce", K.GRAD_BYTES * dparams, dp_full, cluster) + \
-                collective_time("all_reduce", K.GRAD_BYTES * eparams, edp_group, cluster)
+            ar = collective_time("all_reduce", gb * dparams, dp_full, cluster) + \
+                collective_time("all_reduce", gb * eparams, edp_group, cluster)
             total, exposed = ar, max(0.0, ar - eta * t_b)
         elif L.zero in (1, 2):
             total = ag + rs
             exposed = max(0.0, rs - eta * t_b) + max(0.0, ag - eta * t_f)
         else:   # FSDP: gather for forward (and again for backward when resharded), reduce-scatter,
-            #      every micro-batch; HSDP adds one all-reduce of the gradient shards across replicas
-            eta = K.FSDP_OVERLAP_EFF
+            #      every micro-batch; HSDP adds one all-reduce of the gradient shards across replicas.
+            # ZeRO-3 issues one collective per gathering unit (a block, or a sub-module for DeepSpeed),
+            # so each pays its own latency: ring all-gather / reduce-scatter take n-1 steps, which
+            # dominates at thousands of ranks (SC'21 Table 2's ZeRO-3 throughput falling with N).
+            units = _zero3_units(L, [blocks[i] for i in rank_layers[r]])
+            ag = units * (collective_time("all_gather", K.PARAM_BYTES * dparams / units, dp_group, cluster) +
+                          collective_time("all_gather", K.PARAM_BYTES * eparams / units, edp_group, cluster))
+            rs = units * (collective_time("reduce_scatter", gb * dparams / units, dp_group, cluster) +
+                          collective_time("reduce_scatter", gb * eparams / units, edp_group, cluster))
+            eta = _fsdp_overlap(L)
             n_ag = 2 if L.reshard_after_forward else 1
             n_layers = max(1, len(rank_layers[r]))
             per_mb = max(0.0, ag - eta * t_f) + max(0.0, (n_ag - 1) * ag + rs - eta * t_b) + 2 * ag / n_layers
             per_mb = min(per_mb, n_ag * ag + rs)       # never more than all of it exposed
-            rep = collective_time("all_reduce", K.GRAD_BYTES * dparams / max(1, shard), rep_group, cluster)
+            rep = collective_time("all_reduce", gb * dparams / max(1, shard), rep_group, cluster)
             total, exposed = m * (n_ag * ag + rs) + rep, m * per_mb + max(0.0, rep - eta * t_b)
         shard_d = shard
         shard_e = L.edp if L.zero >= 1 else 1
@@ -305,16 +350,16 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     mem_stages: list[dict[str, float]] = []
     for r in range(p):
         _, _, _, _, dparams, eparams, act, largest_full = rank_parts[r]
-        sd = state_bytes(dparams, shard, L.zero)
-        se = state_bytes(eparams, L.edp, L.zero)
+        sd = state_bytes(dparams, shard, L.zero, grad_bytes=gb)
+        se = state_bytes(eparams, L.edp, L.zero, grad_bytes=gb)
         mem = {k: sd[k] + se[k] for k in sd}
         if L.zero >= 3 and shard > 1 and not L.reshard_after_forward:
             # weights gathered in forward stay until their backward: all of them at the peak
             mem["weights"] = K.PARAM_BYTES * (dparams + eparams)
         elif L.zero >= 3 and shard > 1 and rank_layers[r]:   # gathered layers exist only when sharded
-            big = max(blocks[i].params for i in rank_layers[r])
-            mem["weights"] += 2 * K.PARAM_BYTES * big / L.tp          # current + prefetched layer
-            mem["gradients"] += K.PARAM_BYTES * big / L.tp            # unsharded bf16 grads before reduce-scatter
+            w, g = zero3_working_bytes(L, [blocks[i] for i in rank_layers[r]], gb)
+            mem["weights"] += w
+            mem["gradients"] += g
         activ = act * in_flight(L.schedule, m, p, v, r) + largest_full
         if r == 0:
             activ += K.BF16 * profile.hidden * T / sp_div * in_flight(L.schedule, m, p, v, r)
@@ -329,7 +374,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     capacity = cluster.usable_memory_gb
 
     # --- assemble -------------------------------------------------------------------------
-    step = busy + bubble + pp_exposed + dp_exposed_max + opt_max + K.STEP_OVERHEAD_S
+    # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
+    step = busy + bubble + pp_exposed + dp_exposed_max + opt_max + max(rank_cast) + K.STEP_OVERHEAD_S
     time_s = {"compute": m * parts_slow["compute"],
               "tp": m * parts_slow["tp"], "cp": m * parts_slow["cp"], "ep": m * parts_slow["ep"],
               "pp": pp_exposed, "dp": dp_exposed_max, "bubble": bubble,

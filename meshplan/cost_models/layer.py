@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.comm import Group, collective_time, group, p2p_time
+from meshplan.cost_models.comm import Group, collective_time, dedup_all_to_all_time, dedup_copies, group, p2p_time
 from meshplan.cost_models.compute import attention_time, elementwise_time, gemm_time, matmul_rate
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.planner.profile import BlockProfile
@@ -189,9 +189,14 @@ def _ep_comm(b: BlockProfile, c: Context) -> float:
     if not b.is_moe or c.layout.ep == 1:
         return 0.0
     tok = c.tokens / c.layout.tp
+    scale = 0.5 if c.fp8 else 1.0                # FP8 dispatch halves the dispatch payload
+    if c.layout.moe_dispatcher == "deepep":
+        per_token = K.BF16 * tok * b.hidden      # one copy of every local token
+        gpus, domains = dedup_copies(b.experts, b.topk, c.ep)
+        return dedup_all_to_all_time(per_token * gpus * scale, per_token * domains * scale, c.ep, c.cluster) + \
+            dedup_all_to_all_time(per_token * gpus, per_token * domains, c.ep, c.cluster)
     size = b.topk * tok * b.hidden * K.BF16
-    dispatch = size * (0.5 if c.fp8 else 1.0)    # FP8 dispatch halves the dispatch payload
-    return collective_time("all_to_all", dispatch, c.ep, c.cluster) + \
+    return collective_time("all_to_all", size * scale, c.ep, c.cluster) + \
         collective_time("all_to_all", size, c.ep, c.cluster)
 
 

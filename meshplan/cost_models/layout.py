@@ -17,13 +17,27 @@ from typing import Any, Mapping
 
 from meshplan.errors import ConfigError, LayoutError
 
-__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "divisors"]
+__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "divisors"]
 
 # Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
 # (Qi et al., ICLR'24): 1F1B memory, about a third of its bubble; "zbv" is ZB-V (zero bubble,
 # 1x memory, two chunks per rank in a V); "gpipe" keeps every micro-batch in flight.
 SCHEDULES = ("1f1b", "interleaved", "zb", "zbv", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
+# Gradient buffer / reduction dtype: "fp32" is Megatron-LM's default for bf16 training
+# (accumulate_allreduce_grads_in_fp32) and meshplan's runtime (FSDP2 reduce_dtype=fp32); "bf16" is
+# Megatron's --grad-reduce-in-bf16 and NeMo 1.x's distributed_fused_adam grad_sync_dtype=bf16.
+GRAD_DTYPES = ("fp32", "bf16")
+# How MoE tokens reach their experts: "alltoall" sends one copy per (token, chosen expert) (NCCL
+# all-to-all, Megatron's alltoall dispatcher); "deepep" sends one copy per (token, destination GPU)
+# inside a scale-up domain and one per (token, destination domain) across it, forwarding inside the
+# destination domain (DeepEP normal kernels; DeepSeek-V3 report §3.2.2).
+MOE_DISPATCHERS = ("alltoall", "deepep")
+# ZeRO-3 implementations (zero=3 only): "fsdp2" gathers one transformer block at a time and
+# prefetches the next (PyTorch FSDP1/FSDP2, meshplan's runtime); "megatron" is Megatron-FSDP
+# (same unit, Megatron's bucketed asynchronous collectives); "deepspeed" is DeepSpeed ZeRO-3,
+# which gathers per sub-module under a live-parameter cap.
+FSDP_IMPLS = ("fsdp2", "megatron", "deepspeed")
 
 
 def divisors(n: int) -> list[int]:
@@ -50,6 +64,9 @@ class Layout:
                                     # a divisor of dp*cp: HSDP, shards inside groups, replicas across)
     reshard_after_forward: bool = True   # zero=3: free gathered weights after forward (False ~ ZeRO-2 memory)
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (pp*vp entries); None = even split
+    grad_dtype: str = "fp32"        # gradient buffer and reduction dtype (GRAD_DTYPES)
+    moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
+    fsdp_impl: str = "fsdp2"        # zero=3 implementation (FSDP_IMPLS)
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "mbs"):
@@ -82,6 +99,13 @@ class Layout:
             raise ConfigError(f"layout fsdp_shard={self.fsdp_shard!r}: a non-negative integer (0 = shard over all of dp*cp)")
         if self.fsdp_shard and self.zero != 3:
             raise ConfigError(f"fsdp_shard={self.fsdp_shard} (HSDP) needs zero=3, not zero={self.zero}")
+        for name, known in (("grad_dtype", GRAD_DTYPES), ("moe_dispatcher", MOE_DISPATCHERS),
+                            ("fsdp_impl", FSDP_IMPLS)):
+            if getattr(self, name) not in known:
+                raise ConfigError(f"layout {name}={getattr(self, name)!r}: use one of {known}")
+        if self.fsdp_impl != "fsdp2" and self.zero != 3:
+            raise ConfigError(f"fsdp_impl={self.fsdp_impl!r} names a ZeRO-3 implementation and needs zero=3, "
+                              f"not zero={self.zero}; leave fsdp_impl='fsdp2' for zero={self.zero}")
         if self.stage_layers is not None:
             sl = tuple(int(x) for x in self.stage_layers)
             if len(sl) != self.pp * self.vp or min(sl) < 0:
@@ -144,6 +168,12 @@ class Layout:
             parts.append(f"hsdp{self.fsdp_shard}")
         if self.zero == 3 and not self.reshard_after_forward:
             parts.append("keep-gathered")
+        if self.zero == 3 and self.fsdp_impl != "fsdp2":
+            parts.append(f"{self.fsdp_impl}-zero3")
+        if self.grad_dtype != "fp32":
+            parts.append(f"grads-{self.grad_dtype}")
+        if self.moe_dispatcher != "alltoall" and self.ep > 1:
+            parts.append(self.moe_dispatcher)
         parts += [f"z{self.zero}", f"mbs{self.mbs}", f"rc={self.recompute}", self.schedule]
         return " ".join(parts)
 

@@ -17,7 +17,12 @@ Unstated settings get the source's documented default: no SP and no flash attent
 rows without one, the distributed optimizer (zero=1) for NeMo / Megatron-Core 2024+, plain DDP
 (zero=0) for 2021 Megatron; TP communication overlap (userbuffers) for NeMo 24.07, whose
 performance recipes enable it on H100; an unstated recompute is full for pre-2022 Megatron (the only kind it had), otherwise the cheapest of none / selective / full that
-fits by meshplan's own memory model; an unstated interleaving degree is 1.
+fits by meshplan's own memory model; an unstated interleaving degree is 1, except SC'21 Table 1, whose micro-batch and interleaving
+come from the paper's launch script (Megatron-LM examples/sc21/run_table_1.sh).
+Stack mechanisms, per source: NeMo 1.x performance recipes reduce gradients in bf16
+(distributed_fused_adam grad_sync_dtype: bf16); rows whose notes name DeepEP dispatch MoE tokens
+with node deduplication; "FSDP on" in the Megatron-MoE-ModelZoo is Megatron-FSDP; DeepSpeed's 2021
+ZeRO-3 gathers per sub-module, without flash attention and with full recompute (the only kind then).
 Rows that give no layout at all (strong-scaling summaries, OPT) cannot be expressed and are skipped.
 """
 
@@ -184,14 +189,28 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     rc_txt = row.get("recompute").lower()
     recompute = "full" if rc_txt.startswith("full") else "selective" if rc_txt.startswith("selective") else \
         "none" if rc_txt.startswith("none") else None
-    if recompute is None and fam in ("megatron-sc21", "mtnlg", "bloom"):
-        recompute = "full"   # Megatron before 2022 had only full activation recomputation
+    if recompute is None and fam in ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero3"):
+        recompute = "full"   # Megatron / Megatron-DeepSpeed before 2022 had only full activation recomputation
     old = fam in ("megatron-sc21", "mtnlg", "bloom") or (fam == "korthikanti" and "no seq" in rc_txt)
     sp = tp > 1 and not old
     flash = fam not in ("megatron-sc21", "mtnlg", "bloom", "korthikanti", "opt")
+    flash = flash and fam != "deepspeed-zero3"      # 2021, before flash attention
     mbs = row.num("mbs") or 1
+    if fam == "megatron-sc21" and "Table 1" in row.source and not row.num("mbs") and not row.num("vp"):
+        # Table 1 runs: micro-batch and interleaving from the paper's own launch script
+        mbs, vp = _SC21_TABLE1.get((cfg["layers"], cfg["hidden"], tp, pp), (mbs, vp))
     lay = dict(tp=tp, pp=pp, cp=cp, vp=vp, dp=dp, zero=zero, mbs=mbs, sp=sp, flash_attention=flash,
                tp_comm_overlap="--tp-comm-overlap" in notes or fam in ("nemo2407", "nemo-longseq"))
+    if fam in ("nemo2407", "nemo-longseq"):
+        # NeMo 1.x performance recipes: distributed_fused_adam with grad_sync_dtype: bf16, whose
+        # contiguous gradient buffer is then bf16 (NeMo-Framework-Launcher conf/training/gpt3/
+        # *_fp8_performance.yaml, optim.grad_sync_dtype)
+        lay["grad_dtype"] = "bf16"
+    if zero == 3:
+        if fam == "deepspeed-zero3":
+            lay["fsdp_impl"] = "deepspeed"
+        elif fam == "modelzoo":      # Megatron-Core's own FSDP (Megatron-FSDP)
+            lay["fsdp_impl"] = "megatron"
     if cfg["layers"] % (pp * vp):
         # the run split layers unevenly (e.g. BLOOM: 70 layers + 2 embedding stages on pp=12)
         from meshplan.cost_models.layout import split_layers
@@ -199,9 +218,23 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     if cfg.get("experts"):
         lay["ep"] = row.num("ep") or 1
         lay["etp"] = row.num("etp") or 1
+        if "deepep" in notes.lower():
+            lay["moe_dispatcher"] = "deepep"
     if recompute:
         lay["recompute"] = recompute
     return lay
+
+
+# SC'21 Table 1 launch settings, keyed by (layers, hidden, tp, pp): (micro-batch, chunks per pipeline
+# rank), from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (MBS and
+# --num-layers-per-virtual-pipeline-stage: 76B 5 of 15 layers per rank -> vp 3, 145B 5 of 10 -> 2,
+# 310B 3 of 6 -> 2, 530B 1 of 3 -> 3).
+_SC21_TABLE1 = {
+    (24, 2304, 1, 1): (16, 1), (30, 3072, 2, 1): (16, 1), (36, 4096, 4, 1): (16, 1),
+    (40, 6144, 8, 1): (8, 1), (48, 8192, 8, 2): (4, 1), (60, 10240, 8, 4): (2, 3),
+    (80, 12288, 8, 8): (2, 2), (96, 16384, 8, 16): (1, 2), (105, 20480, 8, 35): (1, 3),
+    (128, 25600, 8, 64): (1, 1),
+}
 
 
 def _megatron_eq3(cfg: dict[str, Any], s: int, B: int) -> float:

@@ -55,7 +55,7 @@ from typing import Sequence
 import pulp
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.compute import gemm_time
+from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
 from meshplan.cost_models.estimate import GB
 from meshplan.cost_models.layer import Context
 from meshplan.cost_models.layout import Layout, split_layers
@@ -246,12 +246,14 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
                 ok_dims = (n % FP8_DIM_MULTIPLE == 0 and k % FP8_DIM_MULTIPLE == 0)
                 timing[key] = (tb, tf, params, ok_dims)
             tb, tf, params, ok_dims = timing[key]
+            # Transformer Engine casts each weight to FP8 once per step (then reuses the cache)
+            cast = fp8_weight_cast_time(params, cluster)
             group, per_token = _stored_input(li.role, b, c, policy)
             saved_gb = 0.5 * per_token * c.tokens * flight[r] / GB    # FP8 stores 1 byte instead of 2
             reason = ("router" if li.role == "router" else "first block" if i == 0 else
                       "last block" if i == nl - 1 else "dims not multiples of 16" if not ok_dims else
-                      "too small to gain" if tf >= tb else None)
-            out.append(Fp8Candidate(module=f"{inst}.{li.name}", bf16_time_s=tb * passes, fp8_time_s=tf * passes,
+                      "too small to gain" if tf * passes + cast >= tb * passes else None)
+            out.append(Fp8Candidate(module=f"{inst}.{li.name}", bf16_time_s=tb * passes, fp8_time_s=tf * passes + cast,
                                     memory_delta_gb=K.FP8_WEIGHT_CACHE_BYTES * params / GB - saved_gb,
                                     default_excluded=reason, stage=r,
                                     input_group=f"{inst}:{group}" if group else "",
@@ -279,7 +281,8 @@ def _head_candidate(profile, cluster, L: Layout, c: Context, m: int, flight: lis
     params = (profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)) / L.tp
     # its input (the final norm's output, gathered over SP) is saved for backward
     saved = 0.5 * K.BF16 * profile.hidden * T * flight[L.pp - 1] / GB
-    return Fp8Candidate(module=profile.head_fqn or "output", bf16_time_s=tb, fp8_time_s=tf,
+    return Fp8Candidate(module=profile.head_fqn or "output", bf16_time_s=tb,
+                        fp8_time_s=tf + fp8_weight_cast_time(params, cluster),
                         memory_delta_gb=K.FP8_WEIGHT_CACHE_BYTES * params / GB - saved,
                         default_excluded="output layer", stage=L.pp - 1, activation_saved_gb=saved)
 

@@ -184,7 +184,9 @@ def _recompute_options(profile: ModelProfile, pp: int) -> list:
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
     per_dp = global_batch // dp
-    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS]
+    # torch.distributed.pipelining (the runtime) needs at least pp micro-batches per step; the
+    # cost model itself prices fewer (Megatron's 1F1B allows it), so a user may still fix mbs
+    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and (base["pp"] == 1 or per_dp // m >= base["pp"])]
     for precision in precisions:
         for rc in _opts("recompute", f, _recompute_options(profile, base["pp"])):
             best_here = None

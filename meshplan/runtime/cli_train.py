@@ -10,6 +10,7 @@ runs the training loop (meshplan.runtime.train).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def register(sub) -> None:
     t.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
     t.add_argument("--max-restarts", type=int, default=0, help="restart the job this many times after a failure")
     t.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the job fails")
-    t.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    t.add_argument("--worker", metavar="ARGS_JSON", default=None, help=argparse.SUPPRESS)
     t.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     t.set_defaults(fn=cmd_train)
 
@@ -81,7 +82,7 @@ def _plan(args):
 
 def cmd_train(args) -> int:
     if args.worker:
-        return _worker(args)
+        return _worker(argparse.Namespace(**json.loads(Path(args.worker).read_text())))
     from meshplan.runtime.launch import launch_local
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,40 +91,16 @@ def cmd_train(args) -> int:
     print(plan.explain())
     plan_path = out / "plan.json"
     plan.save(plan_path)
-    argv = [a for a in sys.argv[1:] if a != "train"] if sys.argv[1:2] == ["train"] else _rebuild_argv(args)
-    worker = ["meshplan.cli", "train", *_strip(argv, ("--plan",)), "--plan", str(plan_path), "--worker"]
+    # the workers read their options from a file: on torchrun's command line, options such as
+    # --nproc or --max-restarts would be taken by torchrun's own parser (prefix matching)
+    settings = {k: v for k, v in vars(args).items() if k != "fn"}
+    settings.update(plan=str(plan_path), worker=None)
+    args_path = out / "train-args.json"
+    args_path.write_text(json.dumps(settings, indent=1))
+    worker = ["meshplan.cli", "train", "--worker", str(args_path)]
     print(f"launching {plan.world_size} processes (torchrun); metrics -> {out / 'metrics.jsonl'}",
           file=sys.stderr, flush=True)
     return launch_local(plan.world_size, worker, module=True, max_restarts=args.max_restarts)
-
-
-def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """argv without the given options and their values."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in options:
-            skip = True
-            continue
-        if any(a.startswith(o + "=") for o in options):
-            continue
-        out.append(a)
-    return out
-
-
-def _rebuild_argv(args) -> list[str]:
-    """argv for the workers when train was called through the API rather than the command line."""
-    out = []
-    for k in ("model", "data", "steps", "global_batch", "seq_len", "precision", "lr", "warmup", "seed",
-              "nproc", "cluster", "out", "checkpoint_every", "timeout", "fail_at_step"):
-        v = getattr(args, k)
-        if v is not None:
-            out += [f"--{k.replace('_', '-')}", str(v)]
-    if args.no_resume:
-        out.append("--no-resume")
-    return out
 
 
 def _worker(args) -> int:
@@ -140,7 +117,13 @@ def _worker(args) -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # A private key space per restart attempt: after a restart, gloo must not find the previous
+    # attempt's addresses in torchrun's store (seen as "connectFullMesh ... Connection refused").
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"meshplan/attempt_{attempt}", base),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     try:
         plan = Plan.load(args.plan)
         torch.manual_seed(args.seed)

@@ -46,6 +46,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = True
     progress: bool = True
+    stop_at: int | None = None              # stop (with a checkpoint) after this step, as a job time limit would
     fail_at_step: int | None = None         # testing aid: rank 1 exits at this step on the first attempt
 
     def __post_init__(self) -> None:
@@ -133,17 +134,20 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 if bar:
                     bar.update(m)
             done = step + 1
-            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
+            stopping = config.stop_at is not None and done >= config.stop_at
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps or stopping:
                 sampler_state = {**sampler.state_dict(), "step": done}
                 written = str(ckpt.save(out, done, pm, opt, {
                     "data": sampler_state, "rng": torch.get_rng_state().tolist(),
                     "layout": plan.layout, "config": asdict(config)}, keep=config.keep_checkpoints))
+            if stopping:
+                break
     finally:
         if bar:
             bar.close()
         if log:
             log.close()
-    return TrainResult(losses=losses, start_step=start, final_step=config.steps, checkpoint=written)
+    return TrainResult(losses=losses, start_step=start, final_step=start + len(losses), checkpoint=written)
 
 
 def _vocab(model) -> int | None:

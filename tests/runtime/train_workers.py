@@ -1,0 +1,19 @@
+"""Workers for the training-loop tests (imported by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def train_run(rank: int, world: int, case: dict) -> dict:
+    from meshplan.runtime.parallel import parallelize
+    from meshplan.runtime.train import TrainConfig, train
+    import numerics
+    torch.manual_seed(0)
+    model = numerics.build_model("tiny-llama", seq_len=case["seq_len"])
+    pm = parallelize(model, case["plan"], compute_dtype=None)
+    cfg = TrainConfig(steps=case["steps"], lr=3e-3, warmup=2, out_dir=case["out"], checkpoint_every=case.get("every", 0),
+                      stop_at=case.get("stop_at"), progress=False)
+    res = train(model, case["plan"], cfg, pm=pm)
+    return {"losses": res.losses, "start": res.start_step, "checkpoint": res.checkpoint,
+            "params": pm.full_state_dict() if case.get("params") else None}
