@@ -67,7 +67,6 @@ def _cluster(name: str, nproc: int):
 
 def _plan(args):
     import meshplan as mp
-    from meshplan.api import load_model
     from meshplan.cli import _parse_layout
     from meshplan.planner.plan import Plan
     if args.plan:
@@ -75,9 +74,16 @@ def _plan(args):
         plan.check_matches(world_size=args.nproc)
         return plan
     cluster = _cluster(args.cluster, args.nproc)
-    model = load_model(args.model, seq_len=args.seq_len) if "." not in args.model else load_model(args.model)
+    model = _load(args, "meta")
     fixed = {"cp": 1, "ep": 1, **(_parse_layout(args.fix) if args.fix else {})}
     return mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed)
+
+
+def _load(args, device: str):
+    """The model: a preset is built at --seq-len; files and configs carry their own lengths."""
+    from meshplan.api import load_model
+    preset = not args.model.endswith((".py", ".json")) and ".py:" not in args.model
+    return load_model(args.model, device=device, **({"seq_len": args.seq_len} if preset else {}))
 
 
 def cmd_train(args) -> int:
@@ -109,7 +115,6 @@ def _worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from meshplan.api import load_model
     from meshplan.planner.plan import Plan
     from meshplan.runtime.parallel import parallelize
     from meshplan.runtime.train import TrainConfig, train
@@ -127,8 +132,7 @@ def _worker(args) -> int:
     try:
         plan = Plan.load(args.plan)
         torch.manual_seed(args.seed)
-        model = (load_model(args.model, device="cpu", seq_len=args.seq_len) if "." not in args.model
-                 else load_model(args.model, device="cpu"))
+        model = _load(args, "cpu")
         pm = parallelize(model, plan, compute_dtype=None if args.precision == "fp32" else "plan")
         cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
                           data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,

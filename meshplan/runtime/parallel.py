@@ -345,14 +345,14 @@ class ParallelModel:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         for st in self.stages:
-            keys = get_keys(st)
+            keys = _state_keys(st)
             missing = [k for k in keys if k not in state]
             if missing:
                 raise ConfigError(f"checkpoint has no entry for {missing[:3]}: it was saved from another model")
             set_model_state_dict(st, {k: state[k] for k in keys}, options=StateDictOptions(strict=True))
 
 
-def get_keys(module: nn.Module) -> list[str]:
+def _state_keys(module: nn.Module) -> list[str]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     return list(get_model_state_dict(module).keys())
 

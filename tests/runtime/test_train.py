@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 
-import numerics
 import train_workers
 
 SEQ, BATCH, STEPS = 32, 8, 6
