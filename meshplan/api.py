@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from meshplan.cost_models.estimate import Estimate, estimate_profile
@@ -111,11 +112,14 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
 
 
 def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
-         fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False):
+         fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False,
+         fused_kernels: bool = True):
     """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
 
     precision: "bf16", "fp8" or "auto" (both are tried where the GPU has FP8 units).
     fixed: constrain any layout key, e.g. {"tp": 8, "recompute": "full"}.
+    fused_kernels: list the modules meshplan's fused kernels replace (Plan.fused_kernels; found
+    from the traced graph) and cost them fused; False keeps every module eager and costs it so.
     """
     from meshplan.planner.build import build_plan
     from meshplan.planner.search import search
@@ -129,6 +133,8 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     else:
         raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp8' or 'auto'")
     prof = profile(model, seq_len=seq_len)
+    if not fused_kernels:
+        prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))
     res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions,
                  fixed=fixed, allow_cross_domain=allow_cross_domain)
     return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fixed)

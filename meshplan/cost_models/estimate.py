@@ -16,7 +16,7 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
 from meshplan.cost_models.compute import elementwise_time, fp8_weight_cast_time, gemm_time
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
-from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
+from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, unfused_of
 from meshplan.cost_models.layout import Layout, check_layout
 from meshplan.cost_models.memory import grad_bytes, state_bytes, zero3_working_bytes
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
@@ -102,12 +102,32 @@ def embedding_time(profile: ModelProfile, cluster, tokens: float, sp_div: int) -
     return elementwise_time(2 * K.BF16 * profile.hidden * tokens / sp_div, cluster)
 
 
+def fused_loss(profile: ModelProfile, tp: int) -> bool:
+    """Whether the output layer + loss run as meshplan's fused linear + cross-entropy kernel: the
+    runtime swaps it in when the tracer matched it and the head is not split over TP."""
+    return tp == 1 and dict(profile.fusions).get("linear_cross_entropy", False)
+
+
 def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[float, float]:
     """(output-layer GEMM, cross-entropy) forward seconds; the output layer stays BF16 (standard FP8
-    recipes). Backward is 2x the GEMM plus the same cross-entropy pass."""
+    recipes). Backward is 2x the GEMM plus the same cross-entropy pass. Fused (fused_loss), the
+    cross-entropy passes save meshplan.kernels.fusion's bytes over the eager ones."""
     g = gemm_time(tokens, profile.vocab / tp, profile.hidden, cluster)
-    ce = elementwise_time(3 * _LOGIT_BYTES * tokens * profile.vocab / tp, cluster)
-    return g, ce
+    logits = tokens * profile.vocab / tp
+    ce_bytes = 3 * _LOGIT_BYTES * logits
+    if fused_loss(profile, tp):
+        from meshplan.kernels.fusion import linear_cross_entropy_bytes_saved
+        ce_bytes = max(ce_bytes - linear_cross_entropy_bytes_saved(tokens=tokens, vocab=profile.vocab) / 2,
+                       0.0)
+    return g, elementwise_time(ce_bytes, cluster)
+
+
+def head_activation_bytes(profile: ModelProfile, tokens: float, tp: int) -> float:
+    """Bytes the output layer + loss hold for backward on the last stage, per micro-batch."""
+    if fused_loss(profile, tp):
+        from meshplan.kernels.fusion import linear_cross_entropy_memory_bytes
+        return linear_cross_entropy_memory_bytes(tokens=tokens, vocab=profile.vocab, hidden=profile.hidden)
+    return _LOGIT_BYTES * tokens * profile.vocab / tp
 
 
 _FLOPS_CACHE: dict = {}
@@ -173,7 +193,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         raise ConfigError(f"{cluster.gpu.name} has no FP8 matrix units; use precision='bf16'")
     stage_layers = check_layout(L, profile, cluster, seq_len=seq_len, global_batch=global_batch)
     m = global_batch // (L.dp * L.mbs)
-    ctx = Context.build(cluster, L, seq_len, fp8)
+    unfused = unfused_of(profile)
+    ctx = Context.build(cluster, L, seq_len, fp8, unfused)
     blocks = profile.layer_blocks()
     p, v = L.pp, L.vp
     T = ctx.tokens
@@ -195,12 +216,12 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             inst = profile.blocks[bi].instances[seen[bi]] if profile.blocks[bi].instances else ""
             seen[bi] += 1
             layer_fp8[i] = any(m.startswith(inst + ".") for m in fp8_modules)
-    ctxs = {True: ctx, False: ctx if not fp8 else Context.build(cluster, L, seq_len, False)}
+    ctxs = {True: ctx, False: ctx if not fp8 else Context.build(cluster, L, seq_len, False, unfused)}
 
     # A layer's cost depends only on its block and the layout fields the layer sees, so it is
     # shared across every candidate of a search that differs in pp / vp / dp / zero / schedule.
     ctx_key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
-               L.tp_comm_overlap, L.moe_dispatcher, seq_len)
+               L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused)
 
     local: dict[tuple, Any] = {}
 
@@ -364,7 +385,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         if r == 0:
             activ += K.BF16 * profile.hidden * T / sp_div * in_flight(L.schedule, m, p, v, r)
         if r == p - 1:
-            activ += _LOGIT_BYTES * T * profile.vocab / L.tp
+            activ += head_activation_bytes(profile, T, L.tp)
         mem["activations"] = activ
         mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * (dparams + eparams) if fp8 else 0.0
         mem_stages.append({k: val / GB for k, val in mem.items()})

@@ -16,7 +16,13 @@ from meshplan.cost_models.compute import attention_time, elementwise_time, gemm_
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.planner.profile import BlockProfile
 
-__all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes"]
+__all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of"]
+
+# Fusions whose fused form the per-layer baseline below already assumes (a norm is one read +
+# one write, silu*mul reads two and writes one, rotary reads and writes q and k once), as Megatron
+# and Transformer Engine run them; a model that runs one of them eagerly pays
+# meshplan.kernels.fusion's extra bytes on top.
+LAYER_FUSIONS = ("rms_norm", "swiglu", "rope")
 
 _COL = ("attn_qkv", "mlp_in", "shared_in", "other")     # output dim split over TP
 _ROW = ("attn_out", "mlp_out", "shared_out")             # input dim split over TP
@@ -39,14 +45,20 @@ class Context:
     ep: Group
     etp: Group
     fp8_modules: frozenset = field(default_factory=frozenset)
+    unfused: frozenset = field(default_factory=frozenset)   # LAYER_FUSIONS the model runs eagerly
 
     @classmethod
-    def build(cls, cluster, layout, seq_len: int, fp8: bool) -> "Context":
+    def build(cls, cluster, layout, seq_len: int, fp8: bool, unfused: frozenset = frozenset()) -> "Context":
         L = layout
         return cls(cluster=cluster, layout=L, seq_len=seq_len, fp8=fp8,
                    tokens=L.mbs * seq_len / L.cp,
                    tp=group(cluster, L.tp, 1), cp=group(cluster, L.cp, L.tp),
-                   ep=group(cluster, L.ep, L.etp), etp=group(cluster, L.etp, 1))
+                   ep=group(cluster, L.ep, L.etp), etp=group(cluster, L.etp, 1), unfused=unfused)
+
+
+def unfused_of(profile) -> frozenset:
+    """The per-layer fusions a traced model runs in eager form (see ModelProfile.fusions)."""
+    return frozenset(name for name, fused in profile.fusions if not fused and name in LAYER_FUSIONS)
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,25 @@ def _elementwise_bytes(b: BlockProfile, c: Context) -> float:
         nbytes += act_passes * K.BF16 * b.moe_ffn_hidden * b.topk * tok / L.etp
         if b.shared_ffn_hidden:
             nbytes += act_passes * K.BF16 * b.shared_ffn_hidden * T / L.tp
-    return nbytes
+    # eager forms: charged a third in forward, and twice that in backward (layer_cost)
+    return nbytes + _unfused_bytes(b, c) / 3
+
+
+def _unfused_bytes(b: BlockProfile, c: Context) -> float:
+    """Extra HBM bytes (forward + backward) of the fusions in c.unfused (meshplan.kernels.fusion)."""
+    if not c.unfused:
+        return 0.0
+    from meshplan.kernels import fusion as FU     # pure Python, no torch
+    L, T = c.layout, c.tokens
+    extra = 0.0
+    if "rms_norm" in c.unfused and b.norm == "rmsnorm":    # the two pre-norms of the block
+        extra += 2 * FU.rms_norm_bytes_saved(tokens=T / (L.tp if L.sp else 1), hidden=b.hidden)
+    if "swiglu" in c.unfused and b.gated and b.ffn_hidden:
+        extra += FU.swiglu_bytes_saved(tokens=T, ffn_hidden=b.ffn_hidden / L.tp)
+    if "rope" in c.unfused and b.heads:
+        extra += FU.rope_bytes_saved(tokens=T, q_heads=b.heads / L.tp, kv_heads=b.kv_heads / L.tp,
+                                     head_dim=b.head_dim)
+    return extra
 
 
 def _tp_comm(b: BlockProfile, c: Context) -> float:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from meshplan.errors import ConfigError, UnknownNameError
 
-__all__ = ["Fusion", "FUSIONS", "bytes_saved"]
+__all__ = ["Fusion", "FUSIONS", "bytes_saved", "default_chunk_size", "linear_cross_entropy_memory_bytes",
+           "DEFAULT_CHUNK_LOGITS_BYTES"]
 
 FP32 = 4
 
@@ -94,6 +95,30 @@ def moe_unpermute_bytes_saved(*, tokens: int, hidden: int, top_k: int,
     """
     _check(tokens=tokens, hidden=hidden, top_k=top_k, dtype_bytes=dtype_bytes)
     return tokens * top_k * hidden * ((6 - 1) + (10 - 3)) * dtype_bytes
+
+
+# Default chunk of the fused linear + cross-entropy: the largest power of two of tokens whose
+# logits fit in this many bytes. 256 MiB holds 1024 tokens of a 128k vocabulary in bf16: large
+# enough for an efficient GEMM (M = 1024), small next to the 2 GiB that the full logits of 8192
+# tokens take.
+DEFAULT_CHUNK_LOGITS_BYTES = 256 * 2**20
+
+
+def default_chunk_size(tokens: int, vocab: int, itemsize: int) -> int:
+    """Tokens per chunk of fused_linear_cross_entropy (a power of two, at most next_pow2(tokens))."""
+    fit = max(1, DEFAULT_CHUNK_LOGITS_BYTES // max(1, vocab * itemsize))
+    chunk = 1 << (fit.bit_length() - 1)  # round down to a power of two
+    return max(1, min(chunk, 1 << (max(int(tokens), 1) - 1).bit_length()))
+
+
+def linear_cross_entropy_memory_bytes(*, tokens: int, vocab: int, hidden: int,
+                                      dtype_bytes: int = 2) -> float:
+    """Memory the fused output layer + loss holds from forward to backward: one chunk of logits
+    plus the gradients it computes during the forward (grad_hidden T x h, grad_weight V x h),
+    against the eager (T x V) logits kept for backward plus their fp32 softmax."""
+    _check(tokens=tokens, vocab=vocab, hidden=hidden, dtype_bytes=dtype_bytes)
+    chunk = default_chunk_size(int(tokens), int(vocab), dtype_bytes)
+    return (min(chunk, tokens) * vocab + tokens * hidden + vocab * hidden) * dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,25 +31,13 @@ from meshplan.kernels._checks import (
     is_traced,
 )
 from meshplan.kernels._common import NAMESPACE, require_triton
-from meshplan.kernels._launch import next_pow2
+from meshplan.kernels.fusion import DEFAULT_CHUNK_LOGITS_BYTES, default_chunk_size
 from meshplan.kernels.selection import backend
 
-__all__ = ["fused_linear_cross_entropy", "default_chunk_size", "REDUCTIONS"]
+__all__ = ["fused_linear_cross_entropy", "default_chunk_size", "DEFAULT_CHUNK_LOGITS_BYTES", "REDUCTIONS"]
 
 Tensor = torch.Tensor
 REDUCTIONS = ("mean", "sum")
-# Default chunk: the largest power of two of tokens whose logits fit in this many bytes.
-# 256 MiB holds 1024 tokens of a 128k vocabulary in bf16: large enough for an efficient GEMM
-# (M = 1024), small next to the 2 GiB that the full logits of 8192 tokens take.
-DEFAULT_CHUNK_LOGITS_BYTES = 256 * 2**20
-
-
-def default_chunk_size(tokens: int, vocab: int, itemsize: int) -> int:
-    fit = max(1, DEFAULT_CHUNK_LOGITS_BYTES // max(1, vocab * itemsize))
-    chunk = 1 << (fit.bit_length() - 1)  # round down to a power of two
-    return max(1, min(chunk, next_pow2(max(tokens, 1))))
-
-
 @torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor,
                                   ignore_index: int, reduction: str, label_smoothing: float,

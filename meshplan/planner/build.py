@@ -117,8 +117,16 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
     return tuple(sorted(choice.modules))
 
 
+def _fused_kernels(profile: ModelProfile, lay: Layout) -> tuple[str, ...]:
+    from meshplan.planner.fusions import find_fusions
+    on = {name for name, fused in profile.fusions if fused}
+    return tuple(m.entry() for m in find_fusions(profile, tp=lay.tp).modules if m.kernel in on)
+
+
 def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
                fixed: Mapping[str, Any] | None = None) -> Plan:
+    """The Plan of the search's best layout. Fused kernels are listed where the profile says the
+    runtime swaps them in (ModelProfile.fusions True), matched again for the chosen TP degree."""
     if not result.ranked:
         raise DoesNotFitError(_no_fit_message(profile, cluster, result.rejected, seq_len))
     # the pipeline-stage ILP may move layers off the embedding / output stages; try it on the
@@ -158,5 +166,6 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                 precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay, cluster, seq_len=seq_len),
                 stages=stage_modules(profile, stage_layers), schedule=lay.schedule, micro_batch_size=lay.mbs,
                 num_microbatches=best.num_microbatches, recompute=lay.recompute, fp8_modules=fp8_modules,
+                fused_kernels=_fused_kernels(profile, lay),
                 estimate=best.to_dict(), runner_ups=tuple(runner_ups),
                 search={**result.stats, "fixed": dict(fixed or {})})

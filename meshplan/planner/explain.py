@@ -51,6 +51,12 @@ def explain(plan) -> str:
     p(f"  layout: {lay.short()}  (mesh {' x '.join(f'{k}={v}' for k, v in plan.mesh.items())})")
     p(f"  {plan.num_microbatches} micro-batches of {plan.micro_batch_size} per data-parallel rank per step"
       + (f"; FP8 on {len(plan.fp8_modules)} linears" if plan.fp8_modules else ""))
+    if plan.fused_kernels:
+        counts: dict[str, int] = {}
+        for entry in plan.fused_kernels:
+            counts[entry.split()[0]] = counts.get(entry.split()[0], 0) + 1
+        p("  fused kernels: " + ", ".join(f"{k} ({n} module{'s' if n > 1 else ''})" for k, n in counts.items())
+          + " [per block: one entry covers every layer]")
     p("")
     p(f"Predicted step {est.step_time_s:.3f} s: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
       f"{est.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, MFU {est.mfu * 100:.1f}%")

@@ -57,7 +57,7 @@ import pulp
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
 from meshplan.cost_models.estimate import GB
-from meshplan.cost_models.layer import Context
+from meshplan.cost_models.layer import Context, unfused_of
 from meshplan.cost_models.layout import Layout, split_layers
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
@@ -225,7 +225,7 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
             seen[s % L.pp] += 1
         start += n
 
-    c = Context.build(cluster, L, seq_len, fp8=False)
+    c = Context.build(cluster, L, seq_len, fp8=False, unfused=unfused_of(profile))
     flight = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
     occurrence: dict[int, int] = {}
     timing: dict[tuple[int, str], tuple[float, float, float, bool]] = {}

@@ -52,6 +52,7 @@ class OpInfo:
     params: tuple[str, ...] = ()               # parameter FQNs (original model) this op reads
     inputs: tuple[str, ...] = ()               # names of the ops / graph inputs whose outputs it reads (the edges)
     role: str = ""                             # for kind "linear": its LinearInfo role ("attn_qkv", ...)
+    scalars: tuple[float, ...] = ()            # numeric constants among its arguments (an eps, an exponent)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +153,11 @@ class ModelProfile:
     # the first block go to the first pipeline stage, the rest to the last (final norm, head)
     pre_modules: tuple[str, ...] = ()
     post_modules: tuple[str, ...] = ()
+    # fusion name (meshplan.kernels.fusion) -> True when meshplan's runtime swaps a fused kernel
+    # in, False when the model's eager form runs; absent = the pattern does not occur, or the
+    # profile was not traced (then the cost model assumes a framework's usual fused kernels).
+    # Set by the tracer from meshplan.planner.fusions.find_fusions.
+    fusions: tuple[tuple[str, bool], ...] = ()
 
     @property
     def num_layers(self) -> int:

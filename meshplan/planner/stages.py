@@ -10,8 +10,15 @@ memory cap. The new split is kept only if the full estimate agrees it is faster.
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.estimate import _LOGIT_BYTES, GB, Estimate, embedding_time, estimate_profile, head_times
-from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
+from meshplan.cost_models.estimate import (
+    GB,
+    Estimate,
+    embedding_time,
+    estimate_profile,
+    head_activation_bytes,
+    head_times,
+)
+from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, unfused_of
 from meshplan.cost_models.layout import Layout
 from meshplan.cost_models.memory import state_bytes
 from meshplan.cost_models.pipeline import in_flight
@@ -23,7 +30,7 @@ __all__ = ["refine_stages"]
 
 
 def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, global_batch: int, fp8: bool) -> dict:
-    ctx = Context.build(cluster, L, seq_len, fp8)
+    ctx = Context.build(cluster, L, seq_len, fp8, unfused_of(profile))
     policy = L.recompute
     blocks = profile.layer_blocks()
     T, sp_div = ctx.tokens, (L.tp if L.sp else 1)
@@ -45,7 +52,7 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
     return dict(layer_time_s=times, layer_memory_gb=acts, static_memory_gb=static, in_flight=flights,
                 first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce,
                 first_extra_memory_gb=emb_state + K.BF16 * profile.hidden * T / sp_div * flights[0] / GB,
-                last_extra_memory_gb=head_state + _LOGIT_BYTES * T * profile.vocab / L.tp / GB)
+                last_extra_memory_gb=head_state + head_activation_bytes(profile, T, L.tp) / GB)
 
 
 def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,

@@ -21,6 +21,7 @@ How (and why this way)
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import linecache
@@ -66,6 +67,7 @@ from meshplan.planner.flops import (
     op_kind,
     writes_first_arg,
 )
+from meshplan.planner.fusions import find_fusions
 from meshplan.planner.profile import BlockProfile, ModelProfile, OpInfo
 
 __all__ = ["trace", "trace_graph"]
@@ -600,7 +602,13 @@ def _op_info(n: Node, nodes: list[Node], dtype: torch.dtype, model_dtype: torch.
         output_shapes=tuple(s.shape for s in n.out),
         dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else "",
         fwd_flops=n.fwd, bwd_flops=n.bwd, bytes=n.bytes, params=n.params,
-        inputs=tuple(nodes[j].name for j in n.inputs), role=n.role)
+        inputs=tuple(nodes[j].name for j in n.inputs), role=n.role, scalars=_scalars(n))
+
+
+def _scalars(n: Node) -> tuple[float, ...]:
+    """Numeric constants passed to the op (positional, then keyword), e.g. a norm's eps."""
+    vals = list(n.args) + list(n.kwargs.values())
+    return tuple(float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def trace_graph(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None = None,
@@ -720,7 +728,7 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
               else max((b.hidden for b in blocks), default=0))
     cfg = getattr(model, "config", None)
     cfg_name = getattr(cfg, "name", None) or getattr(cfg, "name_or_path", None)
-    return ModelProfile(
+    prof = ModelProfile(
         name=name or (cfg_name if isinstance(cfg_name, str) and cfg_name else type(model).__name__),
         fingerprint=fingerprint(model), seq_len=seq_len, vocab=vocab_size, hidden=hidden,
         dtype=str(dtype).removeprefix("torch."), embedding_params=embedding_params,
@@ -732,6 +740,7 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
         embedding_fqn=token.module if token is not None else "",
         head_fqn=head.module if head is not None else "",
         pre_modules=_param_owners(pre), post_modules=_param_owners(post))
+    return dataclasses.replace(prof, fusions=find_fusions(prof).applied)
 
 
 def _param_owners(nodes) -> tuple[str, ...]:

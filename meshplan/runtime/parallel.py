@@ -2,7 +2,7 @@
 
 One fixed order, each step a no-op at degree 1 (DESIGN.md):
 
-    checks -> DeviceMesh -> pipeline split -> TP/SP -> recompute -> FSDP/ZeRO -> schedule
+    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> recompute -> FSDP/ZeRO -> schedule
 
 Everything it does is read from the Plan: mesh degrees, stage -> module FQNs, per-module
 placements, recompute policy, ZeRO stage, schedule, micro-batch counts. It decides nothing.
@@ -27,6 +27,7 @@ from torch import nn
 from meshplan.errors import ConfigError, LayoutError
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import pipeline as _pp
+from meshplan.runtime.fused import apply_fused_kernels
 from meshplan.runtime.recompute import apply_recompute
 from meshplan.runtime.tensor_parallel import apply_tensor_parallel, block_signatures, sequence_parallel
 
@@ -144,6 +145,8 @@ class ParallelModel:
     schedule: object | None = None
     fsdp_units: list[nn.Module] = field(default_factory=list)
     loss_fn: object = None                  # (logits, labels) -> summed loss; default: cross entropy
+    fused_head: object = None               # fused.FusedHead when the loss runs fused with the output layer
+    fused_modules: list[str] = field(default_factory=list)   # modules running meshplan's fused kernels here
     _step_loss_fn: object = None            # this step's normalised loss (the global token count changes)
     tied: list[tuple[str, ...]] = field(default_factory=list)       # tied parameter names, canonical first
     tied_shapes: list = field(default_factory=list)                 # per tied set: local grad shape if it spans stages
@@ -226,6 +229,8 @@ class ParallelModel:
     def _summed_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is not None:
             return self.loss_fn(logits, target)
+        if self.fused_head is not None:     # `logits` is the hidden state: the head runs in the loss
+            return self.fused_head.loss(logits, target, ignore_index=IGNORE_INDEX)
         return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
 
@@ -358,13 +363,17 @@ def _state_keys(module: nn.Module) -> list[str]:
 
 
 def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | str = "plan",
-                overlap: bool = True, loss_fn=None) -> ParallelModel:
+                overlap: bool = True, loss_fn=None, fused_kernels: bool = True) -> ParallelModel:
     """Apply `plan` to `model` inside an initialised default process group of the plan's size.
 
     `compute_dtype`: "plan" (default) takes the plan's precision (bf16 parameters and compute,
     fp32 master weights and gradient reduction); `None` or torch.float32 runs everything in the
     model's own dtype (what numerical-equivalence tests use). `loss_fn(logits, labels)` must
-    return the SUM over tokens (default: cross entropy ignoring -100).
+    return the SUM over tokens (default: cross entropy ignoring -100); with a `loss_fn` the
+    output layer keeps its eager form (the fused linear + cross-entropy computes the default loss).
+    `fused_kernels`: swap in the kernels the plan lists (Plan.fused_kernels; False keeps every
+    module eager). Which implementation runs is meshplan.kernels.set_backend's choice: Triton
+    on GPUs (or under TRITON_INTERPRET=1), the plain-PyTorch reference otherwise.
     """
     if not dist.is_initialized():
         raise ConfigError("parallelize() needs an initialised process group: launch with torchrun "
@@ -388,6 +397,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     mine = _pp.stages_of_rank(mesh["pp"].get_local_rank(), pp, len(specs), plan.schedule)
     local_specs = [specs[i] for i in mine]
     stages = []
+    fused_head, fused_modules = None, []
     for spec in local_specs:
         # 1. pipeline split (the model itself when there is one stage)
         stage = model if len(specs) == 1 else _pp.build_stage_module(model, spec, seq_len=plan.seq_len,
@@ -396,6 +406,10 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             raise ConfigError("the model is on the meta device: materialise it (to_empty + init) before "
                               "parallelize, or build it on the CPU")
         stage.to(device)
+        if fused_kernels and plan.fused_kernels:                                    # 1b. fused kernels
+            swapped = apply_fused_kernels(stage, plan.fused_kernels, signatures, fuse_loss=loss_fn is None)
+            fused_head = swapped.head or fused_head
+            fused_modules += swapped.modules
         stages.append(stage)
     units: list[nn.Module] = []
     use_fsdp = plan.mesh.get("dp", 1) > 1 or compute_dtype is not None
@@ -412,7 +426,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                                       reshard_after_forward=lay.reshard_after_forward,
                                       param_dtype=compute_dtype, overlap=overlap)
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
-                       fsdp_units=units, loss_fn=loss_fn, tied=tied,
+                       fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
+                       fused_modules=fused_modules,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
     if len(specs) > 1:                                                              # 5. schedule
         from torch.distributed.pipelining import PipelineStage

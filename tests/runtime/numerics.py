@@ -87,7 +87,7 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     for n in ref_params:
         torch.testing.assert_close(params[n], ref_params[n], **PARAM_TOL, msg=lambda m, n=n: f"param {n}: {m}")
     worst = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
-    return {"loss": loss, "ref_loss": ref_loss, "max_grad_err": worst}
+    return {"loss": loss, "ref_loss": ref_loss, "max_grad_err": worst, "fused": list(pm.fused_modules)}
 
 
 def expect_error(rank: int, world: int, case: dict) -> dict:

@@ -33,6 +33,9 @@ CASES_2 = {
     "gpt_pp2_tied": ("tiny-gpt", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
     "hf_tp2": ("hf-llama", dict(tp=2, sp=False, dp=1, pp=1, mbs=2)),
     "hf_pp2": ("hf-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
+    # decomposed RMSNorm swapped for the fused kernel on sequence shards (DTensor, partial grads)
+    "hf_tp2_sp": ("hf-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "hf_fsdp2": ("hf-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=2)),
 }
 CASES_4 = {
     "tp2_dp2_sp": ("tiny-llama", dict(tp=2, dp=2, pp=1, sp=True, zero=3, mbs=2)),
@@ -105,6 +108,20 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.parametrize("name", sorted(CASES_2))
 def test_two_ranks(world2, name):
     _check(world2[name])
+
+
+def test_fused_kernels_swapped_in(world2):
+    """The plans list fused kernels and the runtime ran them (the equivalence above held)."""
+    def kinds(name):
+        return {e.split()[0] for e in _plan(CASES_2[name][0], 2, tuple(sorted(CASES_2[name][1].items()))).fused_kernels}
+    assert kinds("hf_fsdp2") == {"rms_norm", "swiglu", "linear_cross_entropy"}
+    assert kinds("hf_tp2_sp") == {"rms_norm", "swiglu"}          # vocab-parallel head: eager loss
+    fsdp = world2["hf_fsdp2"][0]["fused"]
+    assert "lm_head" in fsdp and "model.norm" in fsdp and "model.layers.3.mlp" in fsdp
+    assert "model.layers.0.input_layernorm" in world2["hf_tp2_sp"][1]["fused"]
+    # pipeline: each stage swaps only the modules it holds
+    first, last = (set(r["fused"]) for r in world2["hf_pp2"])
+    assert "lm_head" in last and "lm_head" not in first and not first & last
 
 
 @pytest.mark.parametrize("name", sorted(CASES_4))

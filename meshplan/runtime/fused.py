@@ -1,0 +1,209 @@
+"""Swap the Plan's fused kernels into the model: the runtime half of meshplan.planner.fusions.
+
+Each `Plan.fused_kernels` entry names a kernel and a module (by block signature + path, or by
+absolute FQN). The module's `forward` is replaced on the instance (its parameters, FQNs and
+children stay as they are, so TP styles, FSDP and checkpoints see the same module tree):
+
+- rms_norm: `forward(x) = kernels.rms_norm(x, self.<weight>, eps)`, eps and the weight's name
+  taken from the trace;
+- swiglu: `forward(x) = down(kernels.swiglu(gate(x), up(x)))` over the module's own children;
+- linear_cross_entropy: the output layer returns its input (the hidden state) and the loss is
+  `kernels.fused_linear_cross_entropy(hidden, head.weight, labels)`, so the (tokens x vocab)
+  logits never exist at once (ParallelModel applies it; `FusedHead`).
+
+Before a module is swapped, both forwards run on a small random input and must agree (tolerance
+by dtype): a module the plan names that computes something else stops the run with an error that
+names it, instead of training on a wrong number.
+
+Under tensor/sequence parallelism the kernels run on local shards: the norm is row-wise and
+silu*mul element-wise, so a Shard or Replicate DTensor is computed on its local tensor and
+wrapped back with the same placements. A replicated norm weight used on sequence shards gets a
+Partial gradient (each rank saw part of the sequence), which ParallelModel reduces like the
+gradients DTensor's own ops produce.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshplan.errors import ConfigError
+from meshplan.planner.fusions import FusedModule, parse_entry
+
+__all__ = ["apply_fused_kernels", "FusedHead", "Swapped"]
+
+# forward outputs of the eager and the fused module must agree this closely on a random input
+_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-6, 1e-8)}
+_LOW_PRECISION_TOLERANCE = (2e-2, 2e-2)     # bf16 / fp16: a few units in the last place
+_SAMPLE_TOKENS = 6
+
+
+@dataclass
+class FusedHead:
+    """The output layer whose matmul moved into the loss (linear_cross_entropy)."""
+
+    fqn: str
+    module: nn.Module
+
+    def loss(self, hidden: torch.Tensor, target: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
+        """Summed cross entropy of hidden @ weight.T against target (the default loss's contract)."""
+        from meshplan.kernels import fused_linear_cross_entropy
+        w = self.module.weight
+        if _is_dtensor(w):
+            raise ConfigError(f"{self.fqn}.weight is still sharded when the loss runs; plan with "
+                              "fused_kernels=False for this layout")
+        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(w.dtype), w,
+                                          target.reshape(-1), ignore_index=ignore_index, reduction="sum")
+
+
+@dataclass
+class Swapped:
+    """What apply_fused_kernels changed in one stage."""
+
+    modules: list[str]                # FQNs whose forward now runs a fused kernel
+    head: FusedHead | None = None     # set when this stage's output layer moved into the loss
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _on_local(fn, *tensors):
+    """Run an element-wise / row-wise kernel on DTensor inputs' local shards, same placements out."""
+    from torch.distributed.tensor import DTensor
+    ref = next((t for t in tensors if isinstance(t, DTensor)), None)
+    if ref is None:
+        return fn(*tensors)
+    if any(p.is_partial() for t in tensors if isinstance(t, DTensor) for p in t.placements):
+        raise ConfigError("a fused kernel got a partial-sum (unreduced) tensor; plan with "
+                          "fused_kernels=False for this layout")
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return DTensor.from_local(fn(*local), ref.device_mesh, ref.placements, run_check=False)
+
+
+def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    from meshplan.kernels import rms_norm
+    eps, w = self._meshplan_eps, getattr(self, self._meshplan_weight)
+    if _is_dtensor(w) and _is_dtensor(x):
+        from torch.distributed.tensor import Partial
+        sharded = any(p.is_shard() for p in x.placements)
+        # rows on other ranks contribute to this weight's gradient: declare it partial
+        w = w.to_local(grad_placements=[Partial()] * len(w.placements)) if sharded else w.to_local()
+        return _on_local(lambda xl: rms_norm(xl, w, eps), x)
+    if _is_dtensor(w):
+        w = w.to_local()
+    return _on_local(lambda xl: rms_norm(xl, w, eps), x)
+
+
+def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    from meshplan.kernels import swiglu
+    gate, up, down = self._meshplan_swiglu
+    g, u = getattr(self, gate)(x), getattr(self, up)(x)
+    return getattr(self, down)(_on_local(swiglu, g, u))
+
+
+def _identity_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return hidden
+
+
+def _sample(module: nn.Module, width: int) -> torch.Tensor:
+    p = next(module.parameters())
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(2, _SAMPLE_TOKENS // 2, width, generator=g).to(device=p.device, dtype=p.dtype)
+
+
+def _check_same(fqn: str, kernel: str, eager: torch.Tensor, fused: torch.Tensor) -> None:
+    rtol, atol = _TOLERANCE.get(eager.dtype, _LOW_PRECISION_TOLERANCE)
+    if eager.shape != fused.shape or not torch.allclose(eager.float(), fused.float(), rtol=rtol, atol=atol):
+        diff = (eager.float() - fused.float()).abs().max().item() if eager.shape == fused.shape else float("nan")
+        raise ConfigError(
+            f"the plan swaps {fqn} for the fused {kernel} kernel, but that module computes something "
+            f"else (max difference {diff:.3g} on a random input, shapes {tuple(eager.shape)} vs "
+            f"{tuple(fused.shape)}); has the model changed since planning? Re-run meshplan plan, or "
+            "plan with fused_kernels=False")
+
+
+def _swap(fqn: str, module: nn.Module, new_forward, width: int, kernel: str) -> None:
+    x = _sample(module, width)
+    with torch.no_grad():
+        eager = module(x)
+        module.forward = types.MethodType(new_forward, module)
+        try:
+            fused = module(x)
+        except Exception:
+            del module.forward
+            raise
+    if not isinstance(eager, torch.Tensor):
+        del module.forward
+        raise ConfigError(f"the plan swaps {fqn} for the fused {kernel} kernel, but its forward returns "
+                          f"{type(eager).__name__}, not a tensor; re-run meshplan plan")
+    try:
+        _check_same(fqn, kernel, eager, fused)
+    except ConfigError:
+        del module.forward          # leave the user's module as it was
+        raise
+
+
+def _modules(stage: nn.Module, f: FusedModule, signatures: dict[str, str]) -> list[tuple[str, nn.Module]]:
+    """The stage's real (not stubbed) modules an entry names."""
+    from meshplan.runtime.pipeline import _PassThrough, _ZeroEmbedding
+    if ":" in f.key:
+        sig, rel = f.key.split(":", 1)
+        fqns = [f"{inst}.{rel}" for inst, s in signatures.items() if s == sig]
+    else:
+        fqns = [f.key]
+    out = []
+    for fqn in fqns:
+        try:
+            m = stage.get_submodule(fqn)
+        except AttributeError:
+            continue                 # a block another pipeline stage holds (stubbed whole)
+        if not isinstance(m, (_PassThrough, _ZeroEmbedding)):
+            out.append((fqn, m))
+    return out
+
+
+def apply_fused_kernels(stage: nn.Module, entries, signatures: dict[str, str], *,
+                        fuse_loss: bool = True) -> Swapped:
+    """Swap the fused kernels `entries` (Plan.fused_kernels) into `stage` (plain modules, before
+    TP/FSDP); the output layer only when `fuse_loss` (the default loss is used)."""
+    out = Swapped(modules=[])
+    for entry in entries:
+        f = parse_entry(entry)
+        for fqn, m in _modules(stage, f, signatures):
+            if f.kernel == "rms_norm":
+                name = f.option.get("weight", "weight")
+                w = getattr(m, name, None)
+                if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                    raise ConfigError(f"{fqn}: the fused rms_norm needs a 1-D parameter {name!r}; "
+                                      "re-run meshplan plan")
+                m._meshplan_eps = float(f.option.get("eps", "1e-6"))
+                m._meshplan_weight = name
+                _swap(fqn, m, _rms_norm_forward, w.shape[0], f.kernel)
+                out.modules.append(fqn)
+            elif f.kernel == "swiglu":
+                names = tuple(f.option.get(k, "") for k in ("gate", "up", "down"))
+                if not all(isinstance(getattr(m, n, None), nn.Module) for n in names):
+                    raise ConfigError(f"{fqn}: the fused swiglu needs children {names}; re-run meshplan plan")
+                m._meshplan_swiglu = names
+                gate = getattr(m, names[0])
+                width = gate.weight.shape[1] if isinstance(getattr(gate, "weight", None), torch.Tensor) else 0
+                if not width:
+                    raise ConfigError(f"{fqn}.{names[0]}: expected a linear layer with a 2-D weight")
+                _swap(fqn, m, _swiglu_forward, width, f.kernel)
+                out.modules.append(fqn)
+            elif f.kernel == "linear_cross_entropy" and fuse_loss:
+                if not isinstance(getattr(m, "weight", None), torch.Tensor) or getattr(m, "bias", None) is not None:
+                    raise ConfigError(f"{fqn}: the fused linear + cross-entropy needs a linear layer "
+                                      "without bias; re-run meshplan plan")
+                x = _sample(m, m.weight.shape[1])
+                with torch.no_grad():
+                    _check_same(fqn, f.kernel, m(x), x @ m.weight.t())
+                m.forward = types.MethodType(_identity_forward, m)
+                out.head = FusedHead(fqn=fqn, module=m)
+                out.modules.append(fqn)
+    return out
