@@ -65,7 +65,7 @@ def cmd_plan(args) -> int:
     print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} ...", file=sys.stderr, flush=True)
     pl = mp.plan(args.model, cluster, seq_len=args.seq_len, global_batch=args.global_batch,
                  precision=args.precision, fixed=fixed, top_k=args.top_k,
-                 allow_cross_domain=args.allow_cross_domain)
+                 allow_cross_domain=args.allow_cross_domain, fused_kernels=not args.no_fused_kernels)
     print(pl.explain())
     print(f"(planned in {__import__('time').perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json:
@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", default="", help="constrain layout keys, e.g. tp=4,pp=8")
     p.add_argument("--top-k", type=int, default=5, help="runner-ups to keep")
     p.add_argument("--allow-cross-domain", action="store_true", help="let TP/EP span scale-up domains")
+    p.add_argument("--no-fused-kernels", action="store_true",
+                   help="keep every module eager (no fused RMSNorm/SwiGLU/linear+CE) and cost it so")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     p.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
     p.add_argument("--export", choices=["megatron", "torchtitan", "nemo"],

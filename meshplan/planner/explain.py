@@ -52,11 +52,12 @@ def explain(plan) -> str:
     p(f"  {plan.num_microbatches} micro-batches of {plan.micro_batch_size} per data-parallel rank per step"
       + (f"; FP8 on {len(plan.fp8_modules)} linears" if plan.fp8_modules else ""))
     if plan.fused_kernels:
-        counts: dict[str, int] = {}
+        # a block key "<signature>:<path>" stands for that module in every layer of the block
+        by_kernel: dict[str, list[str]] = {}
         for entry in plan.fused_kernels:
-            counts[entry.split()[0]] = counts.get(entry.split()[0], 0) + 1
-        p("  fused kernels: " + ", ".join(f"{k} ({n} module{'s' if n > 1 else ''})" for k, n in counts.items())
-          + " [per block: one entry covers every layer]")
+            kernel, key = entry.split()[:2]
+            by_kernel.setdefault(kernel, []).append(f"layers' {key.split(':', 1)[1]}" if ":" in key else key)
+        p("  fused kernels: " + "; ".join(f"{k} on {', '.join(v)}" for k, v in by_kernel.items()))
     p("")
     p(f"Predicted step {est.step_time_s:.3f} s: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
       f"{est.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, MFU {est.mfu * 100:.1f}%")
