@@ -7,8 +7,10 @@
 
 Prints predicted vs measured per row (in the row's own metric and FLOP convention), the absolute
 percentage error, the mean by source and overall, separately for the rows used to fit the
-constants and the held-out rows, and every published layout meshplan predicts would NOT fit in
-memory (each such row is a memory-model bug: the run happened).
+constants and the held-out rows, every published layout meshplan predicts would NOT fit in
+memory (each such row is a memory-model bug: the run happened), and, for scaling series (rows of one
+source that differ only in dp), the pipeline fill/drain overhead the measurements imply next to the
+predicted one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,44 @@ def fit(rows, traced, profiles):
     return {n: getattr(K, n) for n in FITTED}
 
 
+def measured_step_s(x) -> float:
+    """The row's measured step time: every throughput metric is inversely proportional to the step
+    time of that row's own batch and GPU count, so measured/predicted converts one into the other."""
+    if x.metric == "step_time_s":
+        return x.measured
+    return x.estimate.step_time_s * x.predicted / x.measured
+
+
+def pipeline_series(results):
+    """Scaling series: rows of one source that differ only in the data-parallel degree (same model,
+    tp, pp, vp, micro-batch, global batch, sequence). For each, fit step = c * (m + k) over the rows
+    (m = micro-batches per pipeline) and compare the measured pipeline overhead k, in micro-batch
+    slots, with the predicted one and with the schedule's own (pp-1)/vp. A measured k far above
+    (pp-1)/vp is a per-step cost the schedule alone does not explain."""
+    groups = defaultdict(list)
+    for x in results:
+        if x.predicted is None or x.layout.get("pp", 1) < 2:
+            continue
+        lay = x.layout
+        key = (x.row.family, x.row.get("model"), lay["tp"], lay["pp"], lay["vp"], lay["mbs"],
+               x.estimate.global_batch, x.estimate.seq_len)
+        groups[key].append(x)
+    out = []
+    for key, xs in groups.items():
+        if len({x.layout["dp"] for x in xs}) < 3:
+            continue
+        ms = [x.estimate.num_microbatches for x in xs]
+
+        def overhead(ts):
+            mm, mt = statistics.mean(ms), statistics.mean(ts)
+            c = sum((a - mm) * (b - mt) for a, b in zip(ms, ts)) / sum((a - mm) ** 2 for a in ms)
+            return (mt - c * mm) / c
+        k_meas = overhead([measured_step_s(x) for x in xs])
+        k_pred = overhead([x.estimate.step_time_s for x in xs])
+        out.append((key, sorted(ms, reverse=True), k_meas, k_pred, (key[3] - 1) / key[4]))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
@@ -120,6 +160,7 @@ def main(argv=None) -> int:
         desc = f"tp{lay['tp']} pp{lay['pp']} vp{lay['vp']} cp{lay['cp']} dp{lay['dp']} z{lay['zero']} " \
                f"mbs{lay['mbs']} rc={lay.get('recompute')}" + (f" ep{lay['ep']}" if lay.get('ep', 1) > 1 else "") + \
                "".join(f" {lay[k]}" for k in ("moe_dispatcher", "fsdp_impl") if k in lay) + \
+               (f" {lay['attn_kernel']}-attn" if "attn_kernel" in lay else "") + \
                (f" grads-{lay['grad_dtype']}" if "grad_dtype" in lay else "")
         p(f"{x.row.id[:44]:44s} {sp:5s} {x.metric:22s} {x.measured:9.2f} {x.predicted:9.2f} "
           f"{x.error * 100:+7.1f}  {desc}{'' if x.fits else '  [DOES NOT FIT: %.1f GB]' % x.estimate.peak_memory_gb}")
@@ -148,6 +189,14 @@ def main(argv=None) -> int:
     p(f"held-out rows of unmodelled stacks worse than 25%: {len(over_all)} of "
       f"{sum(1 for x in all_test if x.row.family in NOT_FITTED)}"
       + (": " + ", ".join(f"{x.row.id} ({x.error * 100:+.0f}%)" for x in over_all) if over_all else ""))
+    series = pipeline_series(results)
+    if series:
+        p("")
+        p("pipeline scaling series (same model and layout, dp varied; fit step = c*(m + k)):")
+        for key, ms, k_meas, k_pred, k_sched in series:
+            p(f"  {key[0]:14s} {key[1][:28]:28s} tp{key[2]} pp{key[3]} vp{key[4]} mbs{key[5]} m={ms}: "
+              f"overhead k measured {k_meas:6.1f}, predicted {k_pred:6.1f} micro-batch slots "
+              f"(schedule alone: (pp-1)/vp = {k_sched:.1f})")
     p("")
     p(f"published layouts predicted NOT to fit in memory: {len(not_fit)}")
     for x in not_fit:

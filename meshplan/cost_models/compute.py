@@ -43,11 +43,17 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     return count * (max(t_compute, t_memory) + fixed + extra)
 
 
-def attention_time(flops_fwd: float, cluster, *, backward: bool) -> float:
-    """Flash attention (BF16) on `flops_fwd` forward FLOPs; backward does ATTN_BWD_FLOP_RATIO x."""
+def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "flash") -> float:
+    """Flash attention (BF16) on `flops_fwd` forward FLOPs; backward does ATTN_BWD_FLOP_RATIO x.
+    `kernel` is the implementation (constants.ATTN_KERNEL_SLOWDOWN): "flash" for FlashAttention-2 class
+    CUDA kernels, "triton" for the Triton port of FlashAttention."""
     if flops_fwd <= 0:
         return 0.0
-    rate = matmul_rate(cluster, fp8=False)
+    try:
+        slow = K.ATTN_KERNEL_SLOWDOWN[kernel]
+    except KeyError:
+        raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_SLOWDOWN)}") from None
+    rate = matmul_rate(cluster, fp8=False) / slow
     if backward:
         return flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
     return flops_fwd / (rate * K.ATTN_FWD_EFF)

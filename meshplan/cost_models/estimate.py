@@ -220,7 +220,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
 
     # A layer's cost depends only on its block and the layout fields the layer sees, so it is
     # shared across every candidate of a search that differs in pp / vp / dp / zero / schedule.
-    ctx_key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
+    ctx_key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention, L.attn_kernel,
                L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused)
 
     local: dict[tuple, Any] = {}

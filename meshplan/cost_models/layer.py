@@ -251,8 +251,8 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     g_fwd, g_wgrad = _gemms(b, c)
     attn_flops = attention_fwd_flops_per_token(b, c.seq_len) * c.tokens / L.tp
     if L.flash_attention:
-        a_fwd = attention_time(attn_flops, c.cluster, backward=False)
-        a_bwd = attention_time(attn_flops, c.cluster, backward=True)
+        a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=L.attn_kernel)
+        a_bwd = attention_time(attn_flops, c.cluster, backward=True, kernel=L.attn_kernel)
     else:
         # two batched GEMMs at matmul efficiency (no causal skipping) + memory-bound softmax passes
         full = 2 * attn_flops if b.causal else attn_flops

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from meshplan.errors import ConfigError, LayoutError
 
-__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "divisors"]
+__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
+           "divisors"]
 
 # Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
 # (Qi et al., ICLR'24): 1F1B memory, about a third of its bubble; "zbv" is ZB-V (zero bubble,
@@ -38,6 +39,10 @@ MOE_DISPATCHERS = ("alltoall", "deepep")
 # (same unit, Megatron's bucketed asynchronous collectives); "deepspeed" is DeepSpeed ZeRO-3,
 # which gathers per sub-module under a live-parameter cap.
 FSDP_IMPLS = ("fsdp2", "megatron", "deepspeed")
+# Flash-attention implementation (flash_attention=True only): "flash" is a FlashAttention-2 class CUDA
+# kernel (flash-attn 2, cuDNN / Transformer Engine fused attention, PyTorch SDPA's flash backend);
+# "triton" is the Triton port of FlashAttention (llm-foundry attn_impl: triton). Speeds in constants.
+ATTN_KERNELS = ("flash", "triton")
 
 
 def divisors(n: int) -> list[int]:
@@ -67,6 +72,7 @@ class Layout:
     grad_dtype: str = "fp32"        # gradient buffer and reduction dtype (GRAD_DTYPES)
     moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
     fsdp_impl: str = "fsdp2"        # zero=3 implementation (FSDP_IMPLS)
+    attn_kernel: str = "flash"      # flash-attention implementation (ATTN_KERNELS)
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "mbs"):
@@ -100,7 +106,7 @@ class Layout:
         if self.fsdp_shard and self.zero != 3:
             raise ConfigError(f"fsdp_shard={self.fsdp_shard} (HSDP) needs zero=3, not zero={self.zero}")
         for name, known in (("grad_dtype", GRAD_DTYPES), ("moe_dispatcher", MOE_DISPATCHERS),
-                            ("fsdp_impl", FSDP_IMPLS)):
+                            ("fsdp_impl", FSDP_IMPLS), ("attn_kernel", ATTN_KERNELS)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"layout {name}={getattr(self, name)!r}: use one of {known}")
         if self.fsdp_impl != "fsdp2" and self.zero != 3:
@@ -174,6 +180,8 @@ class Layout:
             parts.append(f"grads-{self.grad_dtype}")
         if self.moe_dispatcher != "alltoall" and self.ep > 1:
             parts.append(self.moe_dispatcher)
+        if self.attn_kernel != "flash" and self.flash_attention:
+            parts.append(f"{self.attn_kernel}-attn")
         parts += [f"z{self.zero}", f"mbs{self.mbs}", f"rc={self.recompute}", self.schedule]
         return " ".join(parts)
 

@@ -5,12 +5,15 @@ or the analytic profile with `traced=False`), the cluster and the published layo
 `estimate`, convert the prediction to the row's own metric and FLOP convention, and compare.
 
 Normalisation rules (data/README.md), applied per SOURCE, never per row:
-- Megatron SC'21 (Narayanan et al.), MT-NLG, BLOOM: "TFLOP/s" is Eq. 3 of SC'21,
-  96*B*s*L*h^2*(1 + s/6h + V/16Lh), which counts the recompute forward (hardware FLOPs).
+- Megatron SC'21 (Narayanan et al.; Table 1 and both halves of Table 2, PTD-P and ZeRO-3), MT-NLG,
+  BLOOM: "TFLOP/s" is Eq. 3 of SC'21, 96*B*s*L*h^2*(1 + s/6h + V/16Lh), which counts the recompute
+  forward (hardware FLOPs). The paper computes its ZeRO-3 baselines with the same formula, so the
+  DeepSpeed ZeRO-3 rows of Table 2 are converted with it too.
 - Megatron-Core README (2024), NeMo 24.07: model FLOPs of Megatron's formula at that time, with
   core attention counted in full (not causal-halved).
 - Megatron-MoE-ModelZoo (2025): Megatron's current formula, causal attention halved.
-- MosaicML llm-foundry MFU: 3*(2*params*s + 4*L*h*s^2) per sequence over the dense BF16 peak.
+- MosaicML llm-foundry MFU: 3*(2*params*s + 4*L*h*s^2) per sequence over the dense BF16 peak, where
+  `params` is the model's NumParams (tied embedding counted once, learned position table included).
 - Korthikanti et al.: measured step time, compared directly.
 Unstated settings get the source's documented default: no SP and no flash attention before 2022
 (SC'21, MT-NLG, BLOOM, Korthikanti "full" rows), micro-batch 1, vocabulary 51200 for Megatron GPT
@@ -19,7 +22,8 @@ rows without one, the distributed optimizer (zero=1) for NeMo / Megatron-Core 20
 performance recipes enable it on H100; an unstated recompute is full for pre-2022 Megatron (the only kind it had), otherwise the cheapest of none / selective / full that
 fits by meshplan's own memory model; an unstated interleaving degree is 1, except SC'21 Table 1, whose micro-batch and interleaving
 come from the paper's launch script (Megatron-LM examples/sc21/run_table_1.sh).
-Stack mechanisms, per source: NeMo 1.x performance recipes reduce gradients in bf16
+Stack mechanisms, per source: MosaicML's MPT benchmarks ran llm-foundry's Triton flash attention;
+NeMo 1.x performance recipes reduce gradients in bf16
 (distributed_fused_adam grad_sync_dtype: bf16); rows whose notes name DeepEP dispatch MoE tokens
 with node deduplication; "FSDP on" in the Megatron-MoE-ModelZoo is Megatron-FSDP; DeepSpeed's 2021
 ZeRO-3 gathers per sub-module, without flash attention and with full recompute (the only kind then).
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV"]
+__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES"]
 
 DEFAULT_CSV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "published_runs.csv"
 
@@ -99,10 +103,16 @@ def load_rows(path: Path | str = DEFAULT_CSV) -> list[Row]:
         return [Row(id=r["id"], source=r["source"], raw=r) for r in csv.DictReader(f)]
 
 
-# Sources never used to fit constants (still estimated and reported): DeepSpeed's 2021 ZeRO-3
-# fetched parameters with its own per-module prefetcher and reached ~1/10 of the interconnect's
-# all-gather bandwidth (its throughput falls as 1/N at fixed batch); meshplan models FSDP2 /
-# Megatron-FSDP collectives, so fitting overlap constants to those rows would distort every other.
+# Sources never used to fit constants (still estimated, converted with their source's convention
+# and reported on their own line): DeepSpeed's 2021 ZeRO-3 (SC'21 Table 2). In every row each GPU
+# runs one micro-batch per step; doubling the GPUs at a fixed global batch halves the compute per GPU
+# but not the step time (175B: 66.7 s at 768 and at 1536 GPUs; 530B: 180 s at 1120, 184 s at 2240;
+# Eq. 3 over the stated TFLOP/s), so the step is the parameter traffic (a gather for the forward,
+# again for the recomputed forward and backward, a reduce-scatter: at least 3 x 2 bytes x params per
+# GPU) at ~16-18 GB/s per GPU, below the 25 GB/s HDR NIC each A100 has, with little overlap.
+# meshplan's ZeRO-3 collectives (NCCL rings over the 8 rails of a node, prefetched) move the same
+# bytes at ~60-70 GB/s, so its predictions are 23-122% high; fitting overlap constants to these rows
+# would distort every other.
 NOT_FITTED = ("deepspeed-zero3",)
 
 
@@ -137,7 +147,15 @@ def model_config(row: Row) -> dict[str, Any] | None:
         name.startswith(("gpt", "nemotron"))
     if gpt_style:
         cfg.update(family="gpt", ffn_hidden=row.num("ffn") or 4 * h, activation="gelu", norm="layernorm",
-                   position="rope" if fam in ("mcore-readme", "mosaic") else "learned", bias=fam != "mosaic")
+                   position="rope" if fam == "mcore-readme" else "learned", bias=True)
+        if fam == "mosaic":
+            # The benchmarked MPTs (llm-foundry v0.3.0, scripts/train/yamls/pretrain/mpt-*.yaml at
+            # b2a43a147, the commit that wrote the H100 tables) set only d_model/n_heads/n_layers/
+            # expansion_ratio/vocab and attn_impl, so MPTConfig's defaults hold: learned_pos_emb=True
+            # (a max_seq_len x d_model table), alibi=False, no_bias=False, and the output layer reuses
+            # the token embedding. Their NumParams column (which the MFU formula uses) counts exactly
+            # that model, e.g. 30B at seq 2048: 48*12*7168^2 + 50368*7168 + 2048*7168 + 626*7168.
+            cfg.update(tie_embeddings=True, seq_len=row.num("seq"))
     else:
         cfg.update(family="llama", ffn_hidden=row.num("ffn"), activation="swiglu", norm="rmsnorm")
     cfg["vocab"] = row.num("vocab")
@@ -206,6 +224,10 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         # contiguous gradient buffer is then bf16 (NeMo-Framework-Launcher conf/training/gpt3/
         # *_fp8_performance.yaml, optim.grad_sync_dtype)
         lay["grad_dtype"] = "bf16"
+    if fam == "mosaic":
+        # the MPT benchmark yamls (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml at b2a43a147,
+        # the commit that wrote the H100 tables) set attn_config.attn_impl: triton
+        lay["attn_kernel"] = "triton"
     if zero == 3:
         if fam == "deepspeed-zero3":
             lay["fsdp_impl"] = "deepspeed"
@@ -237,6 +259,12 @@ _SC21_TABLE1 = {
 }
 
 
+# Sources whose TFLOP/s are SC'21 Eq. 3 (hardware FLOPs with the recompute forward): the SC'21 paper
+# itself, including its DeepSpeed ZeRO-3 baselines (Table 2 reports both schemes with one formula),
+# MT-NLG (126 TFLOP/s = Eq. 3 at 60.1 s/iteration, GBS 1920, V 51200) and BLOOM ("4*2 coefficient").
+EQ3_FAMILIES = ("megatron-sc21", "deepspeed-zero3", "mtnlg", "bloom")
+
+
 def _megatron_eq3(cfg: dict[str, Any], s: int, B: int) -> float:
     L, h, V = cfg["layers"], cfg["hidden"], cfg["vocab"]
     return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
@@ -253,7 +281,7 @@ def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: floa
         return t
     if metric == "tokens_per_sec_per_gpu":
         return est.tokens_per_s_per_gpu
-    if fam in ("megatron-sc21", "mtnlg", "bloom"):
+    if fam in EQ3_FAMILIES:
         return _megatron_eq3(cfg, s, B) / t / n / 1e12
     if fam == "mosaic":
         per_seq = 3 * (2 * prof.total_params * s + 4 * cfg["layers"] * cfg["hidden"] * s * s)
