@@ -5,16 +5,30 @@ Layout of an output directory:
     out/checkpoints/step_000050/        a complete checkpoint (DCP files + meta.json)
     out/checkpoints/step_000100.tmp/    being written: never loaded, removed on the next save
 
-A checkpoint is written into `step_N.tmp`, every rank waits for the others (barrier), then rank
-0 writes `meta.json` and renames the directory to `step_N`: a rename within one file system is
-atomic, so a crash at any point leaves either the previous checkpoints or the new one, never a
-half-written directory under a final name. Only the newest `keep` checkpoints are kept; older ones
-are deleted after the new one is complete.
+A checkpoint is written into `step_N.tmp`. Once every rank has written its part (the ranks
+agree on that with one small collective), rank 0 writes `meta.json` and renames the directory to
+`step_N`: a rename within one file system is atomic, so a crash at any point leaves either the
+previous checkpoints or the new one, never a half-written directory under a final name. Only the
+newest `keep` checkpoints are kept; older ones are deleted after the new one is complete.
+
+Async saving (`Checkpointer(async_save=True)`): `save` copies the state to host memory (DCP's
+stager, so training may change the weights at once) and writes it on a background thread over a
+process group of its own (gloo), so the background collectives never interleave with the
+training loop's. The checkpoint is completed (meta.json, rename, pruning) only by `poll` (once
+every rank's write has finished) or `wait`, both called by every rank from the training loop;
+the next `save` and the end of training wait for a pending one. A crash while a save is pending
+leaves only the `.tmp` directory, which is never loaded.
+
+A failed write (full disk, lost permission, ...) on any rank: every rank learns of it, rank 0
+removes the partial `.tmp`, and every rank raises `CheckpointWriteError`, which says where and
+what to do; complete checkpoints are never touched before a new one is complete.
 
 What is saved: the model's sharded state (keyed by original FQN), the optimizer state keyed by
 parameter FQN (so it reshards like the model), and `extra` (step, data position, RNG state, the
-plan's layout). DCP stores each shard with its global offsets, so a run saved under one plan
-(TP2 x DP2) loads under another (PP2 x DP2, DP4): every rank reads the pieces its new shards need.
+plan's layout). meta.json also records every parameter's global shape, so that loading a
+checkpoint of another model fails with a list of the differences instead of a DCP traceback.
+DCP stores each shard with its global offsets, so a run saved under one plan (TP2 x DP2) loads
+under another (PP2 x DP2, DP4): every rank reads the pieces its new shards need.
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +46,33 @@ import torch.distributed as dist
 
 from meshplan.errors import ConfigError
 
-__all__ = ["save", "load", "latest", "optimizer_state", "CHECKPOINT_DIR"]
+__all__ = ["Checkpointer", "CheckpointWriteError", "save", "load", "latest", "optimizer_state",
+           "CHECKPOINT_DIR"]
 
 CHECKPOINT_DIR = "checkpoints"
 _META = "meta.json"
+_SHOWN_DIFFERENCES = 4                      # parameter differences named in an incompatibility error
+_DETAIL_CHARS = 400                         # of DCP's (long, multi-part) reason for a failed read
+
+
+class CheckpointWriteError(ConfigError):
+    """A checkpoint could not be written (full disk, no permission); the partial one was removed."""
 
 
 def _dir(out: Path) -> Path:
     return Path(out) / CHECKPOINT_DIR
 
 
+def _complete(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp") and (p / _META).exists())
+
+
 def latest(out: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `out` (a `step_N` directory with meta.json), or None."""
-    root = _dir(Path(out))
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp") and (p / _META).exists())
+    done = _complete(_dir(Path(out)))
     return done[-1] if done else None
 
 
@@ -74,52 +100,233 @@ def _zero_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, 
     return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
-def save(out: str | os.PathLike, step: int, pm, optimizer, extra: dict[str, Any], *, keep: int = 2) -> Path:
-    """Write checkpoint `step` (collective: every rank calls). Returns its final directory."""
-    import torch.distributed.checkpoint as dcp
-    root = _dir(Path(out))
-    final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
-    if dist.get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    state = {"model": pm.state_dict(), "optim": optimizer_state(pm, optimizer)}
+def _param_shapes(pm) -> dict[str, list[int]]:
+    """{parameter FQN: global shape} of the parameters this rank holds (a DTensor's shape is global)."""
+    return {pm._canonical(n): list(p.shape) for n, p in pm.named_parameters()}
+
+
+def _all_shapes(pm) -> dict[str, list[int]]:
+    """Every rank's `_param_shapes`, merged (collective): under PP each rank holds only its stage."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, _param_shapes(pm))
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    # DCP reports failures on any rank as CheckpointException, a BaseException (not Exception)
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
+
+
+def _describe(error: BaseException | None, rank: int) -> str | None:
+    """A failed write as text naming the failing rank(s), or None."""
+    if error is None:
+        return None
+    from torch.distributed.checkpoint.api import CheckpointException
+    if isinstance(error, CheckpointException):
+        causes = [(r, exc) for r, (exc, _tb) in sorted(error.failures.items())]
+    else:
+        causes = [(rank, error)]
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {str(exc).strip()}" for r, exc in causes)
+
+
+def _free_space(path: Path) -> str:
     try:
-        dcp.save(state, checkpoint_id=str(tmp))
-    except OSError as e:
-        raise ConfigError(f"could not write checkpoint {tmp}: {e} (disk full?); the previous checkpoint "
-                          f"{latest(out)} is intact") from e
-    dist.barrier()
-    if dist.get_rank() == 0:
-        meta = {"step": step, "world_size": dist.get_world_size(), **extra}
-        (tmp / _META).write_text(json.dumps(meta, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
+        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB free there now"
+    except OSError:
+        return "free space unknown"
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    shapes: dict[str, list[int]]
+    future: Future | None = None
+
+
+class Checkpointer:
+    """Writes checkpoints `out/checkpoints/step_N`, synchronously or in the background.
+
+    Every method is collective: every rank calls it at the same point of the training loop.
+    `last` is the newest complete checkpoint (initially the one found in `out`, if any).
+    """
+
+    def __init__(self, out: str | os.PathLike, *, keep: int = 2, async_save: bool = False):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ConfigError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), got {keep!r}")
+        self.root = _dir(Path(out))
+        self.keep = keep
+        self.async_save = bool(async_save)
+        self.last: Path | None = latest(out)
+        # async saves talk over their own gloo group: DCP needs a CPU backend, and collectives
+        # from the background thread must not interleave with the training loop's on the default group
+        self._group = dist.new_group(backend="gloo") if self.async_save else None
+        self._pending: _Pending | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A background save has started and is not yet complete."""
+        return self._pending is not None
+
+    def save(self, step: int, pm, optimizer, extra: dict[str, Any]) -> Path:
+        """Start writing checkpoint `step`; returns the directory it has once complete.
+
+        Synchronous: returns when the checkpoint is complete. Async: returns once the state is
+        copied to host memory; `poll`/`wait`/`close` complete it. A pending save is waited for first.
+        """
+        import torch.distributed.checkpoint as dcp
+        self.wait()
+        final, tmp = self.root / f"step_{step:06d}", self.root / f"step_{step:06d}.tmp"
+        if dist.get_rank() == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointWriteError(f"cannot create the checkpoint directory {self.root}: {e}; "
+                                           "choose another output directory (--out)") from None
+            for stale in self.root.glob("*.tmp"):          # left by a crash or a failed save
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+        state = {"model": pm.state_dict(), "optim": optimizer_state(pm, optimizer)}
+        job = _Pending(step=step, tmp=tmp, final=final, shapes=_param_shapes(pm),
+                       meta={"step": step, "world_size": dist.get_world_size(), **extra})
+        error = None
+        try:
+            if self.async_save:
+                job.future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+        except _save_errors() as e:
+            error = e
+        if job.future is not None:
+            self._pending = job
+        else:
+            self._finish(job, error)
+        return final
+
+    def poll(self) -> Path | None:
+        """Complete a background save if it has finished on every rank (cheap: one tiny
+        all-reduce while a save is pending, nothing otherwise). Returns the completed directory."""
+        if self._pending is None:
+            return None
+        done = torch.tensor([1 if self._pending.future.done() else 0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self.wait() if done.item() else None
+
+    def wait(self) -> Path | None:
+        """Wait for a pending background save and complete it; returns its directory (None if none)."""
+        if self._pending is None:
+            return None
+        job, self._pending = self._pending, None
+        error = None
+        try:
+            job.future.result()
+        except _save_errors() as e:
+            error = e
+        self._finish(job, error)
+        return job.final
+
+    def close(self) -> Path | None:
+        """`wait`, then release the background group. Returns the newest complete checkpoint."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+        return self.last
+
+    def _finish(self, job: _Pending, error: BaseException | None) -> None:
+        """Every rank reports how its write went; if all succeeded rank 0 publishes the checkpoint
+        (meta.json, atomic rename, pruning), otherwise removes the partial one; all raise alike."""
+        rank = dist.get_rank()
+        reports: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (_describe(error, rank), job.shapes))
+        failure = next((r for r, _ in reports if r is not None), None)
+        if rank == 0:
+            if failure is None:
+                try:
+                    meta = {**job.meta, "params": {k: v for _, shapes in reports for k, v in shapes.items()}}
+                    _publish(job.tmp, job.final, meta)
+                except OSError as e:
+                    failure = f"rank 0: {type(e).__name__}: {e}"
+            if failure is not None:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+            else:
+                for old in _complete(self.root)[:-self.keep] if self.keep else []:
+                    shutil.rmtree(old, ignore_errors=True)
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)      # also orders the rename before anyone goes on
+        failure = box[0]
+        if failure is None:
+            self.last = job.final
+            return
+        previous = (f"the last good checkpoint {self.last} is intact (re-running with the same output "
+                    "directory resumes from it)" if self.last else "there is no earlier checkpoint")
+        # a full disk shows up as OSError (ENOSPC) or, inside torch.save's zip writer, as a
+        # RuntimeError about a short write: the advice covers both, the free space tells which
+        raise CheckpointWriteError(
+            f"could not write checkpoint step {job.step} to {self.root} ({failure}; "
+            f"{_free_space(self.root)}). The partial checkpoint {job.tmp.name} was removed; {previous}. "
+            f"If the disk is full: free space on it, write to another directory (--out), or keep fewer "
+            f"checkpoints (--keep, now {self.keep})")
+
+
+def _publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    (tmp / _META).write_text(json.dumps(meta, indent=1, default=str))
+    if final.exists():                              # the same step written again (e.g. --no-resume)
+        old = final.with_name(final.name + ".old.tmp")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
         os.replace(tmp, final)                      # atomic: complete or absent
-        done = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+
+
+def save(out: str | os.PathLike, step: int, pm, optimizer, extra: dict[str, Any], *, keep: int = 2) -> Path:
+    """Write checkpoint `step` synchronously (collective: every rank calls). Returns its directory."""
+    return Checkpointer(out, keep=keep).save(step, pm, optimizer, extra)
 
 
 def load(path: str | os.PathLike, pm, optimizer) -> dict[str, Any]:
-    """Load a checkpoint into `pm` and `optimizer` (resharding as needed); returns its meta."""
+    """Load a checkpoint into `pm` and `optimizer` (collective; reshards as needed); returns its meta."""
     import torch.distributed.checkpoint as dcp
     path = Path(path)
     meta_file = path / _META
+    fix = (f"move {path} aside (the newest complete checkpoint before it is then used), or start "
+           "afresh (--no-resume, or another --out)")
     if not meta_file.exists():
         raise ConfigError(f"{path} is not a complete meshplan checkpoint (no {_META}); it may have been "
                           f"interrupted while saving — use an earlier step_* directory")
     try:
         meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{meta_file} is corrupt ({e}); use an earlier checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{meta_file} is corrupt ({e}); {fix}") from None
+    if not isinstance(meta, dict) or isinstance(meta.get("step"), bool) or not isinstance(meta.get("step"), int):
+        raise ConfigError(f"{meta_file} is corrupt (no whole-number 'step'); {fix}")
+    if isinstance(meta.get("params"), dict):
+        _check_same_model(path, meta["params"], _all_shapes(pm))
     state = {"model": pm.state_dict(), "optim": optimizer_state(pm, optimizer, init=True)}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - DCP raises several types for missing/mismatched entries
-        raise ConfigError(f"checkpoint {path} does not match this model or optimizer: {e}") from e
+    except _save_errors() as e:
+        detail = _describe(e, dist.get_rank()).splitlines()[-1]
+        detail = detail if len(detail) <= _DETAIL_CHARS else detail[:_DETAIL_CHARS] + " ..."
+        raise ConfigError(f"could not read checkpoint {path} ({detail}): its files are damaged (truncated "
+                          f"or overwritten) or do not belong to this model; {fix}") from None
     pm.load_state_dict(state["model"])
     return meta
+
+
+def _check_same_model(path: Path, saved: dict[str, list[int]], here: dict[str, list[int]]) -> None:
+    diffs = [f"{k}: {saved[k]} in the checkpoint, {here[k]} here" for k in sorted(saved.keys() & here.keys())
+             if list(saved[k]) != list(here[k])]
+    diffs += [f"{k}: not in the checkpoint" for k in sorted(here.keys() - saved.keys())]
+    diffs += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - here.keys())]
+    if diffs:
+        more = f" (and {len(diffs) - _SHOWN_DIFFERENCES} more)" if len(diffs) > _SHOWN_DIFFERENCES else ""
+        raise ConfigError(f"checkpoint {path} was saved from a different model: {len(diffs)} parameter(s) "
+                          f"differ, e.g. {'; '.join(diffs[:_SHOWN_DIFFERENCES])}{more}. Resume with the model "
+                          "it was written for, or start afresh (--no-resume, or another --out)")

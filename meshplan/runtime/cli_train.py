@@ -15,9 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-from meshplan.errors import ConfigError
+from meshplan.errors import ConfigError, MeshplanError
 
 DEFAULT_MODEL = "tiny-llama"
+# Start-up (rendezvous, rank 0 tokenising the data while the others wait, model set-up) may take
+# longer than a step's collectives; --timeout bounds the collectives of the training loop.
+SETUP_TIMEOUT_S = 300.0
+_FAILURE = "failure-rank"                   # out/failure-rank<N>.txt: why a worker stopped the job
 
 
 def register(sub) -> None:
@@ -41,11 +45,19 @@ def register(sub) -> None:
     t.add_argument("--cluster", default="local-cpu", help="cluster preset or JSON to plan for")
     t.add_argument("--out", default="meshplan-run", help="output directory: plan, metrics.jsonl, checkpoints")
     t.add_argument("--checkpoint-every", type=int, default=50)
+    t.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (0: all)")
+    t.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background while training goes on")
     t.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
     t.add_argument("--max-restarts", type=int, default=0, help="restart the job this many times after a failure")
-    t.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the job fails")
+    t.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait while training before the job fails, naming the rank "
+                        "that stopped responding")
     t.add_argument("--worker", metavar="ARGS_JSON", default=None, help=argparse.SUPPRESS)
+    # testing aids: one rank crashes (--fail-at-step) or stops responding (--hang-at-step)
     t.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    t.add_argument("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    t.add_argument("--hang-rank", type=int, default=1, help=argparse.SUPPRESS)
     t.set_defaults(fn=cmd_train)
 
 
@@ -104,9 +116,16 @@ def cmd_train(args) -> int:
     args_path = out / "train-args.json"
     args_path.write_text(json.dumps(settings, indent=1))
     worker = ["meshplan.cli", "train", "--worker", str(args_path)]
+    for stale in out.glob(f"{_FAILURE}*"):
+        stale.unlink()
     print(f"launching {plan.world_size} processes (torchrun); metrics -> {out / 'metrics.jsonl'}",
           file=sys.stderr, flush=True)
-    return launch_local(plan.world_size, worker, module=True, max_restarts=args.max_restarts)
+    code = launch_local(plan.world_size, worker, module=True, max_restarts=args.max_restarts)
+    if code != 0:
+        # repeat the workers' diagnosis after torchrun's report, where the user looks first
+        for reason in dict.fromkeys(f.read_text() for f in sorted(out.glob(f"{_FAILURE}*"))):
+            print(f"meshplan: error: {reason}", file=sys.stderr, flush=True)
+    return code
 
 
 def _worker(args) -> int:
@@ -117,12 +136,12 @@ def _worker(args) -> int:
 
     from meshplan.planner.plan import Plan
     from meshplan.runtime.parallel import parallelize
-    from meshplan.runtime.train import TrainConfig, train
+    from meshplan.runtime.train import RankHangError, TrainConfig, train
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = datetime.timedelta(seconds=args.timeout)
+    timeout = datetime.timedelta(seconds=max(args.timeout, SETUP_TIMEOUT_S))
     # A private key space per restart attempt: after a restart, gloo must not find the previous
     # attempt's addresses in torchrun's store (seen as "connectFullMesh ... Connection refused").
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -136,8 +155,22 @@ def _worker(args) -> int:
         pm = parallelize(model, plan, compute_dtype=None if args.precision == "fp32" else "plan")
         cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
                           data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-                          resume=not args.no_resume, fail_at_step=args.fail_at_step)
-        res = train(model, plan, cfg, pm=pm)
+                          keep_checkpoints=getattr(args, "keep", 2),
+                          async_checkpoint=getattr(args, "async_checkpoint", False),
+                          resume=not args.no_resume, collective_timeout_s=args.timeout,
+                          fail_at_step=args.fail_at_step, hang_at_step=getattr(args, "hang_at_step", None),
+                          hang_rank=getattr(args, "hang_rank", 1))
+        try:
+            res = train(model, plan, cfg, pm=pm)
+        except (RankHangError, MeshplanError) as e:
+            # a clean reason (a hung rank, a full disk, a damaged checkpoint, ...); the non-zero
+            # exit makes torchrun stop the remaining ranks; cmd_train repeats it after torchrun's report
+            print(f"meshplan: error: {e}", file=sys.stderr, flush=True)
+            try:
+                (Path(args.out) / f"{_FAILURE}{dist.get_rank()}.txt").write_text(str(e))
+            except OSError:
+                pass                        # e.g. the full disk itself: the line above is still there
+            return 1 if isinstance(e, RankHangError) else 2
         if dist.get_rank() == 0 and res.losses:
             first, last = res.losses[min(res.losses)], res.losses[max(res.losses)]
             print(f"\ntrained steps {res.start_step + 1}..{res.final_step}: loss {first:.3f} -> {last:.3f}; "

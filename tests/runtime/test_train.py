@@ -14,6 +14,7 @@ import functools
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -38,15 +39,44 @@ def _train(world, plan, out, **kw):
     return run_ranks(world, train_workers.train_run, case, timeout_s=180)
 
 
-def test_exact_resume_same_plan(tmp_path):
-    plan = _plan(2, (("dp", 2), ("zero", 3)))
-    full = _train(2, plan, tmp_path / "a", params=True)[0]
+DP2 = (("dp", 2), ("zero", 3))
+
+
+@pytest.fixture(scope="module")
+def full_dp2(tmp_path_factory):
+    """An uninterrupted 6-step run under DP2 (ZeRO-3), checkpoint only at the end."""
+    return _train(2, _plan(2, DP2), tmp_path_factory.mktemp("full"), params=True)[0]
+
+
+def test_exact_resume_same_plan(tmp_path, full_dp2):
+    plan, full = _plan(2, DP2), full_dp2
     first = _train(2, plan, tmp_path / "b", stop_at=3)[0]
     assert sorted(first["losses"]) == [1, 2, 3] and first["checkpoint"].endswith("step_000003")
     second = _train(2, plan, tmp_path / "b", params=True)[0]
     assert second["start"] == 3 and sorted(second["losses"]) == [4, 5, 6]
     for step in range(1, STEPS + 1):
         got = (first if step <= 3 else second)["losses"][step]
+        torch.testing.assert_close(got, full["losses"][step], rtol=1e-6, atol=1e-6)
+    for n, t in full["params"].items():
+        torch.testing.assert_close(second["params"][n], t, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_async_checkpoints_resume_exactly(tmp_path, full_dp2):
+    """Background checkpoints every step (each overlaps the next step; keep 2): stopping at 3 and
+    resuming gives the uninterrupted run's losses and weights, and train() returns only after
+    the last checkpoint is complete."""
+    plan, full = _plan(2, DP2), full_dp2
+    first = _train(2, plan, tmp_path, stop_at=3, every=1, keep=2, **{"async": True})
+    for r in first:
+        assert r["complete"] == ["step_000002", "step_000003"] and r["other"] == [], r
+    assert first[0]["checkpoint"].endswith("step_000003")
+    second = _train(2, plan, tmp_path, every=1, keep=2, params=True, **{"async": True})[0]
+    assert second["start"] == 3 and second["checkpoint"].endswith("step_000006")
+    assert second["complete"] == ["step_000005", "step_000006"] and second["other"] == []
+    meta = json.loads((tmp_path / "checkpoints" / "step_000006" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["config"]["async_checkpoint"] is True
+    for step in range(1, STEPS + 1):
+        got = (first[0] if step <= 3 else second)["losses"][step]
         torch.testing.assert_close(got, full["losses"][step], rtol=1e-6, atol=1e-6)
     for n, t in full["params"].items():
         torch.testing.assert_close(second["params"][n], t, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
@@ -63,9 +93,9 @@ def test_resume_under_another_plan(tmp_path):
         torch.testing.assert_close(resumed["losses"][step], full["losses"][step], rtol=1e-4, atol=1e-5)
 
 
-def _cli(*args, cwd):
+def _cli(*args, cwd, timeout=600):
     return subprocess.run([sys.executable, "-m", "meshplan.cli", "train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _final_params(ckpt_dir):
@@ -91,6 +121,24 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
         torch.testing.assert_close(b[n], a[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
     log = [json.loads(line) for line in (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()]
     assert {r["step"] for r in log} == set(range(1, 7))
+
+
+def test_hung_rank_is_named_and_ends_the_job(tmp_path):
+    """Rank 1 stops responding in step 3; with --timeout 2 rank 0's collective times out, it
+    names rank 1 and exits non-zero, and torchrun stops the job. Bound: start-up (~10-20 s on
+    2 busy cores) + 2 s timeout + at most 2 s waiting for other ranks to time out + teardown."""
+    t0 = time.monotonic()
+    r = _cli("--nproc", "2", "--steps", "6", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
+             "--fix", "dp=2", "--checkpoint-every", "0", "--timeout", "2", "--hang-at-step", "2",
+             "--out", str(tmp_path / "o"), cwd=tmp_path, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0, r.stdout[-2000:]
+    reason = ("meshplan: error: rank 1 stopped responding (rank 1 in step 3; no collective completed within 2 s, "
+              "set by --timeout). Rank(s) 0 (step 3) timed out waiting for it")
+    assert reason in r.stderr.strip().splitlines()[-1], r.stderr[-4000:]     # repeated after torchrun's report
+    assert elapsed < 120, elapsed
+    log = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in log] == [1, 2]
 
 
 def test_plan_for_another_world_size_is_refused(tmp_path):

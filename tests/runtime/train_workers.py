@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -13,7 +15,11 @@ def train_run(rank: int, world: int, case: dict) -> dict:
     model = numerics.build_model("tiny-llama", seq_len=case["seq_len"])
     pm = parallelize(model, case["plan"], compute_dtype=None)
     cfg = TrainConfig(steps=case["steps"], lr=3e-3, warmup=2, out_dir=case["out"], checkpoint_every=case.get("every", 0),
+                      keep_checkpoints=case.get("keep", 2), async_checkpoint=case.get("async", False),
                       stop_at=case.get("stop_at"), progress=False)
     res = train(model, case["plan"], cfg, pm=pm)
-    return {"losses": res.losses, "start": res.start_step, "checkpoint": res.checkpoint,
+    ckpts = Path(case["out"]) / "checkpoints"         # as train() left it, before this process exits
+    done = sorted(p.name for p in ckpts.iterdir() if (p / "meta.json").exists())
+    return {"losses": res.losses, "start": res.start_step, "checkpoint": res.checkpoint, "complete": done,
+            "other": sorted(p.name for p in ckpts.iterdir() if p.name not in done),
             "params": pm.full_state_dict() if case.get("params") else None}
