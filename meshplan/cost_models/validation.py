@@ -342,11 +342,17 @@ def run_row(row: Row, *, traced: bool = True, profiles: dict | None = None) -> R
 
 def model_profile(cfg: dict[str, Any], *, traced: bool = True):
     """Profile of the row's architecture: meshplan's model built on the meta device and traced
-    (the real path), or the analytic builder (fast, for what-if sweeps)."""
+    (the real path), or the analytic builder (fast, for what-if sweeps).
+
+    The published runs used their framework's fused kernels (Megatron/TE norm, SwiGLU, rotary;
+    an unfused loss), not meshplan's runtime swaps, so the traced profile's `fusions` are
+    cleared: the cost model then assumes that framework baseline, as for analytic profiles."""
     if traced:
+        import dataclasses
+
         from meshplan import models
         from meshplan.api import profile
         kw = {k: v for k, v in cfg.items() if k != "family"}
-        return profile(models.build(cfg["family"], device="meta", **kw))
+        return dataclasses.replace(profile(models.build(cfg["family"], device="meta", **kw)), fusions=())
     from meshplan.planner.analytic import profile_from_config
     return profile_from_config(cfg)
