@@ -218,8 +218,6 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
                                            options=options))
                 applied["rms_norm"] = True
         for mod in sorted({m for m in groups if m.startswith(inst + ".")}, key=len):
-            if any(f.kernel == "swiglu" and mod.startswith(_abs(f, inst) + ".") for f in modules):
-                continue
             names = _match_swiglu(mod, [o for o in b.ops if _inside(o, mod)])
             if names:
                 modules.append(FusedModule(kernel="swiglu", key=f"{b.signature}:{mod[len(inst) + 1:]}",
@@ -241,6 +239,3 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
             modules.append(FusedModule(kernel="linear_cross_entropy", key=profile.head_fqn))
     return FusionPlan(modules=tuple(modules), applied=tuple(sorted(applied.items())))
 
-
-def _abs(f: FusedModule, inst: str) -> str:
-    return f"{inst}.{f.key.split(':', 1)[1]}" if ":" in f.key else f.key

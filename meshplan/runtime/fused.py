@@ -88,14 +88,11 @@ def _on_local(fn, *tensors):
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     from meshplan.kernels import rms_norm
     eps, w = self._meshplan_eps, getattr(self, self._meshplan_weight)
-    if _is_dtensor(w) and _is_dtensor(x):
-        from torch.distributed.tensor import Partial
-        sharded = any(p.is_shard() for p in x.placements)
-        # rows on other ranks contribute to this weight's gradient: declare it partial
-        w = w.to_local(grad_placements=[Partial()] * len(w.placements)) if sharded else w.to_local()
-        return _on_local(lambda xl: rms_norm(xl, w, eps), x)
     if _is_dtensor(w):
-        w = w.to_local()
+        from torch.distributed.tensor import Partial
+        # rows on other ranks contribute to this weight's gradient: declare it partial
+        sharded = _is_dtensor(x) and any(p.is_shard() for p in x.placements)
+        w = w.to_local(grad_placements=[Partial()] * len(w.placements)) if sharded else w.to_local()
     return _on_local(lambda xl: rms_norm(xl, w, eps), x)
 
 
@@ -133,19 +130,13 @@ def _swap(fqn: str, module: nn.Module, new_forward, width: int, kernel: str) -> 
         eager = module(x)
         module.forward = types.MethodType(new_forward, module)
         try:
-            fused = module(x)
-        except Exception:
-            del module.forward
+            if not isinstance(eager, torch.Tensor):
+                raise ConfigError(f"the plan swaps {fqn} for the fused {kernel} kernel, but its forward "
+                                  f"returns {type(eager).__name__}, not a tensor; re-run meshplan plan")
+            _check_same(fqn, kernel, eager, module(x))
+        except BaseException:
+            del module.forward          # leave the user's module as it was
             raise
-    if not isinstance(eager, torch.Tensor):
-        del module.forward
-        raise ConfigError(f"the plan swaps {fqn} for the fused {kernel} kernel, but its forward returns "
-                          f"{type(eager).__name__}, not a tensor; re-run meshplan plan")
-    try:
-        _check_same(fqn, kernel, eager, fused)
-    except ConfigError:
-        del module.forward          # leave the user's module as it was
-        raise
 
 
 def _modules(stage: nn.Module, f: FusedModule, signatures: dict[str, str]) -> list[tuple[str, nn.Module]]:
