@@ -100,7 +100,8 @@ def _load(args, device: str):
 
 def cmd_train(args) -> int:
     if args.worker:
-        return _worker(argparse.Namespace(**json.loads(Path(args.worker).read_text())))
+        from meshplan.runtime.spawn import exit_worker
+        exit_worker(_worker(argparse.Namespace(**json.loads(Path(args.worker).read_text()))))
     from meshplan.runtime.launch import launch_local
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-__all__ = ["run_ranks", "free_port", "RankFailed"]
+__all__ = ["run_ranks", "free_port", "RankFailed", "exit_worker"]
 
 
 class RankFailed(RuntimeError):
@@ -30,12 +30,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_worker(code: int) -> None:
+    """End a distributed worker process now, skipping interpreter finalisation.
+
+    Process groups outlive `destroy_process_group` when other objects still hold them (the
+    DeviceMesh cache, FSDP state); gloo's C++ threads are then torn down during interpreter
+    finalisation, which sometimes aborts the process ("terminate called without an active
+    exception", SIGABRT) after its work is done and its result written - a launcher would read
+    that as a failed rank and restart or fail the job. The worker's results are on disk and its
+    groups destroyed when this is called, so nothing is lost by not finalising.
+    """
+    import sys
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+            pass
+    os._exit(code)
+
+
 def _entry(rank: int, world: int, port: int, outdir: str, timeout_s: float, backend: str, fn, args) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     out = Path(outdir)
+    code = 0
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -43,10 +63,11 @@ def _entry(rank: int, world: int, port: int, outdir: str, timeout_s: float, back
         (out / f"{rank}.pkl").write_bytes(pickle.dumps(("ok", result)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
         (out / f"{rank}.pkl").write_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
-        raise SystemExit(1)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_worker(code)
 
 
 def run_ranks(world: int, fn, *args, timeout_s: float = 120.0, backend: str = "gloo") -> list:
