@@ -47,9 +47,11 @@ def _check(model: nn.Module, plan, world_size: int) -> None:
                           f"but this model's structure has fingerprint {fp}: the model changed since "
                           "planning (layers, shapes or dtypes); re-plan for this model")
     lay = plan.layout_obj
-    if lay.cp > 1 or lay.ep > 1:
-        raise LayoutError(f"the runtime does not run context or expert parallelism yet (plan has cp={lay.cp}, "
-                          f"ep={lay.ep}); re-plan with fixed={{'cp': 1, 'ep': 1}}")
+    if lay.ep > 1 and (lay.etp > 1 or lay.tp > 1 or lay.cp > 1 or _hsdp(plan)):
+        raise LayoutError(f"the runtime runs expert parallelism (ep={lay.ep}) with experts folded over the "
+                          f"data-parallel ranks only: it needs tp=1, cp=1, etp=1 and no HSDP (plan has tp={lay.tp}, "
+                          f"cp={lay.cp}, etp={lay.etp}, fsdp_shard={lay.fsdp_shard}); re-plan with "
+                          "fixed={'tp': 1, 'cp': 1, 'etp': 1} or with ep=1")
 
 
 def _tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
@@ -113,20 +115,57 @@ def _tied_local_shapes(stages: list[nn.Module], tied, mesh) -> list:
     return out
 
 
-def _build_mesh(plan, device_type: str):
+def _hsdp(plan) -> bool:
+    lay = plan.layout_obj
+    return bool(lay.zero == 3 and lay.fsdp_shard and lay.fsdp_shard < plan.mesh.get("dp", 1))
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The plan's DeviceMesh and the sub-meshes each step of `parallelize` works on.
+
+    Rank order is Megatron's tp-cp-ep-dp-pp (fastest first). With expert parallelism the
+    data-parallel ranks are split as (edp, ep), ep fastest, so an EP group is `ep` consecutive
+    data-parallel ranks and expert weights are data-parallel (FSDP) over `edp`.
+    """
+
+    root: object                # named axes: pp, dp | dp_replicate+dp_shard | edp+ep, cp, tp
+    dp: object                  # data-parallel ranks, 1-D (None with HSDP: two axes)
+    fsdp: object                # where FSDP shards dense weights: dp (x cp), 2-D (replicate, shard) for HSDP
+    ep: object = None           # the expert-parallel group (ep > 1)
+    expert_fsdp: object = None  # where FSDP shards expert weights under EP: edp
+
+
+def _flatten(mesh, dims: tuple[str, ...], name: str):
+    # the flattened mesh is book-kept here (slicing flattened names from the root is deprecated)
+    return mesh[dims]._flatten(name)
+
+
+def _build_mesh(plan, device_type: str) -> Meshes:
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
     lay = plan.layout_obj
-    dp = plan.mesh.get("dp", 1)
-    hsdp = lay.zero == 3 and lay.fsdp_shard and lay.fsdp_shard < dp
-    if hsdp:
-        shape = (plan.mesh["pp"], dp // lay.fsdp_shard, lay.fsdp_shard, plan.mesh["cp"], plan.mesh["tp"])
-        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    else:
-        shape = tuple(plan.mesh[a] for a in ("pp", "dp", "cp", "tp"))
-        names = ("pp", "dp", "cp", "tp")
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp"]
-    return mesh, dp_mesh
+    dp, cp, tp, pp = (plan.mesh.get(a, 1) for a in ("dp", "cp", "tp", "pp"))
+    if _hsdp(plan):
+        root = init_device_mesh(device_type, (pp, dp // lay.fsdp_shard, lay.fsdp_shard, cp, tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        if cp == 1:
+            return Meshes(root=root, dp=None, fsdp=root["dp_replicate", "dp_shard"])
+        _flatten(root, ("dp_shard", "cp"), "dp_shard_cp")
+        with warnings.catch_warnings():     # HSDP over (replicate, shard x cp) needs the 2-D slice
+            warnings.simplefilter("ignore", UserWarning)
+            return Meshes(root=root, dp=None, fsdp=root["dp_replicate", "dp_shard_cp"])
+    if lay.ep > 1:
+        root = init_device_mesh(device_type, (pp, dp // lay.ep, lay.ep, cp, tp),
+                                mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+        dp_mesh = _flatten(root, ("edp", "ep"), "dp")
+        return Meshes(root=root, dp=dp_mesh, fsdp=dp_mesh, ep=root["ep"], expert_fsdp=root["edp"])
+    root = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    # with CP, each CP rank's gradients are partial sums over its part of the sequence: FSDP
+    # shards and reduces over dp x cp together (Megatron's data-parallel-with-CP group)
+    fsdp = root["dp"] if cp == 1 else _flatten(root, ("dp", "cp"), "dp_cp")
+    return Meshes(root=root, dp=root["dp"], fsdp=fsdp)
 
 
 def _owned_blocks(spec: _pp.StageSpec, signatures: dict[str, str]) -> list[str]:
@@ -138,7 +177,7 @@ class ParallelModel:
     """A model parallelised by a Plan. Built by `parallelize`; see the module docstring."""
 
     plan: object
-    mesh: object
+    mesh: object                            # the root DeviceMesh (named axes; see Meshes)
     stages: list[nn.Module]                 # this rank's stage modules (the model itself when pp == 1)
     specs: list[_pp.StageSpec]
     device: torch.device
@@ -150,11 +189,13 @@ class ParallelModel:
     _step_loss_fn: object = None            # this step's normalised loss (the global token count changes)
     tied: list[tuple[str, ...]] = field(default_factory=list)       # tied parameter names, canonical first
     tied_shapes: list = field(default_factory=list)                 # per tied set: local grad shape if it spans stages
+    meshes: Meshes | None = None
 
     # ---- coordinates -----------------------------------------------------------------
     def _rank(self, axis: str) -> int:
-        names = self.mesh.mesh_dim_names
-        if axis == "dp" and "dp" not in names:
+        if axis == "dp" and self.meshes is not None and self.meshes.dp is not None:
+            return self.meshes.dp.get_local_rank()
+        if axis == "dp" and "dp_replicate" in self.mesh.mesh_dim_names:
             r, s = self.mesh["dp_replicate"].get_local_rank(), self.mesh["dp_shard"].get_local_rank()
             return r * self.mesh["dp_shard"].size() + s
         return self.mesh[axis].get_local_rank()
@@ -391,7 +432,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     specs = _pp.stage_specs(plan.stages)
     _pp.check_stage_coverage(model, plan.stages)
     tied = _tied_parameters(model)
-    mesh, dp_mesh = _build_mesh(plan, device.type)
+    meshes = _build_mesh(plan, device.type)
+    mesh = meshes.root
 
     pp = plan.mesh["pp"]
     mine = _pp.stages_of_rank(mesh["pp"].get_local_rank(), pp, len(specs), plan.schedule)
@@ -412,7 +454,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             fused_modules += swapped.modules
         stages.append(stage)
     units: list[nn.Module] = []
-    use_fsdp = plan.mesh.get("dp", 1) > 1 or compute_dtype is not None
+    use_fsdp = plan.mesh.get("dp", 1) * plan.mesh.get("cp", 1) > 1 or compute_dtype is not None
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, signatures)
         apply_tensor_parallel(stage, plan.placements, signatures, mesh["tp"])      # 2. TP / SP
@@ -422,12 +464,12 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             stage.__dict__["_meshplan_wrap_input"] = _sequence_dtensor(mesh["tp"])
         apply_recompute(stage, blocks, plan.recompute)                              # 3. recompute
         if use_fsdp:                                                                # 4. FSDP / ZeRO
-            units += _fsdp.apply_fsdp(stage, blocks, dp_mesh, zero=lay.zero,
+            units += _fsdp.apply_fsdp(stage, blocks, meshes.fsdp, zero=lay.zero,
                                       reshard_after_forward=lay.reshard_after_forward,
                                       param_dtype=compute_dtype, overlap=overlap)
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
-                       fused_modules=fused_modules,
+                       fused_modules=fused_modules, meshes=meshes,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
     if len(specs) > 1:                                                              # 5. schedule
         from torch.distributed.pipelining import PipelineStage
