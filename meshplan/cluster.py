@@ -131,6 +131,10 @@ class GPUSpec:
     node_gpus: int = 8         # GPUs per server / tray as usually deployed (default gpus_per_node);
                                # scaleup_domain > node_gpus means the fabric spans nodes (NVL72)
     fp32_tflops: float | None = None   # dense FP32 matmul rate where recorded (CPU), else None
+    # Collectives run beside compute (NCCL on SMs / copy engines while kernels run), so the cost
+    # model may hide them behind it. False for CPU processes: gloo reduces on the same cores that
+    # compute, and with every core busy nothing runs concurrently.
+    comm_overlap: bool = True
 
     def __post_init__(self) -> None:
         where = f"GPU {self.id!r}"
@@ -154,6 +158,8 @@ class GPUSpec:
             if (required or value is not None) and not (
                     isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
                 raise ConfigError(f"{where}: {name} must be a fraction in (0, 1], got {value!r}")
+        if not isinstance(self.comm_overlap, bool):
+            raise ConfigError(f"{where}: comm_overlap must be true or false, got {self.comm_overlap!r}")
         if (self.fp8_tflops is None) != (self.fp8_gemm_efficiency is None):
             raise ConfigError(f"{where}: give both fp8_tflops and fp8_gemm_efficiency, or neither "
                               "(None means the GPU has no FP8 units)")
@@ -384,7 +390,7 @@ def cpu_gpu_spec(nproc: int = 4) -> GPUSpec:
         scaleup="loopback", scaleup_gb_s=CPU_HOST_MEM_TB_S * 1000.0 / nproc, scaleup_domain=nproc,
         scaleup_busbw_gb_s=CPU_HOST_LOOPBACK_BUSBW_GB_S / nproc, nvls_busbw_gb_s=None,
         per_peer_gb_s=None, nic_gbit=CPU_NIC_GBIT, nic_busbw_gb_s=CPU_NIC_BUSBW_GB_S / nproc,
-        tdp_w=None, price_usd_per_hour=None, price_source="local machine", node_gpus=nproc,
+        tdp_w=None, price_usd_per_hour=None, price_source="local machine", node_gpus=nproc, comm_overlap=False,
         sources="measured 2026-11-22 on a 2-core AMD EPYC VM (meshplan/cluster.py constants); "
                 "reference/cpu_platform.md",
     )

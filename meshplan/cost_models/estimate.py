@@ -167,11 +167,13 @@ def _zero3_units(layout: Layout, blocks) -> int:
     return len(blocks) + 1
 
 
-def _fsdp_overlap(layout: Layout) -> float:
+def _fsdp_overlap(layout: Layout, cluster) -> float:
     """Overlap efficiency of ZeRO-3's per-micro-batch gathers and reduce-scatters. Megatron-FSDP
     issues them through the same bucketed asynchronous machinery as Megatron's distributed optimizer
     (--overlap-param-gather / --overlap-grad-reduce, double-buffered, zero-copy), so it shares that
     constant; PyTorch FSDP and DeepSpeed ZeRO-3 use the separately fitted FSDP constant."""
+    if not cluster.gpu.comm_overlap:
+        return 0.0
     return K.DP_OVERLAP_EFF if layout.fsdp_impl == "megatron" else K.FSDP_OVERLAP_EFF
 
 
@@ -333,7 +335,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
             collective_time("all_gather", K.PARAM_BYTES * eparams, edp_group, cluster)
         rs = collective_time("reduce_scatter", gb * dparams, dp_group, cluster) + \
             collective_time("reduce_scatter", gb * eparams, edp_group, cluster)
-        eta = K.DP_OVERLAP_EFF
+        eta = K.DP_OVERLAP_EFF if cluster.gpu.comm_overlap else 0.0
         if L.zero == 0:
             dp_full = group(cluster, L.dp * L.cp, L.tp)
             ar = collective_time("all_reduce", gb * dparams, dp_full, cluster) + \
@@ -352,7 +354,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
                           collective_time("all_gather", K.PARAM_BYTES * eparams / units, edp_group, cluster))
             rs = units * (collective_time("reduce_scatter", gb * dparams / units, dp_group, cluster) +
                           collective_time("reduce_scatter", gb * eparams / units, edp_group, cluster))
-            eta = _fsdp_overlap(L)
+            eta = _fsdp_overlap(L, cluster)
             n_ag = 2 if L.reshard_after_forward else 1
             n_layers = max(1, len(rank_layers[r]))
             per_mb = max(0.0, ag - eta * t_f) + max(0.0, (n_ag - 1) * ag + rs - eta * t_b) + 2 * ag / n_layers

@@ -241,6 +241,8 @@ def _cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float) 
     steps = L.cp - 1
     fwd_total = steps * step
     bwd_total = 2 * steps * step                          # KV again + dKV travelling back
+    if not c.cluster.gpu.comm_overlap:                   # the ring's transfers cannot hide behind compute
+        t_attn_fwd = t_attn_bwd = 0.0
     fwd_exp = steps * max(0.0, step - t_attn_fwd / L.cp)
     bwd_exp = steps * max(0.0, 2 * step - t_attn_bwd / L.cp)
     return fwd_total, fwd_exp, bwd_total, bwd_exp
@@ -264,7 +266,7 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + K.LAYER_OVERHEAD_S   # dgrad + wgrad GEMMs
 
     tp_one = _tp_comm(b, c)
-    tp_hidden = K.TP_OVERLAP_HIDDEN if L.tp_comm_overlap else 0.0
+    tp_hidden = K.TP_OVERLAP_HIDDEN if L.tp_comm_overlap and c.cluster.gpu.comm_overlap else 0.0
     ep_one = _ep_comm(b, c)
     cp_f, cp_fx, cp_b, cp_bx = _cp_comm(b, c, a_fwd, a_bwd)
 
