@@ -5,7 +5,8 @@ no parallelism inside. Module names are the contract other tools see:
 
     Transformer
       tok_embeddings  nn.Embedding(vocab, h)
-      pos_embeddings  nn.Embedding(seq_len, h)            (position="learned" only, else None)
+      pos_embeddings  nn.Embedding(seq_len, h)            (position="learned" only, else None;
+                                                          reads the non-persistent `positions` buffer)
       layers          nn.ModuleList of Block
         attention_norm, attention (wq, wk, wv, wo), ffn_norm,
         feed_forward    FeedForward (w1, w2[, w3])  or  MoE (router, experts, shared_experts)
@@ -99,6 +100,13 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        if config.position == "learned":
+            # token positions as a per-position buffer (not torch.arange in forward), so a runtime
+            # that reorders the sequence (context parallelism) reorders these rows with it;
+            # derived from the config like the rotary tables: not saved, recomputed by init_weights
+            self.register_buffer("positions", torch.arange(config.seq_len), persistent=False)
+        else:
+            self.positions = None
 
     def forward(self, input_ids: Tensor) -> Tensor:
         T = input_ids.shape[1]
@@ -108,7 +116,7 @@ class Transformer(nn.Module):
                 f"build the model with seq_len>={T}")
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # (B, T, h)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(T, device=h.device))
+            h = h + self.pos_embeddings(self.positions[:T])
         rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope_cos is not None else None
         for layer in self.layers:
             h = layer(h, rope)
@@ -130,9 +138,9 @@ class Transformer(nn.Module):
 
         Normal(0, 0.02) for embeddings and linears; the projections that write into the residual
         stream (wo, w2) use 0.02 / sqrt(2 * layers), as GPT-2 and Megatron-LM do, so the
-        residual's variance does not grow with depth. Also recomputes the rotary tables, so a
-        model built on the meta device and materialised with `to_empty()` becomes usable (and
-        re-ties the embedding, which `to_empty()` unties).
+        residual's variance does not grow with depth. Also recomputes the rotary tables and the
+        learned-position `positions` buffer, so a model built on the meta device and materialised
+        with `to_empty()` becomes usable (and re-ties the embedding, which `to_empty()` unties).
         """
         self.tie_weights()
         residual_std = INIT_STD / math.sqrt(2 * self.config.layers)
@@ -151,6 +159,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(self.config, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+        if self.positions is not None:
+            self.positions.copy_(torch.arange(self.config.seq_len, device=self.positions.device))
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:

@@ -30,6 +30,9 @@ FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute"
            "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MBS = 8
+# The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
+# latency-bound steps then cost more than the attention they split (judgement, not fitted).
+CP_MIN_TOKENS_PER_RANK = 1024
 MAX_VP = 8
 
 
@@ -112,7 +115,10 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
             stats["pruned_divisibility"] += 1
             continue
         for cp in _opts("cp", f, (c for c in divisors(n // tp) if c <= 32)):
-            if (n // tp) % cp or (cp > 1 and (seq_len % (2 * cp) or seq_len // cp < 1024)):
+            # CP needs 2*cp equal chunks (load-balanced causal split); below 1k tokens per rank the
+            # search does not try it (the ring's per-step latency outweighs the saving), unless asked
+            short = seq_len // cp < CP_MIN_TOKENS_PER_RANK and "cp" not in f
+            if (n // tp) % cp or (cp > 1 and (seq_len % (2 * cp) or short)):
                 stats["pruned_divisibility"] += 1
                 continue
             for pp in _opts("pp", f, (p for p in divisors(n // (tp * cp)) if p <= L)):

@@ -21,6 +21,13 @@ demand), which the tests use to check that results do not depend on it.
 
 Gradients are summed across data-parallel ranks (divide factor 1): the loss is already divided
 by the global token count, so the sum is the global-batch mean gradient.
+
+Expert parallelism: expert modules (parameters already DTensors, Shard(0) over the "ep" axis)
+are units of their own over the expert-data-parallel axis `edp`, sharded before the blocks so
+the block units (over the whole dp mesh) skip their parameters. FSDP2 treats the EP axis as it
+treats TP: parameters become DTensors over (edp, ep), gradients are reduce-scattered over edp
+only (each EP rank's experts already hold the gradient of every token its EP group routed to
+them, brought back by the dispatch all-to-all).
 """
 
 from __future__ import annotations
@@ -32,11 +39,23 @@ __all__ = ["apply_fsdp"]
 
 
 def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, reshard_after_forward: bool,
-               param_dtype: torch.dtype | None, overlap: bool = True) -> list[nn.Module]:
-    """Shard `stage` over `dp_mesh`; returns the FSDP units, blocks first, root last."""
+               param_dtype: torch.dtype | None, overlap: bool = True, experts: list[str] = (),
+               expert_mesh=None) -> list[nn.Module]:
+    """Shard `stage` over `dp_mesh`; returns the FSDP units, expert modules first, then blocks,
+    root last.
+
+    `experts`: FQNs of expert-parallel modules (parameters already DTensors over the EP axis),
+    sharded over `expert_mesh` (the edp axis) as units of their own before the blocks, so that
+    the block units over `dp_mesh` leave their parameters alone.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     reshard = bool(reshard_after_forward) if zero == 3 else False
+    expert_units = []
+    for fqn in experts:
+        module = stage.get_submodule(fqn)
+        fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        expert_units.append(module)
     units = []
     for fqn in blocks:
         block = stage.get_submodule(fqn)
@@ -45,7 +64,7 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     # the root's parameters are used again first thing in backward (head): keep them gathered
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     units.append(stage)
-    for u in units:
+    for u in expert_units + units:
         # SUM, not AVG: gloo has no pre-multiplied sums, and the loss is already normalised
         u.set_gradient_divide_factor(1.0)
         u.set_force_sum_reduction_for_comms(True)
@@ -56,4 +75,6 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
                 u.set_modules_to_forward_prefetch([units[i + 1]])
             if i > 0:
                 u.set_modules_to_backward_prefetch([units[i - 1]])
-    return units
+    # expert units stay out of the explicit prefetch chain: they are nested in the block units,
+    # whose pre-forward comes first, and FSDP2's implicit prefetch handles them
+    return expert_units + units

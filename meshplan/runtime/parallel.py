@@ -2,7 +2,13 @@
 
 One fixed order, each step a no-op at degree 1 (DESIGN.md):
 
-    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> recompute -> FSDP/ZeRO -> schedule
+    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> CP -> EP -> recompute -> FSDP/ZeRO -> schedule
+
+EP (expert_parallel.py): routed experts sharded over the EP group (DTensors, Shard(0) over the
+"ep" axis), tokens moved by autograd-aware all-to-all; FSDP then shards expert weights over
+`edp` and everything else over the whole dp mesh. Gradient norm, full tensors and DCP state
+need nothing special: expert gradients are DTensors over (edp, ep), so their sums and
+`full_tensor()` cover every expert exactly once.
 
 Everything it does is read from the Plan: mesh degrees, stage -> module FQNs, per-module
 placements, recompute policy, ZeRO stage, schedule, micro-batch counts. It decides nothing.
@@ -12,7 +18,9 @@ the GLOBAL batch. Each micro-batch's loss is its summed cross entropy divided by
 count of such labels (known on every rank, since every rank is handed the global batch), and
 gradients are summed over micro-batches and data-parallel ranks, so the accumulated gradient is
 exactly the single-device gradient of the global-batch mean, whatever dp, micro-batch count or
-padding.
+padding. With context parallelism (cp > 1) each CP rank holds a load-balanced share of every
+sequence's tokens and labels (context_parallel.py): its summed loss is a partial sum, every CP
+rank contributes it, and FSDP sums the partial gradients over dp x cp.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.errors import ConfigError, LayoutError
+from meshplan.runtime import context_parallel as _cp
+from meshplan.runtime import expert_parallel as _ep
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.fused import apply_fused_kernels
@@ -244,7 +254,16 @@ class ParallelModel:
             raise ConfigError(f"sequences of {input_ids.shape[1]} tokens are longer than the plan's "
                               f"seq_len={self.plan.seq_len}; re-plan for longer sequences")
         r, n = self._rank("dp"), B // self.dp
-        return (input_ids[r * n:(r + 1) * n].to(self.device), labels[r * n:(r + 1) * n].to(self.device))
+        x, y = input_ids[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]
+        cp = self.plan.mesh.get("cp", 1)
+        if cp > 1:
+            # the position tables were reordered for sequences of exactly seq_len tokens
+            if input_ids.shape[1] != self.plan.seq_len:
+                raise ConfigError(f"with context parallelism (cp={cp}) every batch must hold sequences of "
+                                  f"exactly the plan's seq_len={self.plan.seq_len} tokens, got "
+                                  f"{input_ids.shape[1]}; pad them (labels -100 are skipped by the loss)")
+            x, y = (_cp.shard_sequence(t, cp, self._rank("cp"), dim=1) for t in (x, y))
+        return x.to(self.device), y.to(self.device)
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """Forward and backward over the global batch (same tensors on every rank); gradients are
@@ -261,8 +280,9 @@ class ParallelModel:
         else:
             local = self._pipeline_step(x, y, loss_fn)
         self._finalise_grads()
-        # only one rank per (dp, last stage) contributes, so the world sum is the global sum
-        contributes = self.holds_last_stage and self._rank("tp") == 0 and self._rank("cp") == 0
+        # one rank per (dp, cp, last stage) contributes, so the world sum is the global sum (CP
+        # ranks hold disjoint tokens: each loss is a partial sum)
+        contributes = self.holds_last_stage and self._rank("tp") == 0
         t = torch.tensor([local if contributes else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t.item())
@@ -323,17 +343,9 @@ class ParallelModel:
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """Global gradient norm over every shard on every rank; scales gradients to `max_norm`
         (None: measure only). Collective: every rank calls it."""
-        from torch.distributed.tensor import DTensor
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for n, p in self.named_parameters():
-            if p.grad is None or self._canonical(n) != n:
-                continue                      # a tied copy counts once, where its canonical name lives
-            g = p.grad
-            if isinstance(g, DTensor):
-                # the DTensor sum reduces over the parameter's own mesh (dp shards, tp shards)
-                sq += (g.float() ** 2).sum().full_tensor().double()
-            else:
-                sq += (g.float() ** 2).sum().double()
+        grads = [p.grad for n, p in self.named_parameters()
+                 if p.grad is not None and self._canonical(n) == n]   # a tied copy counts once
+        sq = squared_norm(grads, self.device)
         if self.plan.mesh.get("pp", 1) > 1:
             dist.all_reduce(sq, group=self.mesh["pp"].get_group())
         norm = float(sq.sqrt())
@@ -398,6 +410,35 @@ class ParallelModel:
             set_model_state_dict(st, {k: state[k] for k in keys}, options=StateDictOptions(strict=True))
 
 
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of `grads` over every shard of this pipeline rank (float64 scalar, the same
+    on every rank that calls it). Collective over each mesh the DTensor gradients live on.
+
+    Squares are summed locally per (mesh, sharded dimensions) group and reduced once per group and
+    dimension, instead of one collective per parameter (`full_tensor()` on each sum): on gloo a
+    collective costs ~1-2 ms, which made clipping ~90 ms a step for a 40-parameter model.
+    Replicated dimensions hold the same values everywhere and are not summed over.
+    """
+    from torch.distributed.tensor import DTensor
+    plain = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple, list] = {}      # (mesh id, sharded dims) -> [mesh, dims, local sum]
+    for g in grads:
+        if not isinstance(g, DTensor):
+            plain += g.float().pow(2).sum().double()
+        elif any(pl.is_partial() for pl in g.placements):
+            # pending sums (not expected after _finalise_grads): let DTensor reduce them
+            plain += g.float().pow(2).sum().full_tensor().double()
+        else:
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            entry = groups.setdefault((id(g.device_mesh), dims), [g.device_mesh, dims, plain.new_zeros(())])
+            entry[2] += g.to_local().float().pow(2).sum().double()
+    for mesh, dims, local in groups.values():
+        for d in dims:
+            dist.all_reduce(local, group=mesh.get_group(d))
+        plain += local
+    return plain
+
+
 def _state_keys(module: nn.Module) -> list[str]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     return list(get_model_state_dict(module).keys())
@@ -431,7 +472,11 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     signatures = block_signatures(model)
     specs = _pp.stage_specs(plan.stages)
     _pp.check_stage_coverage(model, plan.stages)
+    _pp.check_stage_entries(model, specs)
     tied = _tied_parameters(model)
+    expert_params = _ep.expert_labelled_params(plan.placements, signatures) if lay.ep > 1 else set()
+    if lay.ep > 1:      # refuse unsplittable experts before any collective
+        _ep.check_expert_parallel(model, lay.ep, expert_params)
     meshes = _build_mesh(plan, device.type)
     mesh = meshes.root
 
@@ -442,8 +487,9 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     fused_head, fused_modules = None, []
     for spec in local_specs:
         # 1. pipeline split (the model itself when there is one stage)
-        stage = model if len(specs) == 1 else _pp.build_stage_module(model, spec, seq_len=plan.seq_len,
-                                                                       copy_model=True)
+        # (a later stage runs the model's forward on token ids of the LOCAL length: seq_len / cp)
+        stage = model if len(specs) == 1 else _pp.build_stage_module(
+            model, spec, seq_len=plan.seq_len // plan.mesh.get("cp", 1), copy_model=True)
         if next(iter(stage.parameters())).device.type == "meta":
             raise ConfigError("the model is on the meta device: materialise it (to_empty + init) before "
                               "parallelize, or build it on the CPU")
@@ -462,11 +508,17 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         if len(specs) > 1 and mesh["tp"].size() > 1 and sequence_parallel(plan.placements):
             # the sequence-sharded residual stream crosses stages as local shards
             stage.__dict__["_meshplan_wrap_input"] = _sequence_dtensor(mesh["tp"])
+        if plan.mesh.get("cp", 1) > 1:                                              # 2b. CP
+            # before recompute wraps the blocks, so a block recomputed in backward runs the ring too
+            _cp.apply_context_parallel(stage, group=mesh["cp"].get_group(), seq_len=plan.seq_len, blocks=blocks)
+        experts = (_ep.apply_expert_parallel(stage, meshes.ep, labelled=expert_params)   # 2c. EP
+                   if lay.ep > 1 else [])
         apply_recompute(stage, blocks, plan.recompute)                              # 3. recompute
         if use_fsdp:                                                                # 4. FSDP / ZeRO
             units += _fsdp.apply_fsdp(stage, blocks, meshes.fsdp, zero=lay.zero,
                                       reshard_after_forward=lay.reshard_after_forward,
-                                      param_dtype=compute_dtype, overlap=overlap)
+                                      param_dtype=compute_dtype, overlap=overlap,
+                                      experts=experts, expert_mesh=meshes.expert_fsdp)
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
                        fused_modules=fused_modules, meshes=meshes,

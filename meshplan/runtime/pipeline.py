@@ -69,6 +69,17 @@ def stage_specs(stages: tuple[tuple[str, ...], ...]) -> list[StageSpec]:
                       foreign=tuple(m for m in every if m not in s)) for i, s in enumerate(stages)]
 
 
+def check_stage_entries(model: nn.Module, specs) -> None:
+    """Every stage after the first must start with a block (it receives the hidden state there).
+    Checked on every rank for every stage before any collective: a rank that found this out only
+    while building its own stage would leave the others waiting in the next collective."""
+    for spec in specs:
+        if not spec.is_first and not any(_is_block_fqn(model, m) for m in spec.owned):
+            raise LayoutError(f"pipeline stage {spec.index} owns no block ({list(spec.owned)}); every "
+                              "stage after the first must start with a block; re-plan with fewer "
+                              "pipeline stages (pp x vp at most the number of layers)")
+
+
 def check_stage_coverage(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> None:
     """Every parameter must belong to exactly one stage's modules (else it would be lost or doubled)."""
     listed = [m for s in stages for m in s]

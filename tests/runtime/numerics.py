@@ -18,6 +18,7 @@ lr * |dg| / eps (~1e-7 here) while every other weight still moves by ~lr.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,17 @@ def build_model(kind: str, *, seq_len: int):
     model = models.build(kind, seq_len=seq_len, device="cpu")
     model.init_weights()
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def plan_for(kind: str, world: int, fixed_items: tuple, seq_len: int, global_batch: int):
+    """meshplan's plan for model `kind` on `world` CPU processes, the layout fixed by `fixed_items`."""
+    import meshplan as mp
+    from meshplan.cluster import Cluster
+    model = (build_model(kind, seq_len=seq_len) if kind.startswith("hf")
+             else mp.models.build(kind, seq_len=seq_len, device="meta"))
+    return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world), seq_len=seq_len,
+                   global_batch=global_batch, fixed=dict(fixed_items))
 
 
 def batch(global_batch: int, seq_len: int, vocab: int = 256, *, pad: bool = True):
@@ -76,6 +88,7 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     pm = parallelize(model, case["plan"], compute_dtype=None, overlap=case.get("overlap", True))
     loss = pm.forward_backward(x, y)
     grads = pm.full_grads()
+    norm = pm.clip_grad_norm(None)          # measures only: the optimizer step below is unchanged
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     opt.step()
     params = pm.full_state_dict()
@@ -86,6 +99,9 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
         torch.testing.assert_close(grads[n], ref_grads[n], **GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
     for n in ref_params:
         torch.testing.assert_close(params[n], ref_params[n], **PARAM_TOL, msg=lambda m, n=n: f"param {n}: {m}")
+    # the global gradient norm counts every shard once (tied weights once, as named_parameters does)
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"grad norm: {m}")
     worst = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
     return {"loss": loss, "ref_loss": ref_loss, "max_grad_err": worst, "fused": list(pm.fused_modules)}
 

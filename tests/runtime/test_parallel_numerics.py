@@ -9,7 +9,6 @@ seconds each.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
@@ -48,17 +47,8 @@ CASES_8 = {
 }
 
 
-def _cluster(world: int):
-    from meshplan.cluster import Cluster
-    return Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world)
-
-
-@functools.lru_cache(maxsize=None)
 def _plan(kind: str, world: int, fixed_items: tuple):
-    import meshplan as mp
-    model = (numerics.build_model(kind, seq_len=SEQ) if kind.startswith("hf")
-             else mp.models.build(kind, seq_len=SEQ, device="meta"))
-    return mp.plan(model, _cluster(world), seq_len=SEQ, global_batch=BATCH, fixed=dict(fixed_items))
+    return numerics.plan_for(kind, world, fixed_items, SEQ, BATCH)
 
 
 def _cases(table: dict, world: int) -> dict:

@@ -1,0 +1,403 @@
+"""Context parallelism (CP): each CP rank holds a share of every sequence; attention runs as a
+ring over the CP group.
+
+Load-balanced causal split. A sequence of S tokens is cut into 2*cp equal chunks; CP rank r
+holds chunks r and 2*cp-1-r (one early, one late), so under a causal mask every rank does the
+same amount of attention work (a contiguous split would leave rank 0 almost idle and the last
+rank with most of the work). `load_balanced_positions` gives the global positions of a rank's
+tokens; `shard_sequence` cuts a (B, S, ...) tensor to them.
+
+Ring attention (`ring_attention`). Each rank keeps its queries; keys and values travel around
+the ring (send to r+1, receive from r-1; cp-1 shifts), and each arriving K/V block is merged
+into the output with the online-softmax (logsumexp) rule, so no rank ever holds the S x S
+scores. Causal masking is decided per (query chunk, key chunk) pair from the global chunk
+indices: an earlier key chunk is attended fully, the same chunk with the causal triangle, a
+later chunk not at all (skipped: no compute). One autograd Function covers the whole ring: its
+backward sends K/V around once more together with the dK/dV accumulated for them, which end on
+the rank that owns them after cp shifts. Because it is a single graph node, every rank runs the
+same sends and receives in backward whatever blocks it skipped (a ring of per-shift autograd
+nodes would drop unused shifts from the backward of some ranks and deadlock the ring). Softmax
+statistics and block products are computed in fp32 whatever the input dtype.
+
+How a model uses it without changes (`apply_context_parallel`):
+- the model's attention calls `F.scaled_dot_product_attention`; the stage's forward and every
+  block's forward run under `RingAttentionMode`, a TorchFunctionMode that replaces those calls
+  with `ring_attention` over the CP group. The block wrappers are installed before activation
+  recompute wraps the blocks, so a block recomputed during backward re-enters the mode (a mode
+  entered only around the forward call would be gone by then). Calls it cannot serve (explicit
+  attn_mask, dropout, different query and key lengths) raise LayoutError.
+- positions: a rank's tokens are not positions 0..S/cp-1. Non-persistent buffers whose first
+  dimension is the plan's seq_len (rotary tables, meshplan's `positions`) are permuted into the
+  local tokens' order, so the model's `table[:T]` reads the right rows; rotary modules of
+  Hugging Face models (forward(x, position_ids)) get the local tokens' global position ids.
+  Supported models: meshplan's Transformer and Hugging Face models using the "sdpa" attention
+  implementation with rotary position embeddings; others are refused (their positions or
+  attention could silently be wrong).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from meshplan.errors import ConfigError, LayoutError
+
+__all__ = ["load_balanced_positions", "shard_sequence", "ring_attention", "RingAttentionMode",
+           "apply_context_parallel", "check_sequence_length"]
+
+_REPLAN = "re-plan with cp=1"
+_KV_TAG, _DKV_TAG = 0, 1        # two messages can be in flight between the same peers in backward
+_FULL, _DIAGONAL, _MASKED = "full", "diagonal", "masked"
+
+
+# ---- the load-balanced split ------------------------------------------------------------------
+def check_sequence_length(seq_len: int, cp: int) -> None:
+    if cp < 1:
+        raise ConfigError(f"cp={cp}: the context-parallel degree must be >= 1")
+    if seq_len % (2 * cp):
+        raise ConfigError(f"a sequence of {seq_len} tokens cannot be split for cp={cp}: the load-balanced "
+                          f"causal split cuts it into 2*cp = {2 * cp} equal chunks; use a seq_len divisible "
+                          f"by {2 * cp}, or {_REPLAN}")
+
+
+def _chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int, *, device=None) -> Tensor:
+    """Global positions (int64, length seq_len/cp) of the tokens CP rank `rank` holds."""
+    check_sequence_length(seq_len, cp)
+    if not 0 <= rank < cp:
+        raise ConfigError(f"CP rank {rank} is outside 0..{cp - 1}")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in _chunks_of(rank, cp)])
+
+
+def shard_sequence(x: Tensor, cp: int, rank: int, *, dim: int = 1) -> Tensor:
+    """This CP rank's part of `x` along `dim` (the sequence): chunks rank and 2*cp-1-rank."""
+    if cp == 1:
+        return x
+    S = x.shape[dim]
+    check_sequence_length(S, cp)
+    c = S // (2 * cp)
+    return torch.cat([x.narrow(dim, i * c, c) for i in _chunks_of(rank, cp)], dim=dim)
+
+
+# ---- ring communication -----------------------------------------------------------------------
+class _Ring:
+    """Neighbours of this rank in the CP group (global ranks, as point-to-point ops need)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start_shift(self, t: Tensor, tag: int):
+        """Send `t` to the next rank, receive the previous rank's; returns (buffer, works)."""
+        t = t.contiguous()
+        recv = torch.empty_like(t)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, self.next, self.group, tag),
+                                        dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)])
+        return recv, works
+
+    @staticmethod
+    def finish(pending) -> Tensor:
+        recv, works = pending
+        for w in works:
+            w.wait()
+        return recv
+
+
+# ---- block math (fp32) -----------------------------------------------------------------------
+def _pair_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    if not causal or q_chunk > k_chunk:
+        return _FULL
+    return _DIAGONAL if q_chunk == k_chunk else _MASKED
+
+
+def _scores(q5: Tensor, k: Tensor, kind: str) -> Tensor:
+    """q5 (B, Hkv, G, c, d) already scaled, k (B, Hkv, c, d) -> (B, Hkv, G, c, c) fp32 scores."""
+    s = q5 @ k.unsqueeze(2).transpose(-1, -2)
+    if kind == _DIAGONAL:
+        c = s.shape[-1]
+        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _blocks(q_chunks, kv_src: int, cp: int, causal: bool):
+    """(query half, key half, kind) of the unmasked pairs between local queries and the K/V of `kv_src`."""
+    for a, qc in enumerate(q_chunks):
+        for b, kc in enumerate(_chunks_of(kv_src, cp)):
+            kind = _pair_kind(qc, kc, causal)
+            if kind != _MASKED:
+                yield a, b, kind
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, causal, scale):
+        B, H, S, d = q.shape
+        Hkv = k.shape[1]
+        G, c = H // Hkv, S // 2
+        q5 = q.float().reshape(B, Hkv, G, S, d) * scale
+        out = torch.zeros(B, Hkv, G, S, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, Hkv, G, S), float("-inf"), dtype=torch.float32, device=q.device)
+        mine = _chunks_of(ring.rank, ring.size)
+        kv = torch.stack([k, v])
+        for step in range(ring.size):
+            pending = ring.start_shift(kv, _KV_TAG) if step < ring.size - 1 else None
+            kf, vf = kv[0].float(), kv[1].float()
+            for a, b, kind in _blocks(mine, (ring.rank - step) % ring.size, ring.size, causal):
+                qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                s = _scores(q5[..., qs, :], kf[..., ks, :], kind)
+                blse = torch.logsumexp(s, dim=-1)
+                part = torch.exp(s - blse.unsqueeze(-1)) @ vf[..., ks, :].unsqueeze(2)
+                new = torch.logaddexp(lse[..., qs], blse)
+                out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
+                                   + part * torch.exp(blse - new).unsqueeze(-1))
+                lse[..., qs] = new
+            if pending is not None:
+                kv = ring.finish(pending)
+        result = out.reshape(B, H, S, d).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
+        B, H, S, d = q.shape
+        Hkv = k.shape[1]
+        G, c = H // Hkv, S // 2
+        q5 = q.float().reshape(B, Hkv, G, S, d) * scale
+        do5 = grad_out.float().reshape(B, Hkv, G, S, d)
+        delta = (do5 * out.float().reshape(B, Hkv, G, S, d)).sum(-1)        # rowsum(dO * O)
+        dq5 = torch.zeros_like(q5)
+        mine = _chunks_of(ring.rank, ring.size)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(2, B, Hkv, S, d, dtype=torch.float32, device=q.device)   # travels with kv
+        for step in range(ring.size):
+            pending = ring.start_shift(kv, _KV_TAG) if step < ring.size - 1 else None
+            kf, vf = kv[0].float(), kv[1].float()
+            for a, b, kind in _blocks(mine, (ring.rank - step) % ring.size, ring.size, causal):
+                qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                kb, vb = kf[..., ks, :], vf[..., ks, :]
+                p = torch.exp(_scores(q5[..., qs, :], kb, kind) - lse[..., qs].unsqueeze(-1))
+                do = do5[..., qs, :]
+                dkv[1, ..., ks, :] += (p.transpose(-1, -2) @ do).sum(2)
+                ds = p * (do @ vb.unsqueeze(2).transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
+                dq5[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
+                dkv[0, ..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2)   # q5 carries the scale
+            if ring.size > 1:
+                # the gradient of the block just used moves on with it; after the last step it
+                # arrives at the rank that owns the block
+                dkv = ring.finish(ring.start_shift(dkv, _DKV_TAG))
+            if pending is not None:
+                kv = ring.finish(pending)
+        return (dq5.reshape(B, H, S, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None)
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, is_causal: bool = True,
+                   scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """Attention of the local queries over the whole (CP-sharded) sequence.
+
+    q: (B, heads, S/cp, hd); k, v: (B, kv_heads, S/cp, hd), each rank's tokens in the load-balanced
+    order (`shard_sequence`). kv_heads < heads needs `enable_gqa` (query head h uses kv head
+    h // (heads / kv_heads), as F.scaled_dot_product_attention does). Returns (B, heads, S/cp, hd)
+    in q's dtype. Collective over `group`: every rank of it must call with the same shapes.
+    """
+    from torch.distributed.tensor import DTensor
+    if any(isinstance(t, DTensor) for t in (q, k, v)):
+        raise LayoutError("context-parallel attention got DTensor query/key/value; it works on local "
+                          f"tensors (tensor parallelism must hand attention local heads); {_REPLAN}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise LayoutError(f"context-parallel attention needs 4-D (batch, heads, seq, head_dim) query/key/value, "
+                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; {_REPLAN}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise LayoutError(f"context-parallel attention needs matching batch and head size of query "
+                          f"{tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)}; {_REPLAN}")
+    if q.shape[2] != k.shape[2]:
+        raise LayoutError(f"context-parallel attention needs as many keys as queries (self-attention over "
+                          f"the sequence); got {q.shape[2]} queries and {k.shape[2]} keys; {_REPLAN}")
+    if q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
+        raise LayoutError(f"{q.shape[1]} query heads and {k.shape[1]} key/value heads need enable_gqa=True "
+                          "and a head count divisible by the key/value head count")
+    if q.shape[2] % 2:
+        raise ConfigError(f"a local sequence of {q.shape[2]} tokens cannot hold the two chunks of the "
+                          f"load-balanced split; use a seq_len divisible by 2*cp")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k, v, _Ring(group), bool(is_causal), float(scale))
+
+
+# ---- SDPA replacement -----------------------------------------------------------------------------
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class RingAttentionMode(TorchFunctionMode):
+    """Replaces F.scaled_dot_product_attention with `ring_attention` over `group`; counts the calls."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(*args, **kwargs)
+        if mask is not None:
+            raise LayoutError("the model calls scaled_dot_product_attention with an explicit attn_mask "
+                              f"({tuple(mask.shape)}), which context-parallel ring attention cannot shard "
+                              f"(it builds the causal mask from global positions); use is_causal=True, or {_REPLAN}")
+        if dropout_p:
+            raise LayoutError(f"the model calls scaled_dot_product_attention with dropout_p={dropout_p}, which "
+                              f"context-parallel ring attention does not support; set attention dropout to 0 or {_REPLAN}")
+        self.calls += 1
+        return ring_attention(q, k, v, self.group, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+_active = threading.local()
+
+
+def _under_mode(fn, mode: RingAttentionMode):
+    """`fn` run inside `mode` unless a ring mode is already active on this thread (no double entry)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if getattr(_active, "depth", 0):
+            return fn(*args, **kwargs)
+        _active.depth = 1
+        try:
+            with mode:
+                return fn(*args, **kwargs)
+        finally:
+            _active.depth = 0
+    return wrapped
+
+
+def _checked_stage_forward(fn, mode: RingAttentionMode, has_blocks: bool):
+    @functools.wraps(fn)
+    def forward(*args, **kwargs):
+        before = mode.calls
+        out = fn(*args, **kwargs)
+        if has_blocks and mode.calls == before:
+            raise LayoutError("context parallelism found no call to torch.nn.functional.scaled_dot_product_"
+                              "attention in this model's forward, so its attention would only see the local "
+                              "part of each sequence; use SDPA attention (Hugging Face: "
+                              f"attn_implementation='sdpa'), or {_REPLAN}")
+        return out
+    return forward
+
+
+# ---- positions ------------------------------------------------------------------------------------
+def _rotary_modules(stage: nn.Module) -> dict[str, nn.Module]:
+    """Hugging Face style rotary embeddings: forward(x, position_ids) computing cos/sin on the fly."""
+    out = {}
+    for name, m in stage.named_modules():
+        if "rotary" not in type(m).__name__.lower():
+            continue
+        try:
+            params = inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if "position_ids" in params:
+            out[name] = m
+    return out
+
+
+def _position_ids_hook(positions: Tensor):
+    """Forward pre-hook: the model's position ids 0..T-1 index the local tokens; map to global positions."""
+    def hook(module, args, kwargs):
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": positions.to(kwargs["position_ids"].device)[kwargs["position_ids"]]}
+        if len(args) >= 2:
+            return (args[0], positions.to(args[1].device)[args[1]]) + tuple(args[2:]), kwargs
+        raise LayoutError(f"{type(module).__name__} was called without position_ids; context parallelism "
+                          f"cannot give it the local tokens' positions; {_REPLAN}")
+    return hook
+
+
+def _permute_position_buffers(stage: nn.Module, positions: Tensor, seq_len: int, skip: set[str]) -> list[str]:
+    done = []
+    for mod_name, m in stage.named_modules():
+        if any(mod_name == s or mod_name.startswith(s + ".") for s in skip):
+            continue
+        for name, buf in list(m._buffers.items()):
+            if buf is None or buf.dim() == 0 or buf.shape[0] != seq_len:
+                continue
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            if name not in m._non_persistent_buffers_set:
+                # a persistent buffer is model state: permuting it would change what checkpoints hold
+                continue
+            if buf.dim() >= 2 and buf.shape[1] == seq_len:
+                raise LayoutError(f"buffer {fqn!r} {tuple(buf.shape)} looks like a (seq_len x seq_len) mask, which "
+                                  f"context parallelism cannot shard; use SDPA with is_causal=True, or {_REPLAN}")
+            m._buffers[name] = buf.index_select(0, positions.to(buf.device))
+            done.append(fqn)
+    return done
+
+
+def _model_kind(stage: nn.Module) -> str:
+    from meshplan.models.transformer import Transformer
+    if isinstance(stage, Transformer):
+        return "meshplan"
+    # a Hugging Face model means transformers is imported already (importing it costs seconds)
+    hf = sys.modules.get("transformers")
+    if hf is not None and isinstance(stage, hf.PreTrainedModel):
+        impl = getattr(stage.config, "_attn_implementation", None)
+        if impl != "sdpa":
+            raise LayoutError(f"context parallelism replaces SDPA attention, but this model uses "
+                              f"attn_implementation={impl!r}; load it with attn_implementation='sdpa', or {_REPLAN}")
+        if not _rotary_modules(stage):
+            raise LayoutError(f"context parallelism supports Hugging Face models with rotary position embeddings "
+                              f"(forward(x, position_ids)); {type(stage).__name__} has none, so its positions "
+                              f"would be wrong on CP ranks; {_REPLAN}")
+        return "hf"
+    raise LayoutError(f"context parallelism supports meshplan's Transformer and Hugging Face models with SDPA "
+                      f"attention and rotary positions; {type(stage).__name__} is neither, so the runtime cannot "
+                      f"check that its positions and attention follow the sequence split; {_REPLAN}")
+
+
+def apply_context_parallel(stage: nn.Module, *, group, seq_len: int, blocks: list[str]) -> dict:
+    """Make `stage` (a model or pipeline stage) run on this CP rank's tokens; `blocks`: its block FQNs.
+
+    Call after tensor parallelism and before activation recompute and FSDP (see the module
+    docstring). Returns what was done: {"buffers": [...], "rotary": [...], "blocks": n}.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_sequence_length(seq_len, cp)
+    kind = _model_kind(stage)
+    positions = load_balanced_positions(seq_len, cp, rank)
+    rotary = _rotary_modules(stage) if kind == "hf" else {}
+    for m in rotary.values():
+        m.register_forward_pre_hook(_position_ids_hook(positions), with_kwargs=True)
+    if kind == "meshplan":
+        # a model built for longer sequences than planned: its forward reads rows [:T] only, so
+        # the first seq_len rows are all it needs (and then the per-position rule below applies)
+        for name in ("rope_cos", "rope_sin", "positions"):
+            buf = stage._buffers.get(name)
+            if buf is not None and buf.shape[0] > seq_len:
+                stage._buffers[name] = buf[:seq_len]
+    buffers = _permute_position_buffers(stage, positions, seq_len, skip=set(rotary))
+    mode = RingAttentionMode(group)
+    for fqn in blocks:
+        block = stage.get_submodule(fqn)
+        block.forward = _under_mode(block.forward, mode)
+    # the instance attribute shadows the class's forward (as pipeline.py and recompute.py do)
+    stage.forward = _checked_stage_forward(_under_mode(stage.forward, mode), mode, bool(blocks))
+    return {"buffers": buffers, "rotary": sorted(rotary), "blocks": len(blocks)}

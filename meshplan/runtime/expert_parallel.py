@@ -1,0 +1,263 @@
+"""Expert parallelism (EP): routed experts sharded over the EP group, tokens moved by all-to-all.
+
+Which modules are expert modules (the matching rule). A module is handled as a grouped-experts
+module when
+
+  1. the plan labels one of its own parameters "expert" (the planner's classification of the
+     routed-expert FLOPs; `parallelize` always passes these labels), or, when no labels are
+     given, it looks like one by structure: two or more parameters of its own, all 3-D with
+     the same leading size E >= 2 (one slice per expert);
+  2. and it honours the contract meshplan's `GroupedExperts` is written to: every parameter is
+     its own (no child module holds parameters), all are 3-D with the same leading size E (the
+     expert dim), and `forward(x, counts)` takes exactly two inputs, `x` (M, h) the token copies
+     sorted by expert and `counts` (E,) the rows per expert, and returns (M, h') row-aligned with
+     `x`, where each row depends only on that row and its expert's weight slices.
+
+Rule 2 is what makes rows movable: any subset of rows, regrouped by expert, can be computed
+with only the slices of the experts they need. A module matched by rule 1 that breaks rule 2
+(Hugging Face Mixtral's experts take (hidden_states, top_k_index, top_k_weights) and route
+inside) is refused with a LayoutError naming it. The runtime never reads class names.
+
+What `apply_expert_parallel` does to each expert module (E experts, group of `ep` ranks, this
+rank j of the group; rank j keeps experts j*E/ep .. (j+1)*E/ep - 1, a contiguous block):
+
+  - each parameter becomes a DTensor over the EP mesh with placement Shard(0), local part the
+    rank's E/ep expert slices (cut locally, no communication: every rank starts from the same
+    weights, as FSDP assumes too). `full_tensor()` gives all E experts under the original FQN
+    and DCP stores global offsets, so checkpoints reshard between ep sizes;
+  - forward(x, counts) becomes, with x (M, h) sorted by global expert and counts (E,):
+      a. all-to-all of the counts: recv[s, e] = rows rank s sends to local expert e;
+      b. all-to-all of the rows with uneven split sizes (rows for the experts each rank owns);
+         they arrive grouped by source rank, then expert;
+      c. stable regroup by local expert (source order kept inside an expert);
+      d. the module's own forward on the local weight slices and local counts;
+      e. the inverse regroup and the all-to-all back (split sizes swapped).
+    Both all-to-alls are autograd-aware (functional collectives' `all_to_all_single_autograd`,
+    what `torch.distributed.nn.functional.all_to_all_single` now forwards to): backward sends
+    each row's gradient back along the same path with the split sizes swapped. Dropless: every copy is
+    computed, whatever the imbalance (no capacity factor).
+
+Under FSDP the expert parameters are then sharded over the expert-data-parallel axis (`edp`,
+see parallel.Meshes and fsdp.apply_fsdp): FSDP2 takes the EP DTensors as it takes TP ones, and
+their gradients, reduced over edp, are DTensors over (edp, ep) whose norm and full tensors
+cover every expert exactly once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from meshplan.errors import LayoutError
+
+__all__ = ["find_expert_modules", "check_expert_parallel", "apply_expert_parallel", "expert_labelled_params",
+           "ep_dispatch"]
+
+_EP_ATTR = "_meshplan_ep"      # set on wrapped modules: (ep mesh, local expert count)
+
+
+# ---- matching ------------------------------------------------------------------------------
+
+def expert_labelled_params(placements: dict[str, str], signatures: dict[str, str]) -> set[str]:
+    """FQNs (in the unsplit model) of the parameters the plan labels "expert".
+
+    Plan keys are `<block signature>:<path in block>` inside blocks and absolute FQNs outside.
+    """
+    by_sig: dict[str, list[str]] = {}
+    for block, sig in signatures.items():
+        by_sig.setdefault(sig, []).append(block)
+    out: set[str] = set()
+    for key, label in placements.items():
+        if label != "expert":
+            continue
+        sig, sep, rel = key.partition(":")
+        if sep and sig in by_sig:
+            out.update(f"{block}.{rel}" for block in by_sig[sig])
+        else:
+            out.add(key)
+    return out
+
+
+def _own_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False) if p is not None}
+
+
+def _looks_grouped(module: nn.Module) -> bool:
+    own = _own_params(module)
+    if len(own) < 2 or any(p.dim() != 3 for p in own.values()):
+        return False
+    return len({p.shape[0] for p in own.values()}) == 1 and next(iter(own.values())).shape[0] >= 2
+
+
+def _forward_inputs(module: nn.Module) -> list[inspect.Parameter] | None:
+    fwd = getattr(module, "__meshplan_orig_forward__", None) or module.forward
+    try:
+        sig = inspect.signature(fwd)
+    except (TypeError, ValueError):
+        return None
+    return [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.default is p.empty]
+
+
+def _contract_problem(module: nn.Module) -> str | None:
+    """Why `module` cannot run under EP, or None if it honours the contract (module docstring)."""
+    own = _own_params(module)
+    child = [f"{c}.{n}" for c, sub in module.named_children() for n, _ in sub.named_parameters()]
+    if child:
+        return f"its expert weights live in child modules ({', '.join(child[:3])}), not as stacked 3-D tensors"
+    shapes = {n: tuple(p.shape) for n, p in own.items()}
+    if not own or any(len(s) != 3 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
+        return f"its parameters {shapes} are not 3-D tensors stacked over one expert dim"
+    inputs = _forward_inputs(module)
+    if inputs is None or len(inputs) != 2:
+        names = "?" if inputs is None else ", ".join(p.name for p in inputs)
+        return (f"its forward takes ({names}); expert parallelism needs forward(x, counts) with the "
+                "token copies sorted by expert and the rows per expert, so that rows can be moved "
+                "between ranks (the model routes inside the expert module instead)")
+    return None
+
+
+def find_expert_modules(model: nn.Module, labelled: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """FQNs of the grouped-experts modules of `model` (see the module docstring's rule).
+
+    Raises LayoutError for a module that holds expert weights (by the plan's labels or by
+    structure) but does not honour the contract.
+    """
+    found = []
+    for fqn, module in model.named_modules():
+        mine = {f"{fqn}.{n}" if fqn else n for n in _own_params(module)}
+        # with labels, the plan alone says which modules are experts (a module that merely looks
+        # like one, e.g. stacked per-head weights, is left alone); a labelled parameter in a
+        # child module makes that child the candidate, checked when the walk reaches it
+        if not (mine & labelled if labelled else _looks_grouped(module)):
+            continue
+        problem = _contract_problem(module) if getattr(module, _EP_ATTR, None) is None else None
+        if problem:
+            raise LayoutError(f"module {fqn or '<root>'} ({type(module).__name__}) holds routed experts but "
+                              f"cannot be expert-parallel: {problem}. Re-plan with ep=1 "
+                              "(mp.plan(..., fixed={'ep': 1})), or give the MoE a GroupedExperts-style "
+                              "experts module (meshplan.models.GroupedExperts)")
+        found.append(fqn)
+    return found
+
+
+def check_expert_parallel(model: nn.Module, ep: int, labelled: set[str] | frozenset[str] = frozenset(), *,
+                          require: bool = True) -> list[str]:
+    """Refuse, before any collective, a model whose experts cannot be split over `ep` ranks.
+
+    `require`: a model with no expert module at all is refused too (False for a pipeline stage,
+    which may hold only dense blocks).
+    """
+    fqns = find_expert_modules(model, labelled)
+    if require and ep > 1 and not fqns:
+        raise LayoutError(f"the plan has ep={ep} but the model has no routed-experts module (stacked 3-D "
+                          "expert weights with forward(x, counts)); re-plan with ep=1")
+    for fqn in fqns:
+        e = _num_experts(model.get_submodule(fqn))
+        if e % ep:
+            divisors = [d for d in range(1, e + 1) if e % d == 0]
+            raise LayoutError(f"{fqn} has {e} experts, which do not split evenly over ep={ep} ranks; "
+                              f"use ep in {divisors}")
+    return fqns
+
+
+def _num_experts(module: nn.Module) -> int:
+    return next(iter(_own_params(module).values())).shape[0]
+
+
+# ---- dispatch ------------------------------------------------------------------------------
+
+def ep_dispatch(x: torch.Tensor, counts: torch.Tensor, compute, *, group, ep: int) -> torch.Tensor:
+    """Run `compute(x_local, local_counts)` on this rank's experts for every rank's rows.
+
+    x (M, h) sorted by global expert, counts (E,) -> (M, h'); collective over `group` (ep ranks,
+    this rank owning experts rank*E/ep ...). See the module docstring, steps a-e.
+    """
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    n_local = counts.shape[0] // ep
+    send = counts.to(torch.int64).contiguous()                         # (E,) = (ep, n_local) by owner
+    recv = torch.empty_like(send)                                      # (ep * n_local,) by source
+    dist.all_to_all_single(recv, send, group=group)
+    send_split = send.view(ep, n_local).sum(1).tolist()                # rows to each owner
+    recv_counts = recv.view(ep, n_local)                               # (source, local expert)
+    recv_split = recv_counts.sum(1).tolist()                           # rows from each source
+    rows = sum(recv_split)
+    received = all_to_all_single_autograd(x.contiguous(), recv_split, send_split, group)   # (R, h)
+    # segment (s, e) of the received rows goes to position e * ep + s: grouped by local expert,
+    # source order inside (the stable sort keeps each source's row order)
+    seg_key = (torch.arange(n_local, device=x.device).repeat(ep) * ep
+               + torch.arange(ep, device=x.device).repeat_interleave(n_local))          # (ep*n_local,)
+    row_key = torch.repeat_interleave(seg_key, recv.to(x.device))      # (R,)
+    order = torch.argsort(row_key, stable=True)                        # (R,) received row per local row
+    y_local = compute(received.index_select(0, order), recv_counts.sum(0))   # (R, h')
+    back = torch.empty_like(order)
+    back[order] = torch.arange(rows, device=x.device)                  # inverse permutation
+    y = y_local.index_select(0, back)                                  # (R, h') by (source, expert)
+    return all_to_all_single_autograd(y.contiguous(), send_split, recv_split, group)   # (M, h')
+
+
+def _local_compute(module: nn.Module, orig_forward):
+    """compute(x, counts) running the module's own forward on the local slices of its weights."""
+    from torch.distributed.tensor import DTensor
+
+    def compute(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        saved = dict(module._parameters)
+        try:
+            for n, p in saved.items():
+                if isinstance(p, DTensor):
+                    # the differentiable local view: gradients flow back into the DTensor parameter
+                    module._parameters[n] = p.to_local()
+            return orig_forward(x, counts)
+        finally:
+            module._parameters.update(saved)
+    return compute
+
+
+def _ep_forward(self: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    mesh, n_local = getattr(self, _EP_ATTR)
+    ep = mesh.size()
+    compute = _local_compute(self, self.__meshplan_orig_forward__)
+    if x.device.type == "meta" or _is_fake(x):
+        # shape inference (pipeline stages, tracing): no communication, local experts' shapes
+        return compute(x, counts.new_zeros(n_local))
+    if counts.shape[0] != n_local * ep:
+        raise LayoutError(f"an expert-parallel module got counts for {counts.shape[0]} experts; it was "
+                          f"split as {n_local} experts on each of ep={ep} ranks")
+    return ep_dispatch(x, counts, compute, group=mesh.get_group(), ep=ep)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
+
+
+def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | frozenset[str] = frozenset()
+                          ) -> list[str]:
+    """Shard the routed experts of `stage` over `ep_mesh` (1-D) and route tokens to them.
+
+    `labelled`: parameter FQNs the plan labels "expert" (see `expert_labelled_params`).
+    Returns the FQNs of the expert modules (original FQNs), for FSDP over the edp axis.
+    A no-op at ep = 1.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    ep = ep_mesh.size()
+    if ep == 1:
+        return []
+    fqns = check_expert_parallel(stage, ep, labelled, require=False)
+    rank = ep_mesh.get_local_rank()
+    for fqn in fqns:
+        module = stage.get_submodule(fqn)
+        n_local = _num_experts(module) // ep
+        for name, p in _own_params(module).items():
+            local = p.detach()[rank * n_local:(rank + 1) * n_local].clone()      # (E/ep, ...)
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        module.__meshplan_orig_forward__ = module.forward
+        setattr(module, _EP_ATTR, (ep_mesh, n_local))
+        module.forward = types.MethodType(_ep_forward, module)
+    return fqns

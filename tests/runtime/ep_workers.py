@@ -1,0 +1,196 @@
+"""Workers for the expert-parallel tests (imported by spawned ranks; see test_expert_parallel.py).
+
+Tolerances are numerics.py's (fp32; sums reordered by sharding, micro-batching and the EP
+regroup, never a different computation).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+
+import torch
+
+import numerics
+
+SEQ, BATCH = 32, 8
+MOE = dict(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=256, experts=4, topk=2,
+           moe_ffn_hidden=32)
+MOE_SHARED = dict(MOE, layers=4, shared_experts=1, dense_layers=1)
+CONFIGS = {"moe": MOE, "moe-shared": MOE_SHARED}
+
+
+def build_model(kind: str, *, seq_len: int = SEQ, device: str = "cpu"):
+    """The tests' tiny MoEs (same weights on every rank), or Hugging Face Mixtral."""
+    torch.manual_seed(1234)
+    if kind == "hf-mixtral":
+        import transformers
+        cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2, max_position_embeddings=seq_len,
+                                         tie_word_embeddings=False)
+        model = transformers.MixtralForCausalLM(cfg)
+        model.config.use_cache = False
+        return model
+    from meshplan import models
+    model = models.build("moe", seq_len=seq_len, device=device, **CONFIGS[kind])
+    if device != "meta":
+        model.init_weights()
+    return model
+
+
+# ---- the dispatch alone ----------------------------------------------------------------------
+
+# rows rank r sends to each of the 4 experts (world 2: rank 0 owns experts 0-1, rank 1 experts
+# 2-3; world 4: rank r owns expert r): expert 2 gets nothing from anyone (with 4 ranks, rank 2
+# receives no row at all), rank 1 sends nothing to rank 0's experts, rank 0 sends a lopsided
+# 7:1 load, and with 4 ranks rank 3 sends no row at all
+DISPATCH_COUNTS = {2: [[7, 1, 0, 3], [0, 0, 0, 5]],
+                   4: [[7, 1, 0, 3], [0, 0, 0, 5], [2, 2, 0, 0], [0, 0, 0, 0]]}
+
+
+def dispatch(rank: int, world: int) -> dict:
+    """EP forward and backward of a GroupedExperts vs the whole module on every rank's rows."""
+    from torch.distributed.tensor import DTensor
+
+    from meshplan.models import GroupedExperts
+    from meshplan.runtime.expert_parallel import apply_expert_parallel
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.manual_seed(7)
+    ref = GroupedExperts(4, 16, 8, activation="swiglu")
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    counts = [torch.tensor(c) for c in DISPATCH_COUNTS[world]]
+    xs = [torch.randn(int(c.sum()), 16, requires_grad=True) for c in counts]
+    gs = [torch.randn(int(c.sum()), 16) for c in counts]           # upstream gradients
+    for x, c, g in zip(xs, counts, gs):
+        ref(x, c).backward(g)
+
+    holder = torch.nn.Module()
+    holder.experts = copy.deepcopy(ref)
+    holder.experts.zero_grad()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    assert apply_expert_parallel(holder, mesh) == ["experts"]
+    w1 = holder.experts.w1
+    assert isinstance(w1, DTensor) and w1.to_local().shape == (4 // world, 8, 16)
+    x = xs[rank].detach().clone().requires_grad_(True)
+    out = holder.experts(x, counts[rank])
+    want = ref(xs[rank].detach(), counts[rank])
+    torch.testing.assert_close(out, want, **numerics.GRAD_TOL)
+    out.backward(gs[rank])
+    torch.testing.assert_close(x.grad, xs[rank].grad, **numerics.GRAD_TOL)
+    for n, p in ref.named_parameters():
+        full = getattr(holder.experts, n).grad.full_tensor()
+        torch.testing.assert_close(full, p.grad, **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+    return {"rows": int(x.shape[0]), "local_experts": int(w1.to_local().shape[0])}
+
+
+# ---- whole models --------------------------------------------------------------------------------
+
+def equivalence(rank: int, world: int, case: dict) -> dict:
+    """numerics.equivalence for the EP models, plus the clipped-gradient norm and the MoE stats."""
+    from meshplan.runtime import parallelize
+    torch.manual_seed(0)
+    model = build_model(case["model"])
+    ref = copy.deepcopy(model)
+    x, y = numerics.batch(BATCH, SEQ)
+    pm = parallelize(model, case["plan"], compute_dtype=None)
+    loss = pm.forward_backward(x, y)
+    grads = pm.full_grads()
+    norm = pm.clip_grad_norm(None)
+    opt = torch.optim.AdamW(pm.parameters(), lr=numerics.LR, eps=numerics.EPS)
+    opt.step()
+    params = pm.full_state_dict()
+    ref_loss, ref_grads, ref_params = numerics.reference(ref, x, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+    for n in ref_params:
+        torch.testing.assert_close(params[n], ref_params[n], **numerics.PARAM_TOL,
+                                   msg=lambda m, n=n: f"param {n}: {m}")
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+    local_experts = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if n.endswith("experts.w1")}
+    stats = [tuple(m.tokens_per_expert.tolist()) for st in pm.stages for m in st.modules()
+             if getattr(m, "tokens_per_expert", None) is not None]
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "local_experts": local_experts,
+            "tokens_per_expert": stats}
+
+
+def reshard(rank: int, world: int, case: dict) -> dict:
+    """Save with DCP under plan `save`, load under plan `load`: every full tensor must survive."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from meshplan.runtime import parallelize
+    model = build_model(case["model"])
+    torch.manual_seed(5)
+    with torch.no_grad():                       # weights the fresh model cannot have by chance
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    pm = parallelize(model, case["save"], compute_dtype=None)
+    want = pm.full_state_dict()
+    path = [tempfile.mkdtemp(prefix="ep_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(pm.state_dict(), checkpoint_id=path[0])
+    other = parallelize(build_model(case["model"]), case["load"], compute_dtype=None)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path[0])
+    other.load_state_dict(state)
+    got = other.full_state_dict()
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    return {"tensors": len(want)}
+
+
+def train(rank: int, world: int, case: dict) -> dict:
+    """A few AdamW steps on one repeated batch in the plan's precision: the loss must fall."""
+    from meshplan.runtime import parallelize
+    pm = parallelize(build_model(case["model"]), case["plan"])
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+    x, y = numerics.batch(BATCH, SEQ, pad=False)
+    losses = []
+    for _ in range(case.get("steps", 6)):
+        losses.append(pm.forward_backward(x, y))
+        pm.clip_grad_norm(1.0)
+        opt.step()
+        pm.zero_grad()
+    return {"losses": losses, "dtype": str(next(iter(pm.parameters())).dtype)}
+
+
+def run_cases(rank: int, world: int, cases: dict) -> dict:
+    """Several cases in one process group; errors are reported per case, ranks kept in step."""
+    import torch.distributed as dist
+    out = {}
+    for name, case in cases.items():
+        try:
+            kind = case.get("kind")
+            if kind == "dispatch":
+                out[name] = dispatch(rank, world)
+            elif kind == "reshard":
+                out[name] = reshard(rank, world, case)
+            elif kind == "train":
+                out[name] = train(rank, world, case)
+            elif kind == "error":
+                out[name] = _expect_error(case)
+            else:
+                out[name] = equivalence(rank, world, case)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            import traceback
+            out[name] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+            # printed now: if the other ranks hang in a collective, this is all that comes back
+            print(f"rank {rank}, case {name}: {out[name]['tb']}", file=sys.stderr, flush=True)
+        dist.barrier()
+    return out
+
+
+def _expect_error(case: dict) -> dict:
+    from meshplan.runtime import parallelize
+    try:
+        parallelize(build_model(case["model"]), case["plan"], compute_dtype=None)
+    except Exception as e:  # noqa: BLE001 - the test checks type and message
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None}
