@@ -233,6 +233,10 @@ def run(shapes: list[Shape], device: torch.device, dtype: torch.dtype, with_comp
         for case in cases():
             impls: dict[str, Callable] = {"fused": case.fused, "eager": case.eager}
             if with_compile:
+                # the backward is timed by replaying one graph (retain_graph=True), which
+                # compiled graphs with donated buffers refuse
+                import torch._functorch.config as functorch_config
+                functorch_config.donated_buffer = False
                 impls["compile"] = torch.compile(case.eager)
             result = {"kernel": case.name, "shape": shape.name}
             for impl, fn in impls.items():

@@ -277,12 +277,15 @@ def _matmul_fwd(target: Any, args: Sequence[Any], out: Sequence[TensorSpec]) -> 
 
 
 def _sdpa_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]):
-    """Pad q/k/v to (B, H, S, D) and broadcast singleton batch dims, as the kernels do."""
+    """Pad q/k/v to (B, H, S, D) and broadcast singleton batch dims, as the kernels do.
+
+    Grouped-query attention (fewer K/V heads) does the matmul work of K/V broadcast to every
+    query head; older torch's sdpa_flop_count (2.11) asserts on unequal heads, so broadcast here."""
     def four(s: tuple[int, ...]) -> tuple[int, ...]:
         return (1,) * (4 - len(s)) + tuple(s) if len(s) < 4 else (math.prod(s[:-3]),) + tuple(s[-3:])
     q4, k4, v4 = four(q), four(k), four(v)
-    b = max(q4[0], k4[0], v4[0])
-    return (b,) + q4[1:], (b,) + k4[1:], (b,) + v4[1:]
+    b, h = max(q4[0], k4[0], v4[0]), q4[1]
+    return (b,) + q4[1:], (b, h) + k4[2:], (b, h) + v4[2:]
 
 
 def _attention_flops(tensors: Sequence[TensorSpec]) -> tuple[float, float]:
