@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--"]:
+        # torchrun received `meshplan.cli -- train ...`: the `--` keeps its own parser away from
+        # our options (meshplan.runtime.launch.torchrun_command); it is not ours to parse
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -12,6 +12,10 @@ reported by pulp as "Optimal" for some solvers; callers that need to know read
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import pulp
 
 from meshplan.errors import ConfigError
@@ -22,9 +26,32 @@ __all__ = ["SOLVERS", "available_solvers", "solve", "proved_optimal", "has_solut
 SOLVERS = ("highs", "cbc")
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silence file descriptor 1 for the duration: HiGHS prints its banner ("Running HiGHS ...")
+    from C++ when a solver object is created, before pulp's msg=False reaches its options, so
+    Python-level redirection cannot catch it."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # captured or replaced stdout: nothing to do
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 def _highs_available() -> bool:
     try:
-        return bool(pulp.HiGHS(msg=False).available())
+        with _quiet_stdout():
+            return bool(pulp.HiGHS(msg=False).available())
     except Exception:   # pulp raises various errors when highspy is missing or broken
         return False
 
@@ -81,7 +108,8 @@ def solve(problem: pulp.LpProblem, *, time_limit_s: float = 10.0, solver: str = 
     if not (time_limit_s > 0):
         raise ConfigError(f"time_limit_s={time_limit_s!r}: must be a positive number of seconds")
     name = resolve_solver(solver)
-    status = problem.solve(_make(name, float(time_limit_s), warm_start))
+    with _quiet_stdout():
+        status = problem.solve(_make(name, float(time_limit_s), warm_start))
     return pulp.LpStatus[status]
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from meshplan.errors import ConfigError
 
 __all__ = ["Target", "target_spec", "torchrun_command", "launch_local", "SlurmJob", "slurm_script",
-           "submit_slurm", "layout_from_plan", "DEFAULT_RDZV_PORT"]
+           "submit_slurm", "layout_from_plan", "wait_for_endpoint", "under_torchrun", "DEFAULT_RDZV_PORT"]
 
 # 29500: the MASTER_PORT of PyTorch's distributed tutorials (torchrun's own multi-node example
 # uses 29400); any port free on the head node works.
@@ -81,6 +81,11 @@ def target_spec(words: Sequence[str]) -> Target:
     return Target(args=tuple(words), no_python=True)
 
 
+def under_torchrun() -> bool:
+    """True inside a process that torchrun (or `meshplan launch`, or a Slurm script) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _check_count(name: str, value: Any, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
@@ -88,7 +93,8 @@ def _check_count(name: str, value: Any, low: int = 1) -> None:
 
 def torchrun_command(nproc: int, target_args: Sequence[str] | Target, *, nnodes: int = 1, max_restarts: int = 0,
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None, module: bool = False,
-                     launcher: Sequence[str] | None = None) -> list[str]:
+                     launcher: Sequence[str] | None = None, node_rank: int | None = None,
+                     rdzv_timeout_s: float | None = None) -> list[str]:
     """The torchrun command line starting `nproc` processes per node.
 
     One node without an endpoint uses ``--standalone`` (a private rendezvous on a free port);
@@ -113,19 +119,37 @@ def torchrun_command(nproc: int, target_args: Sequence[str] | Target, *, nnodes:
         cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
         if rdzv_id is not None:
             cmd += ["--rdzv-id", rdzv_id]
+        if node_rank is not None:
+            # c10d orders nodes by arrival; the rank still names this node in torchrun's logs
+            _check_count("node rank", node_rank, 0)
+            cmd += ["--node-rank", str(node_rank)]
     cmd += ["--nproc-per-node", str(nproc)]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
+    if rdzv_timeout_s is not None and not (nnodes == 1 and rdzv_endpoint is None):
+        cmd += ["--rdzv-conf", f"join_timeout={int(rdzv_timeout_s)}"]
     if target.module:
         cmd += ["--module"]
     elif target.no_python:
         cmd += ["--no-python"]
-    return cmd + list(target.args)
+    return cmd + _target_words(target)
+
+
+def _target_words(target: Target) -> list[str]:
+    """The words after torchrun's own flags."""
+    args = list(target.args)
+    if target.module and args[:1] == ["meshplan.cli"]:
+        # torchrun's parser reads every word that looks like one of its options, even after the
+        # module name, and stops on prefixes it finds ambiguous (`--nproc` -> "ambiguous option");
+        # after `--` it reads none, and meshplan.cli drops the `--`
+        args.insert(1, "--")
+    return args
 
 
 def launch_local(nproc: int, target_args: Sequence[str] | Target, *, nnodes: int = 1, max_restarts: int = 0,
                  rdzv_endpoint: str | None = None, module: bool = False, env: Mapping[str, str] | None = None,
-                 cwd: str | None = None, timeout_s: float | None = None, grace_s: float = STOP_GRACE_S) -> int:
+                 cwd: str | None = None, timeout_s: float | None = None, grace_s: float = STOP_GRACE_S,
+                 node_rank: int | None = None, rdzv_timeout_s: float | None = None) -> int:
     """Run torchrun here and wait; returns its exit code (0 when every rank succeeded).
 
     `env` adds variables on top of this process's environment. torchrun runs in its own process
@@ -135,7 +159,8 @@ def launch_local(nproc: int, target_args: Sequence[str] | Target, *, nnodes: int
     whatever is left of the group is killed.
     """
     cmd = torchrun_command(nproc, target_args, nnodes=nnodes, max_restarts=max_restarts,
-                           rdzv_endpoint=rdzv_endpoint, module=module)
+                           rdzv_endpoint=rdzv_endpoint, module=module, node_rank=node_rank,
+                           rdzv_timeout_s=rdzv_timeout_s)
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
     # torchrun is in its own session, so signals meant for this process must be passed on by hand
     previous = {}
@@ -185,6 +210,29 @@ def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
 
 
 # ---- plan -> process layout --------------------------------------------------------------
+def wait_for_endpoint(endpoint: str, timeout_s: float, *, poll_s: float = 1.0) -> None:
+    """Block until a TCP connection to `endpoint` (host:port) succeeds; ConfigError naming it after
+    `timeout_s`. A node that is not the rendezvous host checks this before starting torchrun, whose
+    own failure to reach the store is a long stack trace per process."""
+    import socket
+    import time
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"rendezvous endpoint {endpoint!r} must be host:port, e.g. node001:{DEFAULT_RDZV_PORT}")
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(poll_s, 5.0)):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"could not reach the rendezvous at {endpoint} within {timeout_s:g} s ({last}); "
+                              "start node 0 first, check the host name and port, or raise --rdzv-timeout")
+        time.sleep(poll_s)
+
+
 def layout_from_plan(plan: Any, *, nnodes: int | None = None) -> tuple[int, int]:
     """(nodes, processes per node) for a `Plan`: its world size spread over its cluster's nodes."""
     world = plan.world_size
@@ -259,7 +307,8 @@ def slurm_script(job: SlurmJob) -> str:
     torchrun = torchrun_command(job.gpus_per_node, job.target, nnodes=job.nodes, max_restarts=job.max_restarts,
                                 rdzv_endpoint="$HEAD_NODE:$RDZV_PORT", rdzv_id="$SLURM_JOB_ID",
                                 launcher=launcher)
-    flags = torchrun[len(launcher):len(torchrun) - len(job.target.args)]
+    words = _target_words(job.target)
+    flags = torchrun[len(launcher):len(torchrun) - len(words)]
     flags[flags.index("--nnodes") + 1] = "$SLURM_NNODES"      # what Slurm actually granted
     lines = ["#!/bin/bash"] + [f"#SBATCH {s}" for s in sbatch]
     lines += [f"# written by `meshplan launch --slurm`{': ' + job.comment if job.comment else ''}",
@@ -276,7 +325,7 @@ def slurm_script(job: SlurmJob) -> str:
               "# OpenMP threads per rank: the task's cores split over its ranks (torchrun would force 1)",
               f"export OMP_NUM_THREADS={max(1, job.cpus // job.gpus_per_node)}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job.extra_env]
-    body = [" ".join(launcher)] + _flag_lines(flags) + [" ".join(shlex.quote(w) for w in job.target.args)]
+    body = [" ".join(launcher)] + _flag_lines(flags) + [" ".join(shlex.quote(w) for w in words)]
     # --cpus-per-task again on srun: Slurm 22.05 stopped passing sbatch's value on to srun, and a
     # task pinned to one core would run all its ranks on it
     lines += ["", f"srun --kill-on-bad-exit=1 --cpus-per-task={job.cpus} " + " \\\n    ".join(body), ""]

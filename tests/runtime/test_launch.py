@@ -85,7 +85,7 @@ def test_slurm_script_content():
     assert " ".join(srun.split()) == (
         'srun --kill-on-bad-exit=1 --cpus-per-task=64 torchrun --nnodes "$SLURM_NNODES" --rdzv-backend c10d '
         '--rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" --nproc-per-node 8 --max-restarts 2 '
-        "--module meshplan.cli train --model 'tiny llama'")
+        "--module meshplan.cli -- train --model 'tiny llama'")
     assert text.index("#SBATCH") < text.index("set -euo pipefail")   # sbatch reads directives before code
 
 
