@@ -141,20 +141,40 @@ class Transformer(nn.Module):
         residual's variance does not grow with depth. Also recomputes the rotary tables and the
         learned-position `positions` buffer, so a model built on the meta device and materialised
         with `to_empty()` becomes usable (and re-ties the embedding, which `to_empty()` unties).
+        One `init_module` step per module, in `named_modules` order: deferred initialisation
+        (meshplan.runtime.materialize) replays the same steps module by module.
         """
         self.tie_weights()
-        residual_std = INIT_STD / math.sqrt(2 * self.config.layers)
         for name, module in self.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if leaf in ("wo", "w2") else INIT_STD
+            self.init_module(name, module, generator)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None, *,
+                    dry: bool = False) -> bool:
+        """Initialise `module` (named `name` in this model) as `init_weights` does; True when it
+        has such a step (with `dry`, only say so)."""
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            if not dry:
+                std = INIT_STD / math.sqrt(2 * self.config.layers) if leaf in ("wo", "w2") else INIT_STD
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return True
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            if not dry:
                 module.reset_parameters()
-            elif isinstance(module, MoE):
-                module.init_weights(INIT_STD, residual_std, generator=generator)
+            return True
+        if isinstance(module, MoE):
+            if not dry:
+                module.init_weights(INIT_STD, INIT_STD / math.sqrt(2 * self.config.layers), generator=generator)
+            return True
+        return False
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Rotary tables and learned-position indices: computed, not drawn."""
         if self.rope_cos is not None:
             cos, sin = rope_tables(self.config, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)

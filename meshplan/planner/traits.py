@@ -1,0 +1,26 @@
+"""The model facts `meshplan.support.runtime_limits` needs, read from a traced `ModelProfile`."""
+
+from __future__ import annotations
+
+from meshplan.planner.profile import ModelProfile
+from meshplan.support import ModelTraits
+
+__all__ = ["model_traits"]
+
+
+def model_traits(profile: ModelProfile) -> ModelTraits:
+    blocks = profile.layer_blocks()
+    fused_qkv = fused_gate_up = False
+    sdpa_causal = True
+    for b in blocks:
+        for lin in b.linears:
+            # one weight whose rows hold Q and K/V heads together (q_dim + 2 kv_dim, or 3 q_dim)
+            if lin.role == "attn_qkv" and b.heads and lin.out_features > b.q_dim:
+                fused_qkv = True
+            if lin.role == "mlp_in" and b.gated and b.ffn_hidden and lin.out_features == 2 * b.ffn_hidden:
+                fused_gate_up = True
+        if b.heads and b.ops:     # analytic profiles (from a config, no graph) are meshplan's SDPA models
+            sdpa = [o for o in b.ops if o.kind == "attention" and "scaled_dot_product" in o.target]
+            sdpa_causal = sdpa_causal and bool(sdpa) and b.causal
+    return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
+                       sdpa_causal=sdpa_causal, layers=profile.num_layers)

@@ -1,0 +1,77 @@
+"""What the runtime can run: one declaration, read by the planner and by the runtime.
+
+The planner's search never returns a layout that `runtime_limits` refuses (it still costs it, so
+`Plan.explain()` can say when the fastest layout was excluded and why), and `parallelize`
+refuses the same layouts with the same words before any collective runs. A limit lifted in the
+runtime is lifted here, once.
+
+This module imports nothing of meshplan above it: the planner (which must never import the
+runtime) and the runtime (which must never import the planner) both read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelTraits", "runtime_limits"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelTraits:
+    """What the runtime's sharding depends on, as read from the traced model.
+
+    `moe`: the model has routed experts. `fused_qkv`: an attention projection computes Q, K and V
+    in one weight (rows are Q|K|V, so TP must split it per head, not by raw rows).
+    `sdpa_causal`: every attention goes through F.scaled_dot_product_attention with is_causal
+    (what context parallelism's ring swaps). `fused_gate_up`: one weight holds the SwiGLU gate
+    and up projections. `layers`: transformer blocks, for the pipeline split.
+    """
+
+    moe: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    sdpa_causal: bool = True
+    layers: int = 0
+
+
+def _get(layout: Mapping[str, Any] | Any, key: str, default: Any) -> Any:
+    if isinstance(layout, Mapping):
+        return layout.get(key, default)
+    return getattr(layout, key, default)
+
+
+def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None = None) -> list[str]:
+    """Reasons the runtime cannot run `layout` (a Layout or its dict) for a model with `traits`;
+    empty when it can. Each reason names the limit in the user's terms and what would work."""
+    g = lambda k, d=1: int(_get(layout, k, d) or d)   # noqa: E731 - a local shorthand
+    tp, cp, ep, etp, pp, vp, dp = (g(k) for k in ("tp", "cp", "ep", "etp", "pp", "vp", "dp"))
+    zero = int(_get(layout, "zero", 1))
+    fsdp_shard = int(_get(layout, "fsdp_shard", 0) or 0)
+    out: list[str] = []
+    if ep > 1 and (tp > 1 or cp > 1 or etp > 1):
+        out.append(f"expert parallelism (ep={ep}) together with tp={tp}, cp={cp}, etp={etp} needs MoE "
+                   "parallel folding (experts over their own EP x ETP x EDP groups), which the runtime does "
+                   "not have yet; it runs EP with experts over the data-parallel ranks (tp=cp=etp=1)")
+    if ep > 1 and zero == 3 and 0 < fsdp_shard < dp * cp:
+        out.append(f"expert parallelism (ep={ep}) with HSDP (fsdp_shard={fsdp_shard}) is not supported by "
+                   "the runtime; use full sharding (fsdp_shard=0) or ep=1")
+    if traits is not None:
+        if traits.moe and tp > 1:
+            out.append(f"tensor parallelism (tp={tp}) on a MoE model: the runtime's TP does not shard expert "
+                       "modules yet; use tp=1 (experts scale with ep instead)")
+        if traits.fused_qkv and tp > 1:
+            out.append(f"tensor parallelism (tp={tp}) on a fused QKV projection: splitting its rows would mix "
+                       "Q, K and V heads across ranks, and the runtime does not yet split it per head; use tp=1")
+        if traits.fused_gate_up and tp > 1:
+            out.append(f"tensor parallelism (tp={tp}) on a fused gate/up projection: the runtime does not yet "
+                       "split it by halves; use tp=1")
+        if cp > 1 and not traits.sdpa_causal:
+            out.append(f"context parallelism (cp={cp}) needs every attention to go through "
+                       "F.scaled_dot_product_attention(is_causal=True), which the runtime's ring attention "
+                       "replaces; this model's attention does not; use cp=1")
+        if traits.layers and pp * vp > traits.layers:
+            out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
+                       "needs at least one layer")
+    return out

@@ -1,0 +1,68 @@
+"""Workers for deferred-initialisation tests (imported by spawned ranks)."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+
+def reference_model(kind: str, seq_len: int, seed: int, **over):
+    """The single-device model deferred initialisation must reproduce: built on meta, allocated
+    on the CPU and initialised there under `seed`."""
+    from meshplan import models
+    torch.manual_seed(seed)
+    m = models.build(kind, seq_len=seq_len, device="meta", **over).to_empty(device="cpu")
+    m.init_weights()
+    return m
+
+
+def deferred_run(rank: int, world: int, case: dict) -> dict:
+    import numerics
+    from meshplan import models
+    from meshplan.runtime.parallel import parallelize
+    torch.manual_seed(case["seed"])
+    meta = models.build(case["kind"], seq_len=case["seq_len"], device="meta", **case.get("over", {}))
+    pm = parallelize(meta, case["plan"], compute_dtype=None)
+    assert not any(p.device.type == "meta" for st in pm.stages for p in st.parameters())
+    rng_after = torch.get_rng_state()
+    full = pm.full_state_dict()
+    x, y = numerics.batch(case["batch"], case["seq_len"])
+    loss = pm.forward_backward(x, y)
+    return {"state": {k: v.cpu() for k, v in full.items()} if rank == 0 else None, "loss": loss,
+            "rng_after": rng_after if rank == 0 else None}
+
+
+def big_model_run(rank: int, world: int, case: dict) -> dict:
+    """Train steps of a model whose full fp32 state does not fit one rank's share; report peak RSS."""
+    from meshplan import models
+    from meshplan.runtime.parallel import parallelize
+    torch.manual_seed(0)
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # noqa: E731
+    # warm-up on a tiny model through the same path: libraries loaded on first use, thread pools
+    # and allocator arenas are the process's, not the model's
+    tiny = models.build(case["kind"], seq_len=case["seq_len"], device="meta")
+    warm = parallelize(tiny, case["warm_plan"], compute_dtype=None)
+    ids = torch.randint(0, 256, (case["batch"], case["seq_len"] + 1))
+    warm.forward_backward(ids[:, :-1], ids[:, 1:])
+    del warm, tiny
+    import gc
+    gc.collect()
+    before = rss()
+    meta = models.build(case["kind"], seq_len=case["seq_len"], device="meta", **case["over"])
+    pm = parallelize(meta, case["plan"], compute_dtype=None)
+    marks = {"parallelized": rss()}
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(case["steps"]):
+        ids = torch.randint(0, case["vocab"], (case["batch"], case["seq_len"] + 1), generator=g)
+        losses.append(pm.forward_backward(ids[:, :-1], ids[:, 1:]))
+        marks.setdefault("fwd_bwd", rss())
+        opt.step()
+        pm.zero_grad()
+        marks.setdefault("step", rss())
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"losses": losses, "peak_rss": peak, "rss_at_start": before, "local_params": local,
+            "marks": {k: (v - before) / 1e6 for k, v in marks.items()}}
