@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelTraits", "runtime_limits"]
+__all__ = ["ModelTraits", "runtime_limits", "TP_ROLE_PLACEMENT", "block_placement_limits"]
+
+# Tensor parallelism the runtime runs inside a block: Megatron-LM's pattern, one linear role ->
+# one DTensor placement; the attention between a column- and a row-parallel linear is head-local.
+TP_ROLE_PLACEMENT = {"attn_qkv": "colwise", "mlp_in": "colwise", "shared_in": "colwise",
+                     "attn_out": "rowwise", "mlp_out": "rowwise", "shared_out": "rowwise",
+                     "router": "replicate", "expert_in": "expert", "expert_out": "expert", "other": "replicate"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,4 +80,23 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         if traits.layers and pp * vp > traits.layers:
             out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
                        "needs at least one layer")
+    return out
+
+
+def block_placement_limits(placements: Mapping[str, str], roles: Mapping[str, str],
+                           attention: tuple[str, ...] = ()) -> list[str]:
+    """Reasons the runtime cannot run one block's TP placements: `placements` {module: label},
+    `roles` {linear: role}, `attention` the block's attention modules. The sharding ILP may find
+    other valid dataflows (e.g. gathering the attention output and splitting wo by columns); the
+    runtime runs the pattern above, so the planner falls back to it for such blocks."""
+    out = []
+    for name, role in roles.items():
+        want = TP_ROLE_PLACEMENT.get(role, "replicate")
+        got = placements.get(name)
+        if got is not None and got != want:
+            out.append(f"{name} ({role}) placed {got!r}; the runtime shards a {role} linear {want!r}")
+    for name in attention:
+        got = placements.get(name)
+        if got is not None and got != "heads":
+            out.append(f"attention {name} placed {got!r}; the runtime runs attention head-local ('heads')")
     return out
