@@ -10,8 +10,10 @@ benchmarks/results/gpu_suite-<date>-<device>.{md,json}:
    matrix product, on random data (METHOD.md: zeros run faster than real data).
 2. Runtime step time of a ~1B Llama on one GPU: hand-written eager PyTorch (fp32 master weights,
    bf16 autocast, fused AdamW), the same under torch.compile, meshplan (`plan` + `parallelize`
-   on a one-process NCCL group), and FP8 through torchao's float8 training (tensorwise and
-   rowwise) when torchao is installed. Each row: median step time over the timed steps, tokens/s,
+   on a one-process NCCL group), meshplan's FP8 plan (`plan(precision="fp8")`: the placement
+   ILP's module set) through `parallelize` with each FP8 backend (torchao; Transformer Engine
+   when installed), and FP8 through torchao's float8 training (tensorwise and rowwise) under
+   torch.compile when torchao is installed. Each row: median step time over the timed steps, tokens/s,
    MFU (model FLOPs over the GPU's dense BF16 peak), peak memory, and the cost model's predicted
    step time and memory for the same layout.
 3. Kernel benchmarks: benchmarks/kernels.py (fused kernels vs eager vs torch.compile).
@@ -181,12 +183,15 @@ def runtime_rows(device, *, dry: bool, warmup: int, steps: int) -> list[dict]:
     lay = plan.layout
     print("   meshplan plan:", json.dumps(lay), flush=True)
 
-    def meshplan_step():
+    def meshplan_step(the_plan=None, **parallel_kw):
         m = mp.models.build(cfg, device="cpu" if device.type == "cpu" else "meta")
         if device.type == "cuda":
             m = m.to_empty(device=device)
         m.init_weights()
-        pm = mp.parallelize(m, plan)
+        pm = mp.parallelize(m, the_plan or plan, **parallel_kw)
+        if pm.precisions:
+            from meshplan.runtime.fp8 import precision_summary
+            print("   precisions:", "; ".join(precision_summary(pm.precisions)), flush=True)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, fused=device.type == "cuda")
 
         def step(ids):
@@ -204,6 +209,23 @@ def runtime_rows(device, *, dry: bool, warmup: int, steps: int) -> list[dict]:
         have_ao = True
     except Exception:  # noqa: BLE001
         have_ao = False
+    # meshplan's FP8 plan (the placement ILP's module set) run by its runtime, per backend
+    import warnings
+
+    from meshplan.runtime.fp8 import backend_available
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)      # CPU dry run: "FP8 is emulated"
+        plan8 = mp.plan(meta, cluster, seq_len=seq, global_batch=batch, precision="fp8")
+    e8 = plan8.estimate
+    for backend in ("torchao", "te"):
+        label = f"meshplan fp8 {backend} ({len(plan8.fp8_modules)} FP8 linears)"
+        if backend == "te" and device.type != "cuda":
+            continue
+        if not backend_available(backend):
+            rows.append({"case": label, "error": f"{backend} not installed (pip install 'meshplan[{'fp8' if backend == 'torchao' else 'gpu'}]')"})
+            continue
+        measure(label, lambda b=backend: meshplan_step(plan8, fp8_backend=b),
+                {"pred_step_s": e8["step_time_s"], "pred_mem_gib": e8.get("peak_memory_gb")})
     if have_ao and device.type == "cuda":
         for recipe in ("tensorwise", "rowwise"):
             measure(f"torchao fp8 {recipe} + compile", eager(compile_=True, fp8=recipe), pred("fp8"))

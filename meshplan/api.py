@@ -113,28 +113,95 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
 
 def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
          fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False,
-         fused_kernels: bool = True):
+         fused_kernels: bool = True, for_runtime: bool = True):
     """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
 
-    precision: "bf16", "fp8" or "auto" (both are tried where the GPU has FP8 units).
-    fixed: constrain any layout key, e.g. {"tp": 8, "recompute": "full"}.
+    for_runtime: True (default) returns only layouts meshplan's runtime runs (meshplan.support);
+    False plans for another framework (exports to Megatron-LM, torchtitan, NeMo), whose own
+    limits the exporters check.
+
+    precision: "bf16", "fp16", "fp8", "fp32" or "auto" (bf16 and fp8 are both tried where the GPU
+    has FP8 units), the names `meshplan train --precision` takes. "fp8" on a device without FP8
+    units (local-cpu) gives an emulated FP8 plan with a warning: BF16 costs, the FP8 module set the
+    placement ILP would choose on an FP8 GPU of the same BF16 rate (torchao runs it on CPU).
+    "fp32" is planned with BF16 costs (warned) and trained in fp32.
+    fixed: constrain any layout key, e.g. {"tp": 8, "recompute": "full"}; {"optimizer_dtype": "bf16"}
+    keeps Adam's moments in bf16 (fp32 master weights; 8 instead of 12 optimizer bytes/param).
     fused_kernels: list the modules meshplan's fused kernels replace (Plan.fused_kernels; found
     from the traced graph) and cost them fused; False keeps every module eager and costs it so.
     """
     from meshplan.planner.build import build_plan
     from meshplan.planner.search import search
+    from meshplan.planner.traits import model_traits
     cl = resolve_cluster(cluster)
-    if precision == "auto":
-        precisions = ("bf16", "fp8") if cl.gpu.fp8_tflops else ("bf16",)
-    elif precision in ("bf16", "fp16", "fp8"):
-        if precision == "fp8" and not cl.gpu.fp8_tflops:
-            raise ConfigError(f"{cl.gpu.name} has no FP8 matrix units; use precision='bf16'")
-        precisions = (precision,)
-    else:
-        raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp8' or 'auto'")
+    precisions, run_as = _precisions(precision, cl)
+    fixed = dict(fixed or {})
+    optimizer_dtype = fixed.pop("optimizer_dtype", None)
     prof = profile(model, seq_len=seq_len)
     if not fused_kernels:
         prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))
     res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions,
-                 fixed=fixed, allow_cross_domain=allow_cross_domain)
-    return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fixed)
+                 fixed=fixed, allow_cross_domain=allow_cross_domain, for_runtime=for_runtime,
+                 traits=model_traits(prof, model if hasattr(model, "named_modules") else None))
+    out = build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fixed)
+    if run_as == "fp8":
+        out = _emulated_fp8_plan(prof, cl, out, seq_len=seq_len, global_batch=global_batch)
+    elif run_as and run_as != out.precision:
+        out = dataclasses.replace(out, precision=run_as)
+    if optimizer_dtype is not None:
+        out = _with_optimizer_dtype(prof, cl, out, optimizer_dtype, seq_len=seq_len, global_batch=global_batch)
+    return out
+
+
+def _with_optimizer_dtype(prof, cl, plan, dtype: str, *, seq_len: int, global_batch: int):
+    """fixed={"optimizer_dtype": "bf16"}: Adam moments in bf16 (fp32 master weights), the plan's
+    estimate recomputed for that layout."""
+    lay = Layout.from_dict({**plan.layout, "optimizer_dtype": dtype})     # validates the name
+    est = estimate_profile(prof, cl, lay, seq_len=seq_len, global_batch=global_batch,
+                           precision=plan.estimate_obj.precision,
+                           fp8_modules=frozenset(plan.fp8_modules) if plan.estimate_obj.precision == "fp8" else None)
+    return dataclasses.replace(plan, layout=lay.to_dict(), estimate=est.to_dict(),
+                               search={**plan.search, "fixed": {**plan.search.get("fixed", {}), "optimizer_dtype": dtype}})
+
+
+# precision names plan() and `meshplan train --precision` share
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "auto")
+
+
+def _precisions(precision: str, cl) -> tuple[tuple[str, ...], str | None]:
+    """(precisions the search prices, the precision the plan records if not the priced one)."""
+    import warnings
+    if precision == "auto":
+        return (("bf16", "fp8") if cl.gpu.fp8_tflops else ("bf16",)), None
+    if precision in ("bf16", "fp16"):
+        return (precision,), None
+    if precision == "fp32":
+        # the cost model has BF16/FP16/FP8 tables only: the layout is searched at BF16 costs and the
+        # runtime runs fp32 (twice the weight and activation bytes; step times of the fp32 rate)
+        warnings.warn("precision='fp32': the layout is planned with BF16 costs (the cost model prices "
+                      "bf16/fp16/fp8); the runtime trains in fp32, so memory and step time exceed the "
+                      "prediction", stacklevel=3)
+        return ("bf16",), "fp32"
+    if precision == "fp8":
+        if cl.gpu.fp8_tflops:
+            return ("fp8",), None
+        if cl.gpu.id != "cpu":
+            raise ConfigError(f"{cl.gpu.name} has no FP8 matrix units; use precision='bf16' (FP8 is emulated "
+                              "on CPU processes only: cluster 'local-cpu')")
+        warnings.warn(f"{cl.gpu.name} has no FP8 matrix units: FP8 is emulated (torchao on CPU: the same "
+                      "quantisation, no speed-up). The layout is priced in BF16 and the FP8 modules are "
+                      "those the placement ILP would choose on an FP8 GPU with this BF16 rate", stacklevel=3)
+        return ("bf16",), "fp8"
+    raise ConfigError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+
+
+def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int):
+    """An FP8 plan for a device without FP8 units (CPU): the BF16 plan's layout and prediction,
+    with the FP8 placement ILP run as on a GPU whose FP8 rate is twice its BF16 rate (H100's
+    ratio), so the module set is the planner's own choice (first/last block and head excluded)."""
+    from meshplan.planner.build import _fp8_modules
+    gpu = dataclasses.replace(cl.gpu, fp8_tflops=2 * cl.gpu.bf16_tflops, fp8_gemm_efficiency=cl.gpu.gemm_efficiency)
+    emu = dataclasses.replace(cl, gpu=gpu)
+    mods = _fp8_modules(prof, emu, plan.layout_obj, plan.estimate_obj, seq_len, global_batch)
+    return dataclasses.replace(plan, precision="fp8", fp8_modules=mods,
+                               search={**plan.search, "fp8_emulated": True})

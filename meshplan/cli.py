@@ -65,7 +65,8 @@ def cmd_plan(args) -> int:
     print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} ...", file=sys.stderr, flush=True)
     pl = mp.plan(args.model, cluster, seq_len=args.seq_len, global_batch=args.global_batch,
                  precision=args.precision, fixed=fixed, top_k=args.top_k,
-                 allow_cross_domain=args.allow_cross_domain, fused_kernels=not args.no_fused_kernels)
+                 allow_cross_domain=args.allow_cross_domain, fused_kernels=not args.no_fused_kernels,
+                 for_runtime=not args.export)     # an exported plan runs on the target framework
     print(pl.explain())
     print(f"(planned in {__import__('time').perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json:
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=128, help="sequences per step")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "auto"])
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "auto"],
+                   help="the names plan() and train --precision take")
     p.add_argument("--fix", default="", help="constrain layout keys, e.g. tp=4,pp=8")
     p.add_argument("--top-k", type=int, default=5, help="runner-ups to keep")
     p.add_argument("--allow-cross-domain", action="store_true", help="let TP/EP span scale-up domains")

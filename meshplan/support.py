@@ -32,13 +32,20 @@ class ModelTraits:
     in one weight (rows are Q|K|V, so TP must split it per head, not by raw rows).
     `sdpa_causal`: every attention goes through F.scaled_dot_product_attention with is_causal
     (what context parallelism's ring swaps). `fused_gate_up`: one weight holds the SwiGLU gate
-    and up projections. `layers`: transformer blocks, for the pipeline split.
+    and up projections. `cp_positions`: the runtime knows how to give each CP rank its tokens'
+    positions (meshplan's models; transformers models with rotary embeddings), which a model
+    that computes positions in its own forward (`arange(T)`) defeats. `layers`: transformer
+    blocks, for the pipeline split. `ep_experts`: the routed experts are stacked weights whose
+    forward takes tokens sorted by expert and per-expert counts (meshplan's MoE), which expert
+    parallelism moves between ranks; transformers' expert modules are not.
     """
 
     moe: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
     sdpa_causal: bool = True
+    cp_positions: bool = True
+    ep_experts: bool = True
     layers: int = 0
 
 
@@ -64,6 +71,9 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         out.append(f"expert parallelism (ep={ep}) with HSDP (fsdp_shard={fsdp_shard}) is not supported by "
                    "the runtime; use full sharding (fsdp_shard=0) or ep=1")
     if traits is not None:
+        if traits.moe and ep > 1 and not traits.ep_experts:
+            out.append(f"expert parallelism (ep={ep}) needs expert modules whose forward takes tokens sorted "
+                       "by expert and per-expert counts (meshplan's MoE); this model's experts do not; use ep=1")
         if traits.moe and tp > 1:
             out.append(f"tensor parallelism (tp={tp}) on a MoE model: the runtime's TP does not shard expert "
                        "modules yet; use tp=1 (experts scale with ep instead)")
@@ -73,6 +83,10 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         if traits.fused_gate_up and tp > 1:
             out.append(f"tensor parallelism (tp={tp}) on a fused gate/up projection: the runtime does not yet "
                        "split it by halves; use tp=1")
+        if cp > 1 and not traits.cp_positions:
+            out.append(f"context parallelism (cp={cp}) needs positions the runtime can split with the "
+                       "sequence (meshplan's models, or transformers models with rotary embeddings); this "
+                       "model computes its own; use cp=1")
         if cp > 1 and not traits.sdpa_causal:
             out.append(f"context parallelism (cp={cp}) needs every attention to go through "
                        "F.scaled_dot_product_attention(is_causal=True), which the runtime's ring attention "

@@ -27,7 +27,10 @@ def p70():
 def test_plan_is_best_of_what_it_saw_and_fits(p70):
     est = p70.estimate_obj
     assert est.fits and est.step_time_s > 0
-    assert all(r.step_time_s >= est.step_time_s for r in p70.runner_ups if r.fits)
+    # a faster runner-up only when its gain is inside the uncertainty band (issue #16: the planner
+    # then keeps the simpler, better-validated layout and says so)
+    assert all(r.step_time_s >= est.step_time_s or ("inside the band" in r.reason and p70.search.get("band_choice"))
+               for r in p70.runner_ups if r.fits)
     assert p70.world_size == 64
     assert sum(len([m for m in s if m.startswith("layers.")]) for s in p70.stages) == 80
 

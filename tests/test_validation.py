@@ -59,6 +59,31 @@ def test_quick_benchmark_runs(capsys):
     assert mod.main(["--quick", "--analytic"]) == 0
     out = capsys.readouterr().out
     assert "OVERALL" in out and "predicted NOT to fit" in out
+    assert "leave-one-source-out" in out and "LOSO MODELLED" in out
+
+
+def test_leave_one_source_out_never_fits_on_the_held_out_source(monkeypatch):
+    """Each fold's fit sees no row of the source it predicts, and the shipped constants come back."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_published.py"
+    spec = importlib.util.spec_from_file_location("validate_published_loso", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from meshplan.cost_models import constants as K
+    all_rows = load_rows()
+    rows = [r for r in all_rows if r.family == "korthikanti"][:2] + \
+        [r for r in all_rows if r.family == "nemo2407" and r.get("tp")][:2]
+    seen = []
+
+    def spy_fit(rows_, traced, profiles, *, fit_rows=None, **kw):
+        seen.append({r.family for r in fit_rows})
+        return {n: getattr(K, n) for n in mod.FITTED}
+    monkeypatch.setattr(mod, "fit", spy_fit)
+    before = {n: getattr(K, n) for n in mod.FITTED}
+    out, _ = mod.leave_one_source_out(rows, False, {})
+    assert set(out) == {"korthikanti", "nemo2407"}
+    assert sorted(map(sorted, seen)) == [["korthikanti"], ["nemo2407"]]
+    assert {n: getattr(K, n) for n in mod.FITTED} == before
 
 
 def test_deepspeed_zero3_rows_are_reported_but_never_fitted():

@@ -8,7 +8,41 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 
-__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time"]
+__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
+           "cpu_thread_share", "cpu_speed", "cpu_op_overhead"]
+
+
+def is_cpu(cluster) -> bool:
+    """CPU processes (local-cpu or a calibrated profile of it): compute runs on host cores, where
+    attention, element-wise ops and per-op dispatch cost what the GPU roofline does not charge."""
+    return cluster.gpu.id == "cpu"
+
+
+def cpu_thread_share(cluster) -> float:
+    """Fraction of one core each process gets: local-cpu's matmul rate is the host's (all cores)
+    divided among the processes, so processes x rate / host rate recovers the host's cores."""
+    from meshplan.cluster import CPU_HOST_BF16_TFLOPS
+    return min(1.0, K.CPU_HOST_CORES * cluster.gpu.bf16_tflops / CPU_HOST_BF16_TFLOPS)
+
+
+def cpu_speed(cluster) -> float:
+    """This process's CPU speed relative to the host the CPU_* rates were measured on: its matmul
+    rate per core (local-cpu's constant or a calibrated one) over the matmul rate measured alongside
+    them (constants.CPU_MICRO_MATMUL_GFLOPS_1T)."""
+    per_core = cluster.gpu.bf16_tflops * 1e12 / cpu_thread_share(cluster)
+    return per_core / (K.CPU_MICRO_MATMUL_GFLOPS_1T * 1e9)
+
+
+def cpu_op_overhead(ops, cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of host overhead for a traced op list on a CPU process: views and
+    compute ops each pay their measured dispatch + autograd cost, slowed by the core share."""
+    if not ops:
+        return 0.0, 0.0
+    views = sum(1 for o in ops if getattr(o, "kind", "") == "view")
+    other = len(ops) - views
+    slow = 1.0 / (cpu_thread_share(cluster) * cpu_speed(cluster))
+    return ((views * K.CPU_VIEW_FWD_S + other * K.CPU_OP_FWD_S) * slow,
+            (views * K.CPU_VIEW_BWD_S + other * K.CPU_OP_BWD_S) * slow)
 
 
 def matmul_rate(cluster, fp8: bool) -> float:
@@ -49,6 +83,10 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
     CUDA kernels, "triton" for the Triton port of FlashAttention."""
     if flops_fwd <= 0:
         return 0.0
+    if is_cpu(cluster):   # PyTorch's CPU flash-attention kernel, measured rates (constants.CPU_SDPA_*)
+        rate = (K.CPU_SDPA_BWD_GFLOPS_1T if backward else K.CPU_SDPA_FWD_GFLOPS_1T) * 1e9 * \
+            cpu_thread_share(cluster) * cpu_speed(cluster)
+        return flops_fwd / rate
     try:
         slow = K.ATTN_KERNEL_SLOWDOWN[kernel]
     except KeyError:
@@ -62,6 +100,8 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
 def elementwise_time(nbytes: float, cluster) -> float:
     if nbytes <= 0:
         return 0.0
+    if is_cpu(cluster):   # bf16 element-wise ops on CPU cores run far below the copy bandwidth
+        return nbytes / (K.CPU_ELEMENTWISE_GB_S_1T * 1e9 * cpu_thread_share(cluster) * cpu_speed(cluster))
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
 
 

@@ -115,3 +115,34 @@ FP8_WEIGHT_CACHE_BYTES = 2
 DS_MAX_LIVE_PARAMS = 1e9
 DS_PREFETCH_BUCKET = 5e8
 DS_REDUCE_BUCKET = 5e8
+
+# ---- CPU processes (local-cpu): compute a GPU-oriented model does not charge -------------------
+# Measured 2026-11-24 on the 2-core AMD EPYC VM of meshplan/cluster.py's local-cpu constants,
+# torch 2.13.0 CPU, ONE thread (torch.set_num_threads(1)), while other sessions shared the host: a
+# bf16 matmul ran at CPU_MICRO_MATMUL_GFLOPS_1T in the same minutes (96-102 GFLOP/s at the default
+# job's 512x128x{128,256,384} shapes, 80 at 2048^3; 188 on an idle host). The rates below are
+# therefore used RELATIVE to that matmul rate: a process's CPU-specific rates are scaled by its
+# own matmul rate (local-cpu's constant, or what `meshplan calibrate` measured), so a loaded or a
+# faster host moves them together.
+CPU_MICRO_MATMUL_GFLOPS_1T = 95.0                                                   # measured
+# - causal SDPA (torch.nn.functional.scaled_dot_product_attention, the CPU flash kernel) at the
+#   default job's shape (b 4, heads 4, s 128, d 32), bf16: forward 1.9 ms = 8.8 GFLOP/s of forward
+#   FLOPs; backward 11.8 ms = 1.42 GFLOP/s of forward FLOPs (3.5 counting 2.5x backward FLOPs): the
+#   backward takes 6x the forward, not 2.5x. (fp32: 10.1 / 4.4 GFLOP/s of forward FLOPs.)
+CPU_SDPA_FWD_GFLOPS_1T = 8.8                                                        # measured
+CPU_SDPA_BWD_GFLOPS_1T = 1.42                                                       # measured (forward FLOPs per s)
+# - element-wise bf16: a binary mul streams 11 GB/s (2 reads + 1 write), SiLU only 2.8 GB/s (bf16
+#   transcendental ops convert to fp32 and back per element); a block's element-wise work (norms:
+#   pow/mean/rsqrt/mul; rotary: mul/add/cat; SwiGLU: silu/mul; residual adds) is about half of each
+#   kind by bytes: harmonic mean of 11 and 2.8 = 4.5 GB/s.
+CPU_ELEMENTWISE_GB_S_1T = 4.5                                                       # measured (mix derived)
+# - per-op host overhead (dispatch, autograd recording, allocator) of small ops: a chain of 60
+#   multiplies of an 8x8 tensor costs 7.7 us per op forward with autograd on, 18.4 us forward +
+#   backward; a view/transpose/reshape chain 3.5 us forward, 10.9 us forward + backward.
+CPU_OP_FWD_S = 7.7e-6                                                               # measured
+CPU_OP_BWD_S = 10.7e-6                                                              # measured
+CPU_VIEW_FWD_S = 3.5e-6                                                             # measured
+CPU_VIEW_BWD_S = 7.4e-6                                                             # measured
+# Cores of that host: local-cpu's rates are host totals over 2 threads; a process gets at most one
+# thread, and nproc processes on 2 cores get 2/nproc of one each.
+CPU_HOST_CORES = 2                                                                  # measured host

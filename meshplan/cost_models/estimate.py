@@ -18,8 +18,9 @@ from meshplan.cost_models.compute import elementwise_time, fp8_weight_cast_time,
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
 from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, unfused_of
 from meshplan.cost_models.layout import Layout, check_layout
-from meshplan.cost_models.memory import grad_bytes, state_bytes, zero3_working_bytes
+from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes, zero3_working_bytes
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
+from meshplan.cost_models.uncertainty import regime_of, step_uncertainty
 from meshplan.errors import ConfigError
 from meshplan.planner.profile import ModelProfile
 
@@ -66,6 +67,16 @@ class Estimate:
     num_gpus: int
     bottleneck: str = ""
     notes: tuple[str, ...] = field(default=())
+    # How sure the prediction is (meshplan.cost_models.uncertainty): relative band of the step time,
+    # from the validation error of each mechanism the step leans on, and each component's share
+    uncertainty: float = 0.0
+    uncertainty_s: dict[str, float] = field(default_factory=dict)
+    regime: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def step_time_range_s(self) -> tuple[float, float]:
+        """(low, high) step time inside the band."""
+        return self.step_time_s * (1 - self.uncertainty), self.step_time_s * (1 + self.uncertainty)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -89,7 +100,7 @@ class Estimate:
         mem = ", ".join(f"{k} {v:.1f}" for k, v in self.memory_gb.items() if v > 0.05)
         return (f"{self.model} on {self.num_gpus}x {self.cluster} [{Layout.from_dict(self.layout).short()}] "
                 f"{self.precision}\n"
-                f"  step {self.step_time_s:.3f} s = {parts}\n"
+                f"  step {self.step_time_s:.3f} s (+/- {self.uncertainty * 100:.0f}%) = {parts}\n"
                 f"  {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, "
                 f"MFU {self.mfu * 100:.1f}%\n"
                 f"  memory {self.peak_memory_gb:.1f} / {self.capacity_gb:.1f} GB on stage {self.peak_stage} "
@@ -373,8 +384,9 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     mem_stages: list[dict[str, float]] = []
     for r in range(p):
         _, _, _, _, dparams, eparams, act, largest_full = rank_parts[r]
-        sd = state_bytes(dparams, shard, L.zero, grad_bytes=gb)
-        se = state_bytes(eparams, L.edp, L.zero, grad_bytes=gb)
+        ob = optimizer_bytes(L)        # fp32 master + Adam moments in L.optimizer_dtype
+        sd = state_bytes(dparams, shard, L.zero, grad_bytes=gb, optimizer_bytes=ob)
+        se = state_bytes(eparams, L.edp, L.zero, grad_bytes=gb, optimizer_bytes=ob)
         mem = {k: sd[k] + se[k] for k in sd}
         if L.zero >= 3 and shard > 1 and not L.reshard_after_forward:
             # weights gathered in forward stay until their backward: all of them at the peak
@@ -415,6 +427,9 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     model_tflops = mflops / step / n / 1e12
     hw_tflops = hflops / step / n / 1e12
     bottleneck = _bottleneck(time_s, step, peak, capacity)
+    ep_cross = L.ep > 1 and group(cluster, L.ep, L.etp).domains > 1
+    regime = regime_of(L.to_dict(), seq_len=seq_len, precision=precision, ep_cross_domain=ep_cross)
+    band, band_s = step_uncertainty(time_s, regime)
     return Estimate(
         step_time_s=step, tokens_per_s_per_gpu=tokens / step / n,
         model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,
@@ -423,7 +438,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         capacity_gb=capacity, fits=peak <= capacity, time_s=time_s, comm_s=comm_s,
         num_microbatches=m, peak_stage=peak_stage, layout=L.to_dict(), seq_len=seq_len,
         global_batch=global_batch, precision=precision, model=profile.name, cluster=cluster.name,
-        num_gpus=n, bottleneck=bottleneck)
+        num_gpus=n, bottleneck=bottleneck, uncertainty=band, uncertainty_s=band_s, regime=regime)
 
 
 def _bottleneck(time_s: dict[str, float], step: float, peak: float, capacity: float) -> str:

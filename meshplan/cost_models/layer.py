@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import Group, collective_time, dedup_all_to_all_time, dedup_copies, group, p2p_time
-from meshplan.cost_models.compute import attention_time, elementwise_time, gemm_time, matmul_rate
+from meshplan.cost_models.compute import (attention_time, cpu_op_overhead, elementwise_time, gemm_time, is_cpu,
+                                          matmul_rate)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.planner.profile import BlockProfile
 
@@ -262,8 +263,11 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         a_fwd = full / matmul_rate(c.cluster, False) + elementwise_time(score_bytes, c.cluster)
         a_bwd = 2 * a_fwd
     e_fwd = elementwise_time(_elementwise_bytes(b, c), c.cluster)
-    compute_fwd = g_fwd + a_fwd + e_fwd + K.LAYER_OVERHEAD_S
-    compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + K.LAYER_OVERHEAD_S   # dgrad + wgrad GEMMs
+    o_fwd = o_bwd = K.LAYER_OVERHEAD_S
+    if is_cpu(c.cluster) and b.ops:      # CPU processes: host dispatch + autograd cost of every traced op
+        o_fwd, o_bwd = cpu_op_overhead(b.ops, c.cluster)
+    compute_fwd = g_fwd + a_fwd + e_fwd + o_fwd
+    compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + o_bwd   # dgrad + wgrad GEMMs
 
     tp_one = _tp_comm(b, c)
     tp_hidden = K.TP_OVERLAP_HIDDEN if L.tp_comm_overlap and c.cluster.gpu.comm_overlap else 0.0

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from meshplan.errors import ConfigError, LayoutError
 
-__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
+__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "OPTIMIZER_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
            "divisors"]
 
 # Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
@@ -29,6 +29,11 @@ RECOMPUTE = ("none", "selective", "full")
 # (accumulate_allreduce_grads_in_fp32) and meshplan's runtime (FSDP2 reduce_dtype=fp32); "bf16" is
 # Megatron's --grad-reduce-in-bf16 and NeMo 1.x's distributed_fused_adam grad_sync_dtype=bf16.
 GRAD_DTYPES = ("fp32", "bf16")
+# Adam moment (m, v) dtype; master weights stay fp32 either way. "bf16" is Transformer Engine's
+# FusedAdam(exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16) and Megatron-Core's --exp-avg-dtype bf16
+# --exp-avg-sq-dtype bf16: 4 + 2 + 2 = 8 optimizer bytes per parameter instead of 12
+# (cost_models/memory.py); meshplan's runtime runs it with runtime/optim.py.
+OPTIMIZER_DTYPES = ("fp32", "bf16")
 # How MoE tokens reach their experts: "alltoall" sends one copy per (token, chosen expert) (NCCL
 # all-to-all, Megatron's alltoall dispatcher); "deepep" sends one copy per (token, destination GPU)
 # inside a scale-up domain and one per (token, destination domain) across it, forwarding inside the
@@ -61,7 +66,7 @@ class Layout:
     zero: int = 1            # 0 DDP, 1 distributed optimizer, 2 + sharded grads, 3 FSDP full shard
     mbs: int = 1
     recompute: str | int = "none"   # "none" | "selective" | "full" | N = full recompute of N layers per stage
-    schedule: str = "1f1b"
+    schedule: str | None = None     # None: "interleaved" when vp > 1, else "1f1b"; a named one is kept or refused
     sp: bool | None = None   # sequence parallel; default: on whenever tp > 1
     tp_comm_overlap: bool = False   # Megatron --tp-comm-overlap (userbuffers)
     flash_attention: bool = True    # False: attention scores are materialised (pre-2022 stacks)
@@ -70,6 +75,7 @@ class Layout:
     reshard_after_forward: bool = True   # zero=3: free gathered weights after forward (False ~ ZeRO-2 memory)
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (pp*vp entries); None = even split
     grad_dtype: str = "fp32"        # gradient buffer and reduction dtype (GRAD_DTYPES)
+    optimizer_dtype: str = "fp32"   # Adam moments' dtype (OPTIMIZER_DTYPES); master weights stay fp32
     moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
     fsdp_impl: str = "fsdp2"        # zero=3 implementation (FSDP_IMPLS)
     attn_kernel: str = "flash"      # flash-attention implementation (ATTN_KERNELS)
@@ -88,11 +94,16 @@ class Layout:
                                   "or a number of fully recomputed layers per stage")
         elif isinstance(self.recompute, bool) or not isinstance(self.recompute, int) or self.recompute < 0:
             raise ConfigError(f"layout recompute={self.recompute!r}: a layer count must be >= 0")
+        if self.schedule is None:
+            # vp only means something for a schedule that has several chunks per rank
+            object.__setattr__(self, "schedule", "interleaved" if self.vp > 1 else "1f1b")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"layout schedule={self.schedule!r}: use one of {SCHEDULES}")
         if self.vp > 1 and self.schedule not in ("interleaved", "zbv"):
-            # vp only means something for a schedule that has several chunks per rank
-            object.__setattr__(self, "schedule", "interleaved")
+            # a named schedule is kept or refused, never rewritten (issue #17)
+            raise ConfigError(f"schedule {self.schedule!r} runs one model chunk per pipeline rank, but vp={self.vp} "
+                              "virtual stages were asked for; use vp=1 with it, or schedule='interleaved' "
+                              "(or 'zbv', vp=2) for virtual stages")
         if self.schedule == "interleaved" and self.vp == 1:
             raise ConfigError("schedule 'interleaved' needs vp > 1 (virtual stages per pipeline rank)")
         if self.schedule == "zbv" and self.vp not in (1, 2):
@@ -105,7 +116,8 @@ class Layout:
             raise ConfigError(f"layout fsdp_shard={self.fsdp_shard!r}: a non-negative integer (0 = shard over all of dp*cp)")
         if self.fsdp_shard and self.zero != 3:
             raise ConfigError(f"fsdp_shard={self.fsdp_shard} (HSDP) needs zero=3, not zero={self.zero}")
-        for name, known in (("grad_dtype", GRAD_DTYPES), ("moe_dispatcher", MOE_DISPATCHERS),
+        for name, known in (("grad_dtype", GRAD_DTYPES), ("optimizer_dtype", OPTIMIZER_DTYPES),
+                            ("moe_dispatcher", MOE_DISPATCHERS),
                             ("fsdp_impl", FSDP_IMPLS), ("attn_kernel", ATTN_KERNELS)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"layout {name}={getattr(self, name)!r}: use one of {known}")
@@ -178,6 +190,8 @@ class Layout:
             parts.append(f"{self.fsdp_impl}-zero3")
         if self.grad_dtype != "fp32":
             parts.append(f"grads-{self.grad_dtype}")
+        if self.optimizer_dtype != "fp32":
+            parts.append(f"adam-{self.optimizer_dtype}")
         if self.moe_dispatcher != "alltoall" and self.ep > 1:
             parts.append(self.moe_dispatcher)
         if self.attn_kernel != "flash" and self.flash_attention:

@@ -7,23 +7,40 @@ Bytes per parameter with bf16 weights, fp32 main gradients and fp32 Adam (master
   zero 3 (FSDP full shard)     (2 + 4 + 12)/d + the unsharded working set of the layers in use
 where d is the data-parallel group the optimizer is sharded over (dp*cp for dense weights, the
 expert-data-parallel degree for experts).
+
+Optimizer state by `Layout.optimizer_dtype` (the dtype of Adam's m and v; master weights stay fp32):
+  "fp32"  4 + 4 + 4 = 12 bytes per parameter (K.OPTIMIZER_BYTES; Megatron-LM's default)
+  "bf16"  4 + 2 + 2 =  8 bytes per parameter (Transformer Engine FusedAdam with
+          exp_avg_dtype=exp_avg_sq_dtype=bf16; Megatron-Core --exp-avg-dtype/--exp-avg-sq-dtype bf16)
 """
 
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 
-__all__ = ["state_bytes", "grad_bytes", "zero3_working_bytes"]
+__all__ = ["state_bytes", "grad_bytes", "optimizer_bytes", "zero3_working_bytes"]
+
+# master weights (always fp32) + Adam's two moments in the layout's optimizer_dtype
+_MASTER_BYTES = K.FP32
+_MOMENT_BYTES = {"fp32": K.FP32, "bf16": K.BF16}
 
 
-def state_bytes(params: float, shard: int, zero: int, *, grad_bytes: float = K.GRAD_BYTES) -> dict[str, float]:
+def optimizer_bytes(layout) -> float:
+    """Optimizer bytes per parameter: fp32 master weights + Adam m and v in layout.optimizer_dtype."""
+    dtype = getattr(layout, "optimizer_dtype", "fp32")
+    return _MASTER_BYTES + 2 * _MOMENT_BYTES[dtype]
+
+
+def state_bytes(params: float, shard: int, zero: int, *, grad_bytes: float = K.GRAD_BYTES,
+                optimizer_bytes: float = K.OPTIMIZER_BYTES) -> dict[str, float]:
     """Weights / gradients / optimizer bytes for `params` parameters held by a GPU (already
     divided by TP/EP), with optimizer state sharded `shard` ways as the ZeRO stage says.
-    `grad_bytes`: bytes per gradient element of the gradient buffer (4 fp32, 2 bf16)."""
+    `grad_bytes`: bytes per gradient element of the gradient buffer (4 fp32, 2 bf16);
+    `optimizer_bytes`: per parameter (12 with fp32 Adam moments, 8 with bf16: optimizer_bytes())."""
     d = max(1, shard)
     weights = K.PARAM_BYTES * params / (d if zero >= 3 else 1)
     grads = grad_bytes * params / (d if zero >= 2 else 1)
-    opt = K.OPTIMIZER_BYTES * params / (d if zero >= 1 else 1)
+    opt = optimizer_bytes * params / (d if zero >= 1 else 1)
     return {"weights": weights, "gradients": grads, "optimizer": opt}
 
 

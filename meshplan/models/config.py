@@ -28,6 +28,10 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 ROUTERS = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("global", "local")
+# The MoE-only options with their neutral values: setting any of them on a dense model is an error.
+MOE_OPTIONS = {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0, "moe_expert_bias": False,
+               "moe_capacity_factor": None, "moe_force_balance": False}
 
 # Per-family defaults for the switches the user did not set.
 _FAMILY_DEFAULTS = {
@@ -79,6 +83,14 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     bias: bool | None = None
     router: str = "softmax"
+    # MoE load balancing and routing (see the README's "MoE training" section; Megatron-Core names)
+    moe_aux_loss_coeff: float = 0.0     # Switch load-balancing loss added to the training loss
+    moe_aux_loss_scope: str = "global"  # "global": counts over dp x cp ranks and micro-batches; "local"
+    moe_z_loss_coeff: float = 0.0       # router z-loss (ST-MoE): mean logsumexp(logits)^2
+    moe_expert_bias: bool = False       # aux-loss-free balancing (DeepSeek-V3): fp32 bias steers top-k
+    moe_bias_update_rate: float = 1e-3  # bias step per optimizer step, times sign(mean load - load)
+    moe_capacity_factor: float | None = None   # None: dropless; else keep <= cf * N k / E copies per expert
+    moe_force_balance: bool = False     # benchmarking: route round-robin, exactly balanced
     norm_eps: float = 1e-5
     name: str = ""
 
@@ -134,7 +146,29 @@ class ModelConfig:
         if self.moe_ffn_hidden is None:
             object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
 
+    def _check_moe_options(self) -> None:
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{key} must be a number >= 0, got {value!r} (e.g. {key}=1e-2)")
+        _check_choice("moe_aux_loss_scope", self.moe_aux_loss_scope, AUX_LOSS_SCOPES)
+        for key in ("moe_expert_bias", "moe_force_balance"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be True or False, got {getattr(self, key)!r}")
+        cf = self.moe_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ConfigError(f"moe_capacity_factor must be > 0 (or None for dropless routing), got {cf!r}; "
+                              "e.g. moe_capacity_factor=1.25")
+        if self.family != "moe":
+            set_ = [k for k, neutral in MOE_OPTIONS.items() if getattr(self, k) != neutral]
+            if set_:
+                raise ConfigError(
+                    f"{', '.join(f'{k}={getattr(self, k)!r}' for k in set_)} balance(s) mixture-of-experts "
+                    f"routing, but family={self.family!r} is a dense model with no experts; leave "
+                    f"{set_[0]}={MOE_OPTIONS[set_[0]]!r} or use family='moe'")
+
     def _check_moe(self) -> None:
+        self._check_moe_options()
         if self.family != "moe":
             if self.experts or self.topk or self.shared_experts or self.dense_layers:
                 raise ConfigError(

@@ -13,8 +13,11 @@ sees one node with static output shape, `register_fake` gives the shape without 
 data-dependent loop, and the FLOP formulas below let `FlopCounterMode` (and the tracer, through
 `torch.utils.flop_counter.flop_registry`) count it.
 
-The real implementation loops over the groups in Python (`offs.tolist()`), which is fine on real
-tensors in eager mode; fast fused kernels belong in `meshplan.kernels`.
+The real implementation runs `torch._grouped_mm` (one grouped GEMM kernel, forward and both
+backward products) where the device supports it: CUDA with compute capability >= 9.0 (Hopper),
+bf16, the matmuls' inner and outer sizes multiples of 8 (16-byte rows). Elsewhere (CPU, older GPUs, fp32) it
+loops over the groups in Python (`offs.tolist()`), which is fine on real tensors in eager mode.
+`USE_TORCH_GROUPED_MM = False` forces the loop.
 """
 
 from __future__ import annotations
@@ -25,7 +28,30 @@ from torch.utils.flop_counter import register_flop_formula
 
 from meshplan.errors import MeshplanError
 
-__all__ = ["grouped_mm", "grouped_mm_backward", "grouped_mm_reference"]
+__all__ = ["grouped_mm", "grouped_mm_backward", "grouped_mm_reference", "torch_grouped_mm_supported"]
+
+USE_TORCH_GROUPED_MM = True
+
+
+def torch_grouped_mm_supported(*tensors: Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs these operands: bf16 CUDA tensors on a GPU of compute
+    capability >= 9.0, feature sizes multiples of 8 (its 16-byte alignment rule)."""
+    if not USE_TORCH_GROUPED_MM or not hasattr(torch, "_grouped_mm"):
+        return False
+    if not all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors):
+        return False
+    # rows (the grouped dim) may be any number; the GEMM's inner and outer sizes must be aligned
+    if any(d % 8 for t in tensors for d in (t.shape[1:] if t.dim() == 3 else t.shape[-1:])):
+        return False
+    return torch.cuda.get_device_capability(tensors[0].device) >= (9, 0)
+
+
+def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
+    # torch._grouped_mm leaves rows past the last group undefined; the contract says 0
+    end = int(offs[-1]) if offs.numel() else 0
+    if end < out.shape[0]:
+        out[end:] = 0
+    return out
 
 
 def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
@@ -55,6 +81,10 @@ def _bounds(offs: Tensor, rows: int) -> list[tuple[int, int]]:
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Per-group ``x[rows] @ w[g].T``; see the module docstring for shapes."""
     _check(x, w, offs)
+    if torch_grouped_mm_supported(x, w):
+        _bounds(offs, x.shape[0])
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs.to(torch.int32))   # (M, N)
+        return _zero_tail(out, offs)
     out = x.new_zeros(x.shape[0], w.shape[1])                           # (M, N)
     for g, (start, end) in enumerate(_bounds(offs, x.shape[0])):
         if end > start:
@@ -71,6 +101,14 @@ def _grouped_mm_fake(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 @torch.library.custom_op("meshplan::grouped_mm_backward", mutates_args=())
 def grouped_mm_backward(grad: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients of `grouped_mm`: dx (M, K) and dw (G, N, K); groups with no rows get dw = 0."""
+    if torch_grouped_mm_supported(grad, x, w):
+        _bounds(offs, x.shape[0])
+        offs32 = offs.to(torch.int32)
+        dx = _zero_tail(torch._grouped_mm(grad, w, offs=offs32), offs)              # (M, N) x (G, N, K)
+        # 2-D x 2-D: the groups split the reduction dim (rows): dw[g] = grad[g].T @ x[g]
+        dw = torch._grouped_mm(grad.t(), x, offs=offs32)                            # (G, N, K)
+        empty = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).view(-1, 1, 1)
+        return dx, dw.masked_fill(empty, 0)
     dx = torch.zeros_like(x)                                            # (M, K)
     dw = torch.zeros_like(w)                                            # (G, N, K)
     for g, (start, end) in enumerate(_bounds(offs, x.shape[0])):

@@ -2,9 +2,10 @@
 
     MoE
       router          nn.Linear(h, experts, bias=False)
-      expert_bias     buffer (experts,), sigmoid router only: shifts the top-k choice, never the
-                      weights (DeepSeek-V3's auxiliary-loss-free balancing; updated outside
-                      autograd by the training loop, e.g. `update_expert_bias`)
+      expert_bias     fp32 buffer (experts,), sigmoid router or `moe_expert_bias`: shifts the
+                      top-k choice, never the weights (DeepSeek-V3's auxiliary-loss-free
+                      balancing; `update_expert_bias` after each optimizer step; stays fp32
+                      whatever the model's dtype; saved in checkpoints as a persistent buffer)
       experts         GroupedExperts: w1 (E, f, h), w2 (E, h, f)[, w3 (E, f, h)]
       shared_experts  FeedForward of width shared_experts * f, applied to every token (or None)
 
@@ -16,9 +17,31 @@ torch.export on meta / fake tensors):
   4. the copies are weighted and summed back into their tokens (index_add).
 An expert-parallel runtime wraps step 3: `GroupedExperts.forward(x, counts)` receives tokens
 sorted by expert together with the per-expert counts, which is what an all-to-all dispatch needs.
+
+Load balancing (ModelConfig's `moe_*` options; names follow Megatron-Core):
+  - aux loss (`moe_aux_loss_coeff`): the Switch loss E * sum_e f_e P_e, f_e = copies to e / (T k),
+    P_e = mean probability of e. Scope "global" (default, Megatron's global_aux_loss): the counts
+    are all-reduced over `balance_group` (the dp x cp ranks, set by the runtime's MoEBalancer)
+    and micro-batch i uses their running mean over micro-batches 1..i of the step; T is the
+    global token count of the micro-batch. Each rank back-propagates its share
+    coeff / m * E / (k T^2) * sum_e mean_count_e * (its own summed P_e), so the gradients,
+    summed over ranks like every gradient, are those of the global loss on one device.
+    Scope "local": each rank's own micro-batch loss, averaged over ranks and micro-batches.
+  - z-loss (`moe_z_loss_coeff`, ST-MoE): mean over tokens of logsumexp(logits)^2.
+  - the losses join the training loss through `_AttachLoss` (no change to the loss function),
+    so pipeline schedules and recompute train them too; a recomputed forward replays the first
+    forward's constants (no collective in backward).
+  - capacity (`moe_capacity_factor`): at most ceil(cf * N k / E) copies per expert on each rank,
+    the first in token order (Megatron's "position" drop policy); dropped copies add nothing.
+  - forced balance (`moe_force_balance`, benchmarking): copy j of token t goes to expert
+    (t k + j) mod E.
+Statistics of the step (global counts, the losses' values, the dropped fraction) are in
+`window` until `step_stats()` reads and resets them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +51,7 @@ from meshplan.models.config import ModelConfig
 from meshplan.models.grouped_mm import grouped_mm
 from meshplan.models.layers import FeedForward
 
-__all__ = ["MoE", "GroupedExperts"]
+__all__ = ["MoE", "GroupedExperts", "RoutingWindow", "load_balancing_loss"]
 
 
 class GroupedExperts(nn.Module):
@@ -55,6 +78,54 @@ class GroupedExperts(nn.Module):
         return grouped_mm(h, self.w2, offs)                                # (M, h)
 
 
+class _AttachLoss(torch.autograd.Function):
+    """Return `out` unchanged; in backward, give `loss` the gradient 1 (Megatron's
+    MoEAuxLossAutoScaler): the balancing losses join the training loss without passing through
+    the loss function, so every loop, pipeline schedule and recompute policy trains them."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+class RoutingWindow:
+    """Routing statistics of one optimizer step (its micro-batches), global over `group`.
+
+    `counts` sums the copies routed to each expert over the micro-batches seen so far, all-reduced
+    over the data-parallel x context-parallel ranks; the global auxiliary loss of micro-batch i
+    uses their running mean (Megatron-Core's global aux loss). `aux`, `z` are the losses' values
+    (mean over micro-batches, global); `dropped` / `copies` count token copies a capacity dropped.
+    `replay` keeps each micro-batch's constants for a recomputation in backward (no collective
+    there, and the same numbers as the first forward).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: Tensor | None = None        # (E,) float64
+        self.microbatches = 0
+        self.aux = 0.0
+        self.z = 0.0
+        self.dropped = 0.0
+        self.copies = 0.0
+        self.replay: list[tuple[Tensor, float]] = []
+
+
+def kernel_route(logits: Tensor, moe: "MoE") -> tuple[Tensor, Tensor, Tensor]:
+    """`MoE.route_fn` running meshplan's fused router (`meshplan.kernels.moe_route`: Triton on
+    GPUs, the reference elsewhere): the same top-k, weights and summed probabilities as the
+    eager route, in one kernel."""
+    from meshplan.kernels.moe import moe_route
+    r = moe_route(logits, moe.topk, score_func=moe.score_func, expert_bias=moe._selection_bias())
+    return r.weights, r.experts, r.prob_sum
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared experts) replacing the dense MLP of a block."""
 
@@ -69,26 +140,63 @@ class MoE(nn.Module):
             FeedForward(config.hidden, config.shared_experts * config.moe_ffn_hidden,
                         activation=config.activation, bias=False)
             if config.shared_experts else None)
-        if self.score_func == "sigmoid":
+        if self.score_func == "sigmoid" or config.moe_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.experts, dtype=torch.float32))
         else:
             self.expert_bias = None
+        self.aux_loss_coeff = float(config.moe_aux_loss_coeff)
+        self.aux_loss_scope = config.moe_aux_loss_scope
+        self.z_loss_coeff = float(config.moe_z_loss_coeff)
+        self.bias_update = config.moe_expert_bias
+        self.bias_update_rate = float(config.moe_bias_update_rate)
+        self.capacity_factor = config.moe_capacity_factor
+        self.force_balance = config.moe_force_balance
+        # set by the runtime (meshplan.runtime.expert_parallel.MoEBalancer): the process group of
+        # the ranks holding other tokens of this layer (dp x cp), and micro-batches per step
+        self.balance_group = None
+        self.num_microbatches = 1
+        self.window = RoutingWindow()
+        self.route_fn = None                   # a fused router kernel (runtime/fused.py), or None
+        self.probing = False                   # a shape-inference run (pipelining): no statistics
         self.aux_loss: Tensor | None = None        # set by every forward
         self.tokens_per_expert: Tensor | None = None
 
+    def _apply(self, fn, recurse: bool = True):
+        # the expert bias stays fp32 whatever the model's dtype (model.to(torch.bfloat16), FSDP's
+        # param dtype): DeepSeek-V3's updates of 1e-3 are below bf16's resolution near 1
+        out = super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return out
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, h) -> top-k weights (N, k) float32, expert ids (N, k), router probabilities (N, E)."""
-        logits = self.router(x).float()                                     # (N, E)
+        return self._route(self.router(x).float())[:3]
+
+    def _selection_bias(self) -> Tensor | None:
+        return self.expert_bias if self.bias_update or self.score_func == "sigmoid" else None
+
+    def _route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """logits (N, E) fp32 -> weights (N, k), experts (N, k), probabilities (N, E)."""
+        bias = self._selection_bias()
         if self.score_func == "softmax":
             # Mixtral / Qwen3: softmax over all experts, keep the top k, renormalise over them.
             probs = logits.softmax(dim=-1)
-            weights, selected = probs.topk(self.topk, dim=-1)
+            scores = probs
         else:
             # DeepSeek-V3: independent sigmoid scores; the bias only steers which experts win.
             scores = logits.sigmoid()
-            _, selected = (scores + self.expert_bias).topk(self.topk, dim=-1)
-            weights = scores.gather(-1, selected)
             probs = scores / scores.sum(dim=-1, keepdim=True)
+        if self.force_balance:
+            # Megatron's forced balance (benchmarking): copy j of token t goes to expert
+            # (t k + j) mod E, the same load on every expert whatever the router learnt
+            n, e = logits.shape
+            selected = (torch.arange(n * self.topk, device=logits.device) % e).view(n, self.topk)
+        elif bias is not None:
+            _, selected = (scores + bias).topk(self.topk, dim=-1)
+        else:
+            _, selected = scores.topk(self.topk, dim=-1)
+        weights = scores.gather(-1, selected)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, selected, probs
 
@@ -96,30 +204,140 @@ class MoE(nn.Module):
         B, T, H = x.shape
         E, k = self.experts.num_experts, self.topk
         tokens = x.reshape(-1, H)                                           # (N, h)
-        weights, selected, probs = self.route(tokens)                       # (N, k), (N, k), (N, E)
+        logits = self.router(tokens).float()                                # (N, E)
+        if self.route_fn is not None and not self.force_balance:
+            # fused router (meshplan.kernels.moe_route): top-k, scores, bias and summed probabilities
+            weights, selected, prob_sum = self.route_fn(logits, self)       # (N, k), (N, k), (E,)
+        else:
+            weights, selected, probs = self._route(logits)                  # (N, k), (N, k), (N, E)
+            prob_sum = probs.sum(dim=0)                                     # (E,)
         expert_of_copy = selected.flatten()                                 # (N*k,)
         order = torch.argsort(expert_of_copy, stable=True)                  # copies grouped by expert
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add(
             0, expert_of_copy, torch.ones_like(expert_of_copy))             # (E,)
-        token_of_copy = order // k                                          # (N*k,)
-        routed = self.experts(tokens.index_select(0, token_of_copy), counts)   # (N*k, h)
+        running = not torch.compiler.is_exporting() and x.device.type != "meta" and not _is_fake(x)
+        kept_counts, dropped = counts, 0
+        if self.capacity_factor is not None and running:
+            order, kept_counts = self._drop_over_capacity(order, expert_of_copy, counts)
+            dropped = expert_of_copy.numel() - order.numel()
+        token_of_copy = order // k                                          # (M,) M <= N*k
+        routed = self.experts(tokens.index_select(0, token_of_copy), kept_counts)   # (M, h)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of_copy, routed)  # (N, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
-        if not torch.compiler.is_exporting():
+        if running:
             # An exported program cannot keep tensors assigned to module attributes (they would
-            # hold fake tensors), so the optional routing statistics are only kept when running.
+            # hold fake tensors), so the routing statistics and losses only exist when running.
             self.tokens_per_expert = counts.detach()
-            self.aux_loss = load_balancing_loss(probs, counts, k)
+            # a training-mode forward without autograd is a probe (the pipeline's shape inference
+            # runs the stage once on a real micro-batch): it must not count in the step's window
+            if (torch.is_grad_enabled() or not self.training) and not self.probing:
+                loss = self._balancing(logits, prob_sum, tokens.shape[0], counts, dropped)
+                if loss is not None:
+                    out = _AttachLoss.apply(out, loss)
         return out.view(B, T, H)
 
+    def _drop_over_capacity(self, order: Tensor, expert_of_copy: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep at most ceil(cf * N k / E) copies per expert, the first ones in token order
+        (Megatron's "position" drop policy); returns the kept copies' order and counts."""
+        copies, experts = expert_of_copy.numel(), counts.numel()
+        capacity = math.ceil(self.capacity_factor * copies / experts)
+        starts = torch.cumsum(counts, 0) - counts                          # (E,)
+        sorted_expert = expert_of_copy[order]                               # (N*k,)
+        position = torch.arange(copies, device=order.device) - starts[sorted_expert]   # rank within expert
+        return order[position < capacity], counts.clamp(max=capacity)
+
+    def _balancing(self, logits: Tensor, prob_sum: Tensor, n: int, counts: Tensor, dropped: int) -> Tensor | None:
+        """Routing statistics of this micro-batch (global over `balance_group`) and the balancing
+        losses' term to back-propagate (None when no loss is on). See `RoutingWindow`.
+        prob_sum (E,): the router probabilities summed over this rank's n tokens (differentiable)."""
+        E, k = prob_sum.shape[0], self.topk
+        recompute = torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+        z_sum = torch.logsumexp(logits, dim=-1).square().sum() if self.z_loss_coeff else None
+        # this micro-batch's own Switch loss (local), kept for inspection
+        self.aux_loss = E * (counts.float() / (n * k) * prob_sum / n).sum()
+        if recompute and self.window.replay:
+            mean_counts, tokens = self.window.replay.pop(0)
+        else:
+            w = self.window
+            if w.microbatches >= self.num_microbatches:
+                w.reset()                      # a new step (the runtime also resets explicitly)
+            local = torch.cat([counts.double(), prob_sum.detach().double(), prob_sum.new_tensor(
+                [float(z_sum.detach()) if z_sum is not None else 0.0, n, dropped, float(self.aux_loss.detach())],
+                dtype=torch.float64)])
+            group = self.balance_group
+            if group is not None:
+                import torch.distributed as dist
+                dist.all_reduce(local, group=group)
+                ranks = dist.get_world_size(group)
+            else:
+                ranks = 1
+            m = self.num_microbatches
+            glob_counts, glob_probs = local[:E], local[E:2 * E]
+            glob_z, tokens, glob_dropped, aux_sum = (float(v) for v in local[2 * E:])
+            w.counts = glob_counts.clone() if w.counts is None else w.counts + glob_counts
+            w.microbatches += 1
+            w.dropped += glob_dropped
+            w.copies += tokens * k
+            w.z += glob_z / tokens / m
+            if self.aux_loss_scope == "global":
+                mean_counts = (w.counts / w.microbatches).float()           # (E,) running mean
+                w.aux += float(E / (k * tokens ** 2) * (mean_counts.double() * glob_probs).sum()) / m
+            else:
+                mean_counts = counts.float()
+                tokens = float(n)
+                w.aux += aux_sum / ranks / m
+            if torch.is_grad_enabled():
+                w.replay.append((mean_counts, tokens))
+        terms = []
+        m = self.num_microbatches
+        if self.aux_loss_coeff:
+            # sums over the ranks' shares make the global loss: the shares' gradients are summed
+            # over dp x cp like every gradient; "local" averages the ranks' own losses instead
+            share = 1.0 if self.aux_loss_scope == "global" else 1.0 / self._ranks()
+            terms.append(self.aux_loss_coeff * share / m * E / (k * tokens ** 2) * (mean_counts * prob_sum).sum())
+        if self.z_loss_coeff:
+            glob_tokens = tokens if self.aux_loss_scope == "global" else n * self._ranks()
+            terms.append(self.z_loss_coeff / m / glob_tokens * z_sum)
+        if not terms or not torch.is_grad_enabled():
+            return None
+        return sum(terms[1:], terms[0])
+
+    def _ranks(self) -> int:
+        if self.balance_group is None:
+            return 1
+        import torch.distributed as dist
+        return dist.get_world_size(self.balance_group)
+
+    def step_stats(self, *, reset: bool = True) -> dict[str, float | list[float]]:
+        """This step's routing statistics (global): copies per expert, max/mean load, the aux and
+        z losses' values, the dropped fraction; starts a new window when `reset`."""
+        w = self.window
+        if w.counts is None:
+            return {}
+        load = w.counts.tolist()
+        mean = sum(load) / len(load)
+        stats = {"tokens_per_expert": load, "imbalance": max(load) / mean if mean else 0.0,
+                 "aux_loss": w.aux, "z_loss": w.z, "dropped": w.dropped / w.copies if w.copies else 0.0}
+        if reset:
+            w.reset()
+        return stats
+
     @torch.no_grad()
-    def update_expert_bias(self, rate: float = 1e-3) -> None:
-        """DeepSeek-V3 balancing step: raise the bias of under-loaded experts, lower over-loaded."""
-        if self.expert_bias is None or self.tokens_per_expert is None:
+    def update_expert_bias(self, rate: float | None = None, counts: Tensor | None = None) -> None:
+        """DeepSeek-V3 balancing step: raise the bias of under-loaded experts, lower over-loaded.
+
+        `counts`: the copies per expert of the whole step (default: this step's window, global
+        over the data-parallel ranks and micro-batches, else the last forward's)."""
+        if self.expert_bias is None:
             return
-        load = self.tokens_per_expert.float()
+        if counts is None:
+            counts = self.window.counts if self.window.counts is not None else self.tokens_per_expert
+        if counts is None:
+            return
+        rate = self.bias_update_rate if rate is None else rate
+        load = counts.to(self.expert_bias.device, torch.float32)
         self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
     @torch.no_grad()
@@ -130,6 +348,11 @@ class MoE(nn.Module):
             self.experts.w3.normal_(0.0, std, generator=generator)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 def load_balancing_loss(probs: Tensor, counts: Tensor, topk: int) -> Tensor:

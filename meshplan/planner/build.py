@@ -6,7 +6,8 @@ from typing import Any, Mapping
 
 from meshplan.cost_models.estimate import Estimate, estimate_profile
 from meshplan.cost_models.layout import Layout, check_layout
-from meshplan.errors import DoesNotFitError
+from meshplan.errors import DoesNotFitError, LayoutError
+from meshplan.support import TP_ROLE_PLACEMENT, block_placement_limits
 from meshplan.planner.explain import why_lost
 from meshplan.planner.plan import MESH_AXES, Plan, RunnerUp
 from meshplan.planner.profile import ModelProfile
@@ -14,12 +15,12 @@ from meshplan.planner.profile import ModelProfile
 __all__ = ["build_plan", "placements_for", "stage_modules"]
 
 # Placement of a linear by its data-flow role (roles come from the traced graph, not class names).
-_ROLE_PLACEMENT = {"attn_qkv": "colwise", "mlp_in": "colwise", "shared_in": "colwise",
-                   "attn_out": "rowwise", "mlp_out": "rowwise", "shared_out": "rowwise",
-                   "router": "replicate", "expert_in": "expert", "expert_out": "expert", "other": "replicate"}
+# the runtime's TP pattern (meshplan.support): role-based placements and the check of the ILP's
+_ROLE_PLACEMENT = TP_ROLE_PLACEMENT
 
 
-def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_len: int = 0) -> dict[str, str]:
+def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_len: int = 0,
+                   notes: list[str] | None = None) -> dict[str, str]:
     """Per-module placements relative to each block signature (`<signature>:<module>`), plus the
     embedding and output layer. tp == 1 means everything is replicated within the TP group.
 
@@ -36,6 +37,20 @@ def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_l
                                    io_layout="sequence" if layout.sp else "replicate")
         except MeshplanError:
             solved = {}
+        by_sig = {b.signature: b for b in profile.blocks}
+        for sig, bs in list(solved.items()):
+            b = by_sig.get(sig)
+            attention = tuple(k for k, v in bs.placements.items() if k not in {li.name for li in b.linears}
+                              and any(o.kind == "attention" and o.module.endswith("." + k) for o in b.ops)) if b else ()
+            why = block_placement_limits(bs.placements, {li.name: li.role for li in b.linears}, attention) if b else []
+            if why:
+                # the ILP found a dataflow the runtime does not run: keep the runtime's pattern
+                # (the estimate priced the layout, not the ILP's placements, so it still holds)
+                if notes is not None:
+                    notes.append(f"sharding ILP's placements for block {sig} replaced by the runtime's "
+                                 f"Megatron pattern: {why[0]}")
+                solved = {}
+                break
         if solved:
             for sig, bs in solved.items():
                 for mod, placement in bs.placements.items():
@@ -47,6 +62,13 @@ def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_l
         for li in b.linears:
             out[f"{b.signature}:{li.name}"] = _ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
                 else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
+        if layout.tp > 1 and b.ops and b.instances:
+            # traced blocks: the attention between column- and row-parallel linears runs on the
+            # local heads (the runtime adjusts the module's head counts)
+            inst = b.instances[0]
+            for o in b.ops:
+                if o.kind == "attention" and o.module.startswith(inst + "."):
+                    out[f"{b.signature}:{o.module[len(inst) + 1:]}"] = "heads"
     if layout.tp > 1:
         out["*norm*"] = "sequence" if layout.sp else "replicate"
         _outer_placements(profile, out, sequence=bool(layout.sp))
@@ -124,9 +146,15 @@ def _fused_kernels(profile: ModelProfile, lay: Layout) -> tuple[str, ...]:
 
 
 def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
-               fixed: Mapping[str, Any] | None = None) -> Plan:
+               fixed: Mapping[str, Any] | None = None, prefer_simpler_layouts: bool = True) -> Plan:
     """The Plan of the search's best layout. Fused kernels are listed where the profile says the
     runtime swaps them in (ModelProfile.fusions True), matched again for the chosen TP degree."""
+    unsupported = getattr(result, "unsupported", [])
+    if not result.ranked and unsupported:
+        est, why = unsupported[0]
+        raise LayoutError(f"no layout the runtime can run was found: {Layout.from_dict(est.layout).short()} and "
+                          f"the others searched cannot run: {why}. Fix fewer degrees (e.g. leave tp/ep free) "
+                          "so the planner can choose a layout the runtime supports")
     if not result.ranked:
         raise DoesNotFitError(_no_fit_message(profile, cluster, result.rejected, seq_len))
     # the pipeline-stage ILP may move layers off the embedding / output stages; try it on the
@@ -136,7 +164,23 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
         head = [refine_stages(profile, cluster, e, seq_len=seq_len, global_batch=global_batch)
                 for e in result.ranked[:3]]
         result.ranked = sorted(head + result.ranked[3:], key=lambda e: e.step_time_s)
+    # a faster layout whose edge over a simpler, better-validated one is inside the model's
+    # uncertainty band does not win (meshplan.cost_models.uncertainty); unless the user fixed enough
+    # of the layout that the choice is theirs
+    band_note = ""
+    if prefer_simpler_layouts:
+        from meshplan.cost_models.uncertainty import prefer_simpler
+        chosen, band_note = prefer_simpler(result.ranked)
+        if chosen is not result.ranked[0]:
+            result.ranked = [chosen] + [e for e in result.ranked if e is not chosen]
     best = result.ranked[0]
+    excluded_note = ""
+    if unsupported and unsupported[0][0].step_time_s < best.step_time_s:
+        fast, why = unsupported[0]
+        gain = best.step_time_s / fast.step_time_s - 1
+        excluded_note = (f"the fastest layout found, {Layout.from_dict(fast.layout).short()} "
+                         f"({fast.step_time_s:.3f} s, {gain * 100:.0f}% faster), was excluded: the runtime "
+                         f"cannot run it ({why})")
     lay = Layout.from_dict(best.layout)
     stage_layers = check_layout(lay, profile, cluster, seq_len=seq_len, global_batch=global_batch)
     seen = {repr(sorted(best.layout.items())) + best.precision}
@@ -153,6 +197,8 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     for e in [e for e in result.rejected_fast if e.step_time_s < best.step_time_s][:2]:
         runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s, peak_memory_gb=e.peak_memory_gb,
                                    fits=False, reason=why_lost(e, best)))
+    placement_notes: list[str] = []
+    placements = placements_for(profile, lay, cluster, seq_len=seq_len, notes=placement_notes)
     mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
     assert tuple(mesh) == MESH_AXES
     fp8_modules: tuple[str, ...] = ()
@@ -163,9 +209,12 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                                 precision="fp8", fp8_modules=frozenset(fp8_modules))
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
-                precision=best.precision, layout=best.layout, mesh=mesh, placements=placements_for(profile, lay, cluster, seq_len=seq_len),
+                precision=best.precision, layout=best.layout, mesh=mesh, placements=placements,
                 stages=stage_modules(profile, stage_layers), schedule=lay.schedule, micro_batch_size=lay.mbs,
                 num_microbatches=best.num_microbatches, recompute=lay.recompute, fp8_modules=fp8_modules,
                 fused_kernels=_fused_kernels(profile, lay),
                 estimate=best.to_dict(), runner_ups=tuple(runner_ups),
-                search={**result.stats, "fixed": dict(fixed or {})})
+                search={**result.stats, "fixed": dict(fixed or {}),
+                        **({"band_choice": band_note} if band_note else {}),
+                        **({"runtime_excluded_note": excluded_note} if excluded_note else {}),
+                        **({"placement_note": placement_notes[0]} if placement_notes else {})})

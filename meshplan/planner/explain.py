@@ -22,6 +22,14 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
     diffs = {k: loser.time_s.get(k, 0.0) - best.time_s.get(k, 0.0) for k in best.time_s}
     k = max(diffs, key=diffs.get)
     slower = loser.step_time_s / best.step_time_s - 1
+    if slower < 0:
+        # faster by the model, yet not chosen: its edge is inside the uncertainty band (prefer_simpler)
+        from meshplan.cost_models.uncertainty import gain_band
+        gain, band, d = gain_band(loser, best)
+        rests = ", ".join(f"{_NAMES.get(c, c)} {v * 1e3:.0f} ms" for c, v in sorted(d.items(), key=lambda kv: -kv[1])
+                          if v > 1e-3 * loser.step_time_s)
+        return (f"predicted {-slower * 100:.1f}% faster, but the gain is inside the band ({band * 100:.1f}%) and "
+                f"the layout is less simple or less validated; its edge rests on: {rests or 'nothing'}")
     if loser.precision != best.precision and k == "compute":
         return f"{slower * 100:.1f}% slower: {loser.precision} GEMMs are slower than {best.precision}"
     if k == "compute":
@@ -61,6 +69,17 @@ def explain(plan) -> str:
     p("")
     p(f"Predicted step {est.step_time_s:.3f} s: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
       f"{est.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, MFU {est.mfu * 100:.1f}%")
+    if est.uncertainty:
+        lo, hi = est.step_time_range_s
+        worst = sorted(((v, k) for k, v in est.uncertainty_s.items() if v > 0), reverse=True)[:3]
+        flags = [k for k, on in est.regime.items() if on and k != "fsdp"]
+        p(f"  uncertainty band +/-{est.uncertainty * 100:.1f}% ({lo:.3f}-{hi:.3f} s), from the validation error "
+          f"of: " + ", ".join(f"{_NAMES.get(k, k)} {v * 1e3:.1f} ms" for v, k in worst)
+          + (f"; less-validated regimes: {', '.join(flags)}" if flags else ""))
+    if plan.search and plan.search.get("band_choice"):
+        p(f"  {plan.search['band_choice']}")
+    if plan.search and plan.search.get("runtime_excluded_note"):
+        p(f"  {plan.search['runtime_excluded_note']}")
     for k, v in est.time_s.items():
         if v > 0:
             frac = v / est.step_time_s

@@ -617,8 +617,14 @@ class _Analysis:
             return None
         up = lambda n: self.by_name[n].inputs if n in self.by_name else ()
         members = closure(combine.name, up) - closure(x, up)
-        if any(u not in members for m in members - {combine.name} for u in users.get(m, [])):
-            return None   # an internal value escapes (auxiliary losses, ...): go op by op
+
+        def activation(m: str) -> bool:       # a value of the hidden width (not routing statistics)
+            shapes = self.by_name[m].output_shapes if m in self.by_name else ()
+            return bool(shapes) and bool(shapes[0]) and shapes[0][-1] == xshape[-1]
+        # routing statistics (probabilities, counts: E wide) may leave the region for the
+        # load-balancing losses and metrics; an activation leaving it means the region is not one unit
+        if any(u not in members for m in members - {combine.name} if activation(m) for u in users.get(m, [])):
+            return None   # an internal activation escapes: go op by op
         return {"members": members, "out": combine.name, "x": x, "router": router}
 
     def _unit(self, combine: OpInfo, unit: dict) -> None:

@@ -23,17 +23,23 @@ from meshplan.cost_models.estimate import Estimate, estimate_profile
 from meshplan.cost_models.layout import Layout, divisors, split_layers
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.planner.profile import ModelProfile
+from meshplan.planner.traits import model_traits
+from meshplan.support import runtime_limits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "sp",
-           "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward")
+           "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward",
+           # the software stack, not the planner's choice (kept as given, e.g. to score a published run)
+           "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MBS = 8
 # The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
 # latency-bound steps then cost more than the attention they split (judgement, not fitted).
 CP_MIN_TOKENS_PER_RANK = 1024
 MAX_VP = 8
+# schedules with one model chunk per pipeline rank: a fixed one keeps vp = 1 (never rewritten)
+SINGLE_CHUNK_SCHEDULES = ("1f1b", "zb", "gpipe")
 
 
 @dataclass
@@ -41,6 +47,8 @@ class SearchResult:
     ranked: list[Estimate]                 # fitting candidates, best first
     rejected: list[Estimate]               # evaluated but over memory: the leanest few, for messages
     rejected_fast: list[Estimate] = field(default_factory=list)   # over memory: the fastest few
+    # layouts the runtime cannot run (meshplan.support), fastest first, with the first reason
+    unsupported: list[tuple[Estimate, str]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,6 +72,9 @@ def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
         raise ConfigError("fixed vp > 1 contradicts fixed pp = 1: virtual stages need pipeline parallelism")
     if f.get("schedule") == "interleaved" and int(f.get("vp", 2)) == 1:
         raise ConfigError("fixed schedule='interleaved' contradicts fixed vp = 1")
+    if f.get("schedule") in SINGLE_CHUNK_SCHEDULES and int(f.get("vp", 1)) > 1:
+        raise ConfigError(f"fixed schedule={f['schedule']!r} runs one model chunk per pipeline rank and "
+                          f"contradicts fixed vp = {f['vp']}; use schedule='interleaved' (or 'zbv', vp=2)")
     return f
 
 
@@ -89,7 +100,7 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
 
 def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[str, ...],
            fixed: Mapping[str, Any] | None = None, allow_cross_domain: bool = False,
-           keep: int = 64) -> SearchResult:
+           keep: int = 256, for_runtime: bool = True, traits=None) -> SearchResult:
     t0 = time.perf_counter()
     n = cluster.num_gpus
     f = _check_fixed(fixed or {}, n)
@@ -107,9 +118,14 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
         return (heads % t == 0 and kv % t == 0 and profile.vocab % t == 0 and all(w % t == 0 for w in ffns)
                 and (allow_cross_domain or t <= domain))
 
-    stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "estimates": 0}
+    stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "estimates": 0, "runtime_excluded": 0}
     ranked: list[Estimate] = []
     rejected: list[Estimate] = []
+    traits = traits or model_traits(profile)
+    # costed like the others (so explain() can say what the runtime's limits cost), never returned
+    unsupported: list[Estimate] = []
+    unsupported_why: list[str] = []
+    ustats = dict.fromkeys(stats, 0)
     for tp in _opts("tp", f, (t for t in divisors(n) if t <= 64)):
         if not tp_ok(tp):
             stats["pruned_divisibility"] += 1
@@ -130,7 +146,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                 if global_batch % dp:
                     stats["pruned_divisibility"] += 1
                     continue
-                vps = [1] if pp == 1 else [v for v in range(1, MAX_VP + 1) if L % (pp * v) == 0] or [1]
+                vps = [1] if pp == 1 or f.get("schedule") in SINGLE_CHUNK_SCHEDULES else \
+                    [v for v in range(1, MAX_VP + 1) if L % (pp * v) == 0] or [1]
                 for vp in _opts("vp", f, vps):
                     scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])
                     eps = [1]
@@ -139,7 +156,9 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         eps = [e for e in divisors(experts) if fold % e == 0 and (allow_cross_domain or e <= domain)]
                     for ep, schedule, zero in itertools.product(
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
-                            _opts("zero", f, (1, 3) if dp * cp > 1 else (1,))):
+                            _opts("zero", f, (0, 1, 3) if dp * cp > 1 else (1,))):
+                        if zero == 0 and "zero" not in f and not (tp == cp == pp == ep == 1):
+                            continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/ep (parallel.ddp_runs)
                         etp = f.get("etp", 1)
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
@@ -152,11 +171,21 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             stage_layers = split_layers(L, pp * vp)
                         base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                     schedule=schedule, stage_layers=stage_layers)
-                        for k in ("sp", "tp_comm_overlap", "flash_attention"):
+                        for k in ("sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype",
+                                  "fsdp_impl", "moe_dispatcher"):
                             if k in f:
                                 base[k] = f[k]
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
-                            _cost_mesh(profile, cluster, dict(base, **variant), f, seq_len, global_batch,
+                            cand = dict(base, **variant)
+                            limits = runtime_limits(cand, traits) if for_runtime else []
+                            if limits:
+                                stats["runtime_excluded"] += 1
+                                n0 = len(unsupported)
+                                _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp,
+                                           unsupported, [], ustats)
+                                unsupported_why.extend([limits[0]] * (len(unsupported) - n0))
+                                continue
+                            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch,
                                        precisions, dp, ranked, rejected, stats)
     ranked.sort(key=lambda e: e.step_time_s)
     # keep the leanest rejections (for "does not fit" messages) and the fastest ones (layouts that
@@ -164,7 +193,9 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     leanest = sorted(rejected, key=lambda e: e.peak_memory_gb)[:8]
     fastest = sorted(rejected, key=lambda e: e.step_time_s)[:8]
     stats["seconds"] = time.perf_counter() - t0
-    return SearchResult(ranked=ranked[:keep], rejected=leanest, rejected_fast=fastest, stats=stats)
+    excluded = sorted(zip(unsupported, unsupported_why), key=lambda t: t[0].step_time_s)[:3]
+    return SearchResult(ranked=ranked[:keep], rejected=leanest, rejected_fast=fastest, stats=stats,
+                        unsupported=excluded)
 
 
 def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) -> list[dict]:

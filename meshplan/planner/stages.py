@@ -20,7 +20,7 @@ from meshplan.cost_models.estimate import (
 )
 from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, unfused_of
 from meshplan.cost_models.layout import Layout
-from meshplan.cost_models.memory import state_bytes
+from meshplan.cost_models.memory import optimizer_bytes, state_bytes
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import MeshplanError
 from meshplan.planner.ilp_stages import assign_stages
@@ -40,12 +40,14 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
         c = layer_cost(b, ctx, policy=policy)
         times.append(c.fwd_s + c.bwd_s + c.recompute_s)
         acts.append(activation_bytes(b, ctx, policy=policy) / GB)
-        sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero)
-        se = state_bytes(b.expert_params / (L.ep * L.etp), L.edp, L.zero)
+        ob = optimizer_bytes(L)
+        sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob)
+        se = state_bytes(b.expert_params / (L.ep * L.etp), L.edp, L.zero, optimizer_bytes=ob)
         static.append((sum(sd.values()) + sum(se.values())) / GB)
-    emb_state = sum(state_bytes(profile.embedding_params / L.tp, L.dp * L.cp, L.zero).values()) / GB
+    ob = optimizer_bytes(L)
+    emb_state = sum(state_bytes(profile.embedding_params / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob).values()) / GB
     head_params = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
-    head_state = sum(state_bytes(head_params / L.tp, L.dp * L.cp, L.zero).values()) / GB
+    head_state = sum(state_bytes(head_params / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob).values()) / GB
     e = embedding_time(profile, cluster, T, sp_div)
     g, ce = head_times(profile, cluster, T, L.tp)
     flights = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]

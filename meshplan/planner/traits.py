@@ -8,7 +8,33 @@ from meshplan.support import ModelTraits
 __all__ = ["model_traits"]
 
 
-def model_traits(profile: ModelProfile) -> ModelTraits:
+def _cp_positions(module) -> bool:
+    """Whether the runtime's context parallelism can place this model's positions per CP rank:
+    meshplan's Transformer (rope tables / position buffers it reorders) or a transformers model
+    with SDPA attention and rotary embeddings (position ids). Without a module (a preset name or
+    a config), the model is meshplan's own."""
+    if module is None:
+        return True
+    from meshplan.models.transformer import Transformer
+    if isinstance(module, Transformer):
+        return True
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(module, "can_generate"):      # a transformers PreTrainedModel
+        return (getattr(config, "_attn_implementation", None) == "sdpa"
+                and any("rotary" in type(m).__name__.lower() for m in module.modules()))
+    return False
+
+
+def _ep_experts(module) -> bool:
+    """meshplan's stacked-weight experts (forward(x, counts)); without a module, meshplan's model."""
+    if module is None:
+        return True
+    from meshplan.models.moe import GroupedExperts
+    return any(isinstance(m, GroupedExperts) for m in module.modules())
+
+
+def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
+    """`module`: the nn.Module the profile was traced from, when there is one."""
     blocks = profile.layer_blocks()
     fused_qkv = fused_gate_up = False
     sdpa_causal = True
@@ -23,4 +49,5 @@ def model_traits(profile: ModelProfile) -> ModelTraits:
             sdpa = [o for o in b.ops if o.kind == "attention" and "scaled_dot_product" in o.target]
             sdpa_causal = sdpa_causal and bool(sdpa) and b.causal
     return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
-                       sdpa_causal=sdpa_causal, layers=profile.num_layers)
+                       sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
+                       ep_experts=_ep_experts(module), layers=profile.num_layers)

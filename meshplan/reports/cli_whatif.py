@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     w.add_argument("--price", action="append", metavar="GPU=USD",
                    help="override the on-demand price per GPU-hour, e.g. h100-sxm=2.5 (repeat or comma-separate)")
     w.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "auto"])
+    w.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), default=None,
+                   help="batch-size ramp-up (as meshplan train): time to train includes its smaller steps")
     w.add_argument("--json", metavar="PATH", help="write the full sweep as JSON")
     w.add_argument("--markdown", metavar="PATH", help="write a Markdown report")
     w.add_argument("--html", metavar="PATH", help="write a self-contained HTML report with plots")
@@ -61,7 +63,8 @@ def cmd_whatif(args) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     w = whatif(args.model, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch,
                gpus=args.gpu, counts=args.gpus, deadline_days=args.deadline, budget_usd=args.budget,
-               prices=args.price, precision=args.precision, progress=progress)
+               prices=args.price, precision=args.precision, progress=progress,
+               rampup=tuple(args.rampup_batch_size) if getattr(args, "rampup_batch_size", None) else None)
     print(w.to_table())
     if args.json:
         Path(args.json).write_text(w.to_json() + "\n", encoding="utf-8")

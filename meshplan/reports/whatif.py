@@ -12,6 +12,11 @@ model is profiled once and the profile reused, so a sweep costs one trace plus o
 point. Derived columns:
 
     tokens/s   = tokens/s/GPU x GPUs                       time = tokens / (tokens/s)
+    ramp-up    (`rampup=(start, increment, samples)`, Megatron's --rampup-batch-size): the
+               runtime keeps the layout and runs fewer micro-batches per step, so a step of b
+               sequences takes fixed + (step - fixed) x b / B, fixed = the per-step costs that
+               do not shrink with the batch (pipeline bubble, exposed DP communication); the
+               ramp's steps are summed phase by phase, the remaining tokens run at full speed
     GPU-hours  = GPUs x time                               cost = GPU-hours x price per GPU-hour
     headroom   = usable memory - predicted peak per GPU
     limited by = the largest of: bubble, exposed DP comm, exposed TP comm, other exposed comm
@@ -219,6 +224,7 @@ class WhatIf:
     precision: str
     deadline_days: float | None = None
     budget_usd: float | None = None
+    rampup: tuple[int, int, int] | None = None   # (start, increment, samples) batch-size ramp-up
     rows: tuple[WhatIfRow, ...]
     prices: tuple[PriceSource, ...]
     cheapest: str | None = None            # cheapest row meeting the deadline (cheapest overall if none given)
@@ -293,6 +299,8 @@ class WhatIf:
             d["prices"] = tuple(PriceSource(**p) for p in d.get("prices", ()))
             d["pareto"] = tuple(d.get("pareto", ()))
             d["messages"] = tuple(d.get("messages", ()))
+            if d.get("rampup") is not None:
+                d["rampup"] = tuple(d["rampup"])
             return cls(**d)
         except TypeError as e:
             raise ConfigError(f"malformed what-if JSON: {e}") from None
@@ -491,12 +499,36 @@ class _Progress:
 
 
 # ---- the sweep ------------------------------------------------------------------------------
-def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, seconds: float) -> WhatIfRow:
+def rampup_seconds(est, *, global_batch: int, seq_len: int, rampup: tuple[int, int, int] | None,
+                   tokens: float) -> tuple[float, float]:
+    """(seconds the ramp-up's steps take, tokens they train) for a plan's Estimate; (0, 0)
+    without a ramp-up. See the module docstring; the ramp is cut short at `tokens`."""
+    if rampup is None:
+        return 0.0, 0.0
+    from meshplan.runtime.data import BatchRampup
+    ramp = BatchRampup(*rampup, final=global_batch)
+    limits = scaling_limits(est)
+    fixed = min(limits["bubble"] + limits["DP comm"], est.step_time_s)
+    seconds = done = 0.0
+    for (first, _, size), (nxt, _, _) in zip(ramp.phases, ramp.phases[1:]):
+        steps = nxt - first
+        if steps <= 0:
+            continue
+        steps = min(steps, math.ceil(max(tokens - done, 0.0) / (size * seq_len)))
+        seconds += steps * (fixed + (est.step_time_s - fixed) * size / global_batch)
+        done += steps * size * seq_len
+    return seconds, done
+
+
+def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, seconds: float,
+                 rampup: tuple[int, int, int] | None = None) -> WhatIfRow:
     from meshplan.cost_models.layout import Layout
     est = plan.estimate_obj
     n = cl.num_gpus
     tps = est.tokens_per_s_per_gpu * n
-    train_s = tokens / tps
+    ramp_s, ramp_tokens = rampup_seconds(est, global_batch=plan.global_batch, seq_len=plan.seq_len,
+                                         rampup=rampup, tokens=tokens)
+    train_s = ramp_s + max(tokens - ramp_tokens, 0.0) / tps
     gpu_hours = n * train_s / 3600.0
     limits = scaling_limits(est)
     name, share = _limiter(limits, est.step_time_s)
@@ -514,7 +546,7 @@ def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, sec
 def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
            gpus: Any = DEFAULT_GPUS, counts: Any = DEFAULT_COUNTS, deadline_days: str | float | None = None,
            budget_usd: str | float | None = None, prices: Any = None, precision: str = "bf16",
-           progress: bool | TextIO = True) -> WhatIf:
+           progress: bool | TextIO = True, rampup: tuple[int, int, int] | None = None) -> WhatIf:
     """Plan `model` on every (GPU type, count) and compare time to train `tokens`, cost and limits.
 
     model: preset name, nn.Module, config mapping or ModelProfile (profiled once for the sweep).
@@ -522,6 +554,7 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
     Clusters. counts: GPU counts (multiples of each node size). tokens / deadline_days /
     budget_usd / prices accept numbers or strings such as '15T', '90d', '20M', {'b200': 3.5}.
     progress: True prints a progress line to stderr, False nothing, or a stream to write it to.
+    rampup: (start, increment, samples) batch-size ramp-up; time to train includes its slower steps.
     """
     from meshplan import api
     t0 = time.perf_counter()
@@ -533,6 +566,10 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
             raise ConfigError(f"{name} must be a positive whole number, got {v!r}")
     if precision not in ("bf16", "fp16", "fp8", "auto"):
         raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp16', 'fp8' or 'auto'")
+    if rampup is not None:
+        from meshplan.runtime.data import BatchRampup
+        rampup = tuple(rampup)
+        BatchRampup(*rampup, final=global_batch)            # refuse a bad ramp before planning
     options = _options(gpus)
     count_list = parse_counts(counts)
     if precision == "fp8":
@@ -561,7 +598,7 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
         except MeshplanError as e:   # e.g. no mesh divides the batch on this count
             rows.append(WhatIfRow(**base, status="no plan", reason=str(e), plan_seconds=time.perf_counter() - t1))
             continue
-        row = _planned_row(opt, cl, plan, price.usd_per_gpu_hour, tok, time.perf_counter() - t1)
+        row = _planned_row(opt, cl, plan, price.usd_per_gpu_hour, tok, time.perf_counter() - t1, rampup)
         rows.append(row)
         plans[row.key] = plan
     bar.close()
@@ -571,6 +608,6 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
     msgs = verdicts(rows, marks, model=prof.name, tokens=tok, deadline_days=deadline, budget_usd=budget,
                      prices=price_list)
     return WhatIf(model=prof.name, tokens=tok, seq_len=seq_len, global_batch=global_batch, precision=precision,
-                  deadline_days=deadline, budget_usd=budget, rows=tuple(rows), prices=tuple(price_list),
+                  deadline_days=deadline, budget_usd=budget, rampup=rampup, rows=tuple(rows), prices=tuple(price_list),
                   chosen=chosen, chosen_plan=json.loads(plans[chosen].to_json()) if chosen else None,
                   messages=tuple(msgs), seconds=time.perf_counter() - t0, **marks)

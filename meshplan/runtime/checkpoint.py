@@ -8,8 +8,12 @@ Layout of an output directory:
 A checkpoint is written into `step_N.tmp`. Once every rank has written its part (the ranks
 agree on that with one small collective), rank 0 writes `meta.json` and renames the directory to
 `step_N`: a rename within one file system is atomic, so a crash at any point leaves either the
-previous checkpoints or the new one, never a half-written directory under a final name. Only the
-newest `keep` checkpoints are kept; older ones are deleted after the new one is complete.
+previous checkpoints or the new one, never a half-written directory under a final name.
+
+Retention (`retained`): the newest `keep` complete checkpoints are kept, and in addition every
+checkpoint whose step is a multiple of `keep_every` (milestones, e.g. for evaluations later);
+the others are deleted, only after the new one is complete, so the newest good checkpoint is
+never deleted whatever `keep` says (`keep=0` keeps every checkpoint).
 
 Async saving (`Checkpointer(async_save=True)`): `save` copies the state to host memory (DCP's
 stager, so training may change the weights at once) and writes it on a background thread over a
@@ -47,7 +51,7 @@ import torch.distributed as dist
 from meshplan.errors import ConfigError
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "save", "load", "latest", "optimizer_state",
-           "CHECKPOINT_DIR"]
+           "retained", "load_weights", "CHECKPOINT_DIR"]
 
 CHECKPOINT_DIR = "checkpoints"
 _META = "meta.json"
@@ -74,6 +78,25 @@ def latest(out: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `out` (a `step_N` directory with meta.json), or None."""
     done = _complete(_dir(Path(out)))
     return done[-1] if done else None
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return None
+
+
+def retained(checkpoints: list[Path], *, keep: int, keep_every: int = 0) -> list[Path]:
+    """The complete checkpoints (sorted oldest first) that retention keeps: the newest `keep`
+    (0: all), every one whose step is a multiple of `keep_every` (0: none), and always the newest."""
+    if not checkpoints:
+        return []
+    if not keep:
+        return list(checkpoints)
+    newest = set(checkpoints[-keep:]) | {checkpoints[-1]}
+    return [c for c in checkpoints if c in newest or (keep_every and (_step_of(c) or 0) % keep_every == 0
+                                                        and _step_of(c))]
 
 
 def optimizer_state(pm, optimizer: torch.optim.Optimizer, *, init: bool = False) -> dict[str, dict[str, Any]]:
@@ -154,11 +177,15 @@ class Checkpointer:
     `last` is the newest complete checkpoint (initially the one found in `out`, if any).
     """
 
-    def __init__(self, out: str | os.PathLike, *, keep: int = 2, async_save: bool = False):
+    def __init__(self, out: str | os.PathLike, *, keep: int = 2, async_save: bool = False, keep_every: int = 0):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ConfigError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), got {keep!r}")
+        if isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 0:
+            raise ConfigError(f"keep_every must be a whole number of steps >= 0 (0: no milestones), e.g. 1000; "
+                              f"got {keep_every!r}")
         self.root = _dir(Path(out))
         self.keep = keep
+        self.keep_every = keep_every
         self.async_save = bool(async_save)
         self.last: Path | None = latest(out)
         # async saves talk over their own gloo group: DCP needs a CPU backend, and collectives
@@ -255,8 +282,11 @@ class Checkpointer:
             if failure is not None:
                 shutil.rmtree(job.tmp, ignore_errors=True)
             else:
-                for old in _complete(self.root)[:-self.keep] if self.keep else []:
-                    shutil.rmtree(old, ignore_errors=True)
+                done = _complete(self.root)
+                keep = set(retained(done, keep=self.keep, keep_every=self.keep_every))
+                for old in done:
+                    if old not in keep and old != job.final:
+                        shutil.rmtree(old, ignore_errors=True)
         box = [failure]
         dist.broadcast_object_list(box, src=0)      # also orders the rename before anyone goes on
         failure = box[0]
@@ -330,3 +360,94 @@ def _check_same_model(path: Path, saved: dict[str, list[int]], here: dict[str, l
         raise ConfigError(f"checkpoint {path} was saved from a different model: {len(diffs)} parameter(s) "
                           f"differ, e.g. {'; '.join(diffs[:_SHOWN_DIFFERENCES])}{more}. Resume with the model "
                           "it was written for, or start afresh (--no-resume, or another --out)")
+
+
+# ---- fine-tuning start: weights only -----------------------------------------------------------
+
+def load_weights(source: str | os.PathLike, pm) -> str:
+    """Load only the model weights into `pm` (collective): from a meshplan checkpoint (a `step_N`
+    directory, or an output directory whose newest checkpoint is used) or from a directory of
+    transformers `*.safetensors` files (names as the model's own state dict). No optimizer, data
+    position or step is read: training starts at step 0. Returns what was loaded.
+
+    Mismatched shapes, missing or unexpected weights raise a ConfigError listing them. Persistent
+    buffers the source lacks (e.g. an MoE expert bias) keep their initial values.
+    """
+    path = Path(source)
+    if path.is_dir() and not (path / _META).exists() and latest(path) is not None:
+        path = latest(path)
+    if (path / _META).exists():
+        return _load_checkpoint_weights(path, pm)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else (
+        [path] if path.suffix == ".safetensors" else [])
+    if not files:
+        raise ConfigError(f"--init-from {source}: not a meshplan checkpoint (a step_N directory with {_META}, or an "
+                          "output directory holding one) nor a directory of .safetensors files")
+    return _load_safetensors(files, pm, source)
+
+
+def _load_checkpoint_weights(path: Path, pm) -> str:
+    import torch.distributed.checkpoint as dcp
+    meta = json.loads((path / _META).read_text())
+    if isinstance(meta.get("params"), dict):
+        _check_weights(f"checkpoint {path}", meta["params"], _all_shapes(pm))
+    model = pm.state_dict()
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    # buffers a checkpoint may lack (saved before they existed) keep their values
+    state = {"model": {k: v for k, v in model.items() if f"model.{k}" in saved}}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except _save_errors() as e:
+        detail = _describe(e, dist.get_rank()).splitlines()[-1][:_DETAIL_CHARS]
+        raise ConfigError(f"could not read the weights of checkpoint {path} ({detail})") from None
+    pm.load_state_dict({**model, **state["model"]})
+    return str(path)
+
+
+def _load_safetensors(files: list[Path], pm, source) -> str:
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    model = pm.state_dict()
+    params = {pm._canonical(n) for n, _ in pm.named_parameters()}
+    found: dict[str, Path] = {}
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                found[k] = f
+                shapes[k] = list(sf.get_slice(k).get_shape())
+    here = {k: list(v.shape) for k, v in model.items()}
+    # weights of this rank's stage only (pipeline stages hold part of the model); the output
+    # projection tied to the embedding may be absent from the file
+    pp = pm.plan.mesh.get("pp", 1)
+    _check_weights(f"{source}", shapes if pp == 1 else {k: v for k, v in shapes.items() if k in here},
+                   {k: v for k, v in here.items() if k in params}, only_here_ok=_tied_names(pm))
+    state = dict(model)
+    for k, t in model.items():
+        if k not in found:
+            continue
+        with safe_open(str(found[k]), framework="pt") as sf:
+            full = sf.get_tensor(k)
+        local = t.to_local() if isinstance(t, DTensor) else t
+        full = full.to(dtype=local.dtype, device=local.device)
+        state[k] = (distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+                    if isinstance(t, DTensor) else full)
+    pm.load_state_dict(state)
+    return str(source)
+
+
+def _tied_names(pm) -> set[str]:
+    return {n for names in getattr(pm, "tied", []) for n in names[1:]}
+
+
+def _check_weights(what: str, saved: dict[str, list[int]], here: dict[str, list[int]], *,
+                   only_here_ok: set[str] = frozenset()) -> None:
+    diffs = [f"{k}: {saved[k]} in {what}, {here[k]} in the model" for k in sorted(saved.keys() & here.keys())
+             if list(saved[k]) != list(here[k])]
+    diffs += [f"{k}: missing from {what}" for k in sorted(here.keys() - saved.keys() - only_here_ok)]
+    diffs += [f"{k}: in {what} but not in the model" for k in sorted(saved.keys() - here.keys())]
+    if diffs:
+        more = f" (and {len(diffs) - _SHOWN_DIFFERENCES} more)" if len(diffs) > _SHOWN_DIFFERENCES else ""
+        raise ConfigError(f"cannot initialise the model from {what}: {len(diffs)} weight(s) do not match, e.g. "
+                          f"{'; '.join(diffs[:_SHOWN_DIFFERENCES])}{more}. Fine-tuning needs the same "
+                          "architecture (same sizes and weight names); build the model with the source's config")

@@ -34,14 +34,31 @@ def register(sub) -> None:
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--global-batch", type=int, default=16, help="sequences per step")
     t.add_argument("--seq-len", type=int, default=128)
-    t.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
-                   help="bf16: bf16 compute with fp32 master weights; fp32: everything in fp32")
+    t.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16", "fp8", "auto"],
+                   help="planning: the precision to plan for (default bf16; plan() takes the same names). "
+                        "With --plan: the plan's precision by default; another value is an explicit override "
+                        "(e.g. --precision bf16 trains an FP8 plan in BF16). bf16/fp16: that compute with fp32 "
+                        "master weights; fp8: the plan's FP8 modules run FP8 linears (torchao on CPU, emulated; "
+                        "Transformer Engine or torchao on GPUs), the rest bf16; fp32: everything in fp32")
+    t.add_argument("--fp8-backend", default="auto", choices=["auto", "torchao", "te"],
+                   help="FP8 linears: auto = Transformer Engine on CUDA when installed, else torchao")
+    t.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "delayed"],
+                   help="FP8 scaling: tensorwise (per-tensor current scaling), rowwise (torchao), delayed (TE)")
+    t.add_argument("--optimizer-dtype", default=None, choices=["fp32", "bf16"],
+                   help="Adam moments' dtype (master weights stay fp32); default: the plan's layout (fp32)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--plan", default=None, help="reuse a saved plan (meshplan plan --json)")
     t.add_argument("--fix", default="", help="constrain the plan, e.g. tp=2,pp=2")
-    t.add_argument("--nproc", type=int, default=4, help="processes (GPUs) on this machine")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="processes (GPUs) on this machine (default: 4, or what --plan needs)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines in the job; each runs this same command")
+    t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1")
+    t.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
+                   help="where the machines meet (node 0's address and a free port); needed with --nnodes > 1")
+    t.add_argument("--rdzv-timeout", type=float, default=300.0,
+                   help="seconds to wait for the other machines at the rendezvous")
     t.add_argument("--cluster", default="local-cpu", help="cluster preset or JSON to plan for")
     t.add_argument("--out", default="meshplan-run", help="output directory: plan, metrics.jsonl, checkpoints")
     t.add_argument("--checkpoint-every", type=int, default=50)
@@ -53,6 +70,7 @@ def register(sub) -> None:
     t.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait while training before the job fails, naming the rank "
                         "that stopped responding")
+    _register_training_options(t)
     t.add_argument("--worker", metavar="ARGS_JSON", default=None, help=argparse.SUPPRESS)
     # testing aids: one rank crashes (--fail-at-step) or stops responding (--hang-at-step)
     t.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -61,67 +79,189 @@ def register(sub) -> None:
     t.set_defaults(fn=cmd_train)
 
 
-def _cluster(name: str, nproc: int):
+# MoE options: --flag -> ModelConfig field (set only when given, so a dense model is refused only
+# when the user asked for balancing)
+MOE_FLAGS = ("moe_aux_loss_coeff", "moe_aux_loss_scope", "moe_z_loss_coeff", "moe_expert_bias",
+             "moe_bias_update_rate", "moe_capacity_factor", "moe_force_balance")
+
+
+def _register_training_options(t) -> None:
+    g = t.add_argument_group("MoE load balancing (model config options; see README)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="coefficient of the load-balancing loss added to the training loss (e.g. 1e-2)")
+    g.add_argument("--moe-aux-loss-scope", choices=["global", "local"], default=None,
+                   help="global (default): counts over dp x cp ranks and micro-batches; local: per micro-batch")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient (e.g. 1e-3)")
+    g.add_argument("--moe-expert-bias", action="store_const", const=True, default=None,
+                   help="aux-loss-free balancing (DeepSeek-V3): fp32 per-expert bias updated every step")
+    g.add_argument("--moe-bias-update-rate", type=float, default=None, help="expert-bias step (default 1e-3)")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="drop token copies past capacity_factor x N k / E per expert (default: dropless)")
+    g.add_argument("--moe-force-balance", action="store_const", const=True, default=None,
+                   help="benchmarking: route round-robin, every expert equally loaded")
+    g = t.add_argument_group("schedule, checkpoints, batch ramp-up, fine-tuning")
+    g.add_argument("--lr-schedule", choices=["cosine", "wsd"], default="cosine",
+                   help="cosine decay after warm-up, or WSD (warm-up, stable, decay)")
+    g.add_argument("--wsd-decay-steps", type=int, default=None, help="WSD: steps of the final decay (default 10%%)")
+    g.add_argument("--wsd-decay-style", choices=["linear", "cosine", "minus_sqrt"], default="linear")
+    g.add_argument("--keep-every", type=int, default=0,
+                   help="also keep every checkpoint whose step is a multiple of this (milestones)")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+                   default=None, help="grow the global batch from START by INCREMENT over SAMPLES samples")
+    g.add_argument("--init-from", default=None,
+                   help="fine-tune: load only the weights from a checkpoint or a safetensors directory")
+
+
+def _moe_overrides(args) -> dict:
+    return {k: getattr(args, k) for k in MOE_FLAGS if getattr(args, k, None) is not None}
+
+
+def _cluster(name: str, nproc: int, nnodes: int = 1):
     from meshplan.cluster import Cluster
     if name.endswith(".json"):
         cl = Cluster.load(name)
     elif name == "local-cpu":
         cl = Cluster.preset("local-cpu")
-        if nproc != cl.num_gpus:
-            cl = cl.replace(gpus_per_node=nproc, scaleup_domain=nproc)
+        if (nproc, nnodes) != (cl.gpus_per_node, cl.nodes):
+            cl = cl.replace(gpus_per_node=nproc, nodes=nnodes, scaleup_domain=nproc)
     else:
-        cl = Cluster.preset(name)
-    if cl.num_gpus != nproc:
-        raise ConfigError(f"cluster {cl.name!r} has {cl.num_gpus} GPUs but --nproc is {nproc}; "
-                          "pass --nproc matching the cluster, or a cluster JSON for this machine")
+        cl = Cluster.preset(name, nodes=nnodes)
+    if cl.num_gpus != nproc * nnodes:
+        raise ConfigError(f"cluster {cl.name!r} has {cl.num_gpus} GPUs but the job has {nnodes} node(s) x "
+                          f"{nproc} processes; pass --nproc / --nnodes matching the cluster, or a cluster "
+                          "JSON for these machines")
     return cl
 
 
-def _plan(args):
+def _plan(args, world_size: int | None = None):
+    """The job's plan: --plan's (checked against the job's size), else a fresh plan for
+    --nnodes x --nproc processes. Planning is deterministic, so every node (and, under torchrun,
+    every rank) that plans gets the same plan."""
     import meshplan as mp
     from meshplan.cli import _parse_layout
     from meshplan.planner.plan import Plan
     if args.plan:
+        if not Path(args.plan).is_file():
+            raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
+                              "`meshplan plan ... --json plan.json`")
         plan = Plan.load(args.plan)
-        plan.check_matches(world_size=args.nproc)
-        return plan
-    cluster = _cluster(args.cluster, args.nproc)
+        if world_size is None and args.nproc is not None:
+            world_size = args.nproc * args.nnodes
+        if world_size is not None:
+            plan.check_matches(world_size=world_size)
+        return _with_options(plan, args)
+    nproc, nnodes = args.nproc or 4, args.nnodes
+    if world_size is not None:
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nnodes = max(1, world_size // nproc)
+    cluster = _cluster(args.cluster, nproc, nnodes)
     model = _load(args, "meta")
-    fixed = {"cp": 1, "ep": 1, **(_parse_layout(args.fix) if args.fix else {})}
-    return mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed)
+    fixed = _parse_layout(args.fix) if args.fix else {}
+    if getattr(args, "optimizer_dtype", None):
+        fixed["optimizer_dtype"] = args.optimizer_dtype
+    return _with_options(mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
+                                 precision=getattr(args, "precision", None) or "bf16"), args)
+
+
+def _with_options(plan, args):
+    """--optimizer-dtype applied to the plan's layout; an FP8 plan whose backend package is
+    missing fails here, before any process is launched, naming the package to install."""
+    import dataclasses
+    check_fp8_backend(plan, args)
+    want = getattr(args, "optimizer_dtype", None)
+    if want and plan.layout_obj.optimizer_dtype != want:
+        plan = dataclasses.replace(plan, layout={**plan.layout, "optimizer_dtype": want})
+    return plan
+
+
+def run_precision(plan, requested: str | None) -> dict:
+    """parallelize() keywords for running `plan` at `requested` precision (None: the plan's own).
+    A precision other than the plan's is the explicit override (logged by parallelize/train)."""
+    import torch
+    if requested in (None, "auto", plan.precision):
+        return {"compute_dtype": "plan", "fp8": True}
+    if requested == "fp8":
+        raise ConfigError(f"this plan was made for {plan.precision}, not fp8: re-plan with --precision fp8 "
+                          "(the planner chooses which modules run in FP8)")
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
+    return {"compute_dtype": dtype, "fp8": False}
+
+
+def check_fp8_backend(plan, args) -> None:
+    """Raise ConfigError naming the package when an FP8 plan's backend is not installed (unless
+    an explicit --precision override runs the plan without FP8)."""
+    import torch
+
+    from meshplan.runtime.fp8 import resolve_backend
+    if plan.precision != "fp8" or not plan.fp8_modules or not run_precision(plan, getattr(args, "precision", None))["fp8"]:
+        return
+    resolve_backend(getattr(args, "fp8_backend", "auto"),
+                    torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _save_atomic(path: Path, text: str) -> None:
+    # nodes sharing a file system write the same file: a reader must never see half of it
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _load(args, device: str):
     """The model: a preset is built at --seq-len; files and configs carry their own lengths."""
     from meshplan.api import load_model
     preset = not args.model.endswith((".py", ".json")) and ".py:" not in args.model
-    return load_model(args.model, device=device, **({"seq_len": args.seq_len} if preset else {}))
+    moe = _moe_overrides(args)
+    if moe and not preset:
+        flag = "--" + next(iter(moe)).replace("_", "-")
+        raise ConfigError(f"{flag} sets an option of meshplan's MoE models; {args.model} is not a preset "
+                          "(set the option in your model, or use a preset such as --model tiny-moe)")
+    return load_model(args.model, device=device, **({"seq_len": args.seq_len, **moe} if preset else {}))
 
 
 def cmd_train(args) -> int:
+    from meshplan.runtime.launch import launch_local, under_torchrun, wait_for_endpoint
+    from meshplan.runtime.spawn import exit_worker
     if args.worker:
-        from meshplan.runtime.spawn import exit_worker
         exit_worker(_worker(argparse.Namespace(**json.loads(Path(args.worker).read_text()))))
-    from meshplan.runtime.launch import launch_local
+    if under_torchrun():
+        # started by `meshplan launch`, a Slurm script or torchrun itself: this process is one rank
+        exit_worker(_in_launcher(args))
+    _check_nodes(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"planning {args.model} for {args.nproc} processes on {args.cluster} ...", file=sys.stderr, flush=True)
+    if args.plan and args.nproc is None:
+        from meshplan.planner.plan import Plan
+        from meshplan.runtime.launch import layout_from_plan
+        if Path(args.plan).is_file():
+            nodes, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
+    where = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
+    print(f"planning {args.model} for {args.nproc or 4} processes{where} on {args.cluster} ...",
+          file=sys.stderr, flush=True)
     plan = _plan(args)
-    print(plan.explain())
+    args.nproc = plan.world_size // args.nnodes
+    if args.node_rank == 0:
+        print(plan.explain())
     plan_path = out / "plan.json"
-    plan.save(plan_path)
+    _save_atomic(plan_path, plan.to_json())
     # the workers read their options from a file: on torchrun's command line, options such as
     # --nproc or --max-restarts would be taken by torchrun's own parser (prefix matching)
     settings = {k: v for k, v in vars(args).items() if k != "fn"}
     settings.update(plan=str(plan_path), worker=None)
-    args_path = out / "train-args.json"
-    args_path.write_text(json.dumps(settings, indent=1))
+    args_path = out / ("train-args.json" if args.nnodes == 1 else f"train-args-node{args.node_rank}.json")
+    _save_atomic(args_path, json.dumps(settings, indent=1))
     worker = ["meshplan.cli", "train", "--worker", str(args_path)]
     for stale in out.glob(f"{_FAILURE}*"):
         stale.unlink()
-    print(f"launching {plan.world_size} processes (torchrun); metrics -> {out / 'metrics.jsonl'}",
-          file=sys.stderr, flush=True)
-    code = launch_local(plan.world_size, worker, module=True, max_restarts=args.max_restarts)
+    if args.nnodes > 1 and args.node_rank > 0:
+        print(f"node {args.node_rank}: waiting for the rendezvous at {args.rdzv_endpoint} ...",
+              file=sys.stderr, flush=True)
+        wait_for_endpoint(args.rdzv_endpoint, args.rdzv_timeout)
+    print(f"launching {args.nproc} processes (torchrun)"
+          + (f" on node {args.node_rank} of {args.nnodes}" if args.nnodes > 1 else "")
+          + f"; metrics -> {out / 'metrics.jsonl'}", file=sys.stderr, flush=True)
+    multi = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                 rdzv_timeout_s=args.rdzv_timeout) if args.nnodes > 1 else {}
+    code = launch_local(args.nproc, worker, module=True, max_restarts=args.max_restarts, **multi)
     if code != 0:
         # repeat the workers' diagnosis after torchrun's report, where the user looks first
         for reason in dict.fromkeys(f.read_text() for f in sorted(out.glob(f"{_FAILURE}*"))):
@@ -129,7 +269,32 @@ def cmd_train(args) -> int:
     return code
 
 
-def _worker(args) -> int:
+def _check_nodes(args) -> None:
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ConfigError(f"{args.nnodes} nodes need --rdzv-endpoint HOST:PORT: node 0's address (reachable "
+                          "from every node) and a free port, the same on every node")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+
+
+def _in_launcher(args) -> int:
+    """`meshplan train` run by torchrun on every rank: plan (or load --plan) for the job's world
+    size, rank 0 writes plan.json, then train as a worker."""
+    world = int(os.environ["WORLD_SIZE"])
+    plan = _plan(args, world_size=world)
+    out = Path(args.out)
+    if int(os.environ["RANK"]) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        print(plan.explain(), flush=True)
+        _save_atomic(out / "plan.json", plan.to_json())
+    return _worker(args, plan=plan)
+
+
+def _worker(args, plan=None) -> int:
     import datetime
 
     import torch
@@ -150,17 +315,31 @@ def _worker(args) -> int:
     dist.init_process_group(backend, store=dist.PrefixStore(f"meshplan/attempt_{attempt}", base),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     try:
-        plan = Plan.load(args.plan)
+        if plan is None:
+            plan = Plan.load(args.plan)
         torch.manual_seed(args.seed)
-        model = _load(args, "cpu")
-        pm = parallelize(model, plan, compute_dtype=None if args.precision == "fp32" else "plan")
+        # meshplan's models start on the meta device: parallelize allocates and initialises only
+        # this rank's shards (runtime/materialize.py), so a model larger than one rank can start
+        model = _load(args, "meta")
+        if not hasattr(model, "init_module"):
+            model = _load(args, "cpu")          # other models: built whole, on every rank
+        pm = parallelize(model, plan, **run_precision(plan, getattr(args, "precision", None)),
+                         fp8_backend=getattr(args, "fp8_backend", "auto"),
+                         fp8_recipe=getattr(args, "fp8_recipe", "tensorwise"))
         cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
                           data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                           keep_checkpoints=getattr(args, "keep", 2),
                           async_checkpoint=getattr(args, "async_checkpoint", False),
                           resume=not args.no_resume, collective_timeout_s=args.timeout,
                           fail_at_step=args.fail_at_step, hang_at_step=getattr(args, "hang_at_step", None),
-                          hang_rank=getattr(args, "hang_rank", 1))
+                          hang_rank=getattr(args, "hang_rank", 1),
+                          lr_schedule=getattr(args, "lr_schedule", "cosine"),
+                          wsd_decay_steps=getattr(args, "wsd_decay_steps", None),
+                          wsd_decay_style=getattr(args, "wsd_decay_style", "linear"),
+                          keep_every=getattr(args, "keep_every", 0),
+                          rampup_batch_size=tuple(args.rampup_batch_size) if getattr(
+                              args, "rampup_batch_size", None) else None,
+                          init_from=getattr(args, "init_from", None))
         try:
             res = train(model, plan, cfg, pm=pm)
         except (RankHangError, MeshplanError) as e:

@@ -23,12 +23,20 @@ resumed run reads exactly the batches an uninterrupted run would, and a data-par
 read only its own rows: rank r of dp gets the contiguous rows ``[r*B/dp, (r+1)*B/dp)``, the
 same rows as `rank_slice` of the global batch. The permutation is a keyed Feistel network
 evaluated per index, so it needs no memory proportional to the data set.
+
+Batch-size ramp-up (`BatchRampup`, Megatron's ``--rampup-batch-size start increment samples``):
+the global batch starts at `start` sequences and grows by `increment` each time another
+``samples / ((final - start) / increment)`` samples have been consumed, reaching the final
+(the plan's) global batch after `samples` samples. The sample stream is the same as without
+ramp-up: step k reads the samples ``consumed(k) .. consumed(k) + batch_size(k)``, both pure
+functions of k, so a run resumed in the middle of a ramp continues exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -43,7 +51,7 @@ from meshplan.errors import ConfigError
 from meshplan.runtime import tokenizer
 
 __all__ = [
-    "TokenDataset", "BatchSampler", "rank_slice", "write_token_file", "default_cache_dir",
+    "TokenDataset", "BatchSampler", "BatchRampup", "rank_slice", "write_token_file", "default_cache_dir",
     "TEXT_SUFFIXES", "TOKEN_DTYPES",
 ]
 
@@ -203,12 +211,79 @@ class TokenDataset:
         return (len(self) - 1) // seq_len
 
     # ---- sampling ------------------------------------------------------------------------
-    def sampler(self, *, global_batch: int, seq_len: int, seed: int = 0, start_step: int = 0) -> BatchSampler:
-        return BatchSampler(self, global_batch=global_batch, seq_len=seq_len, seed=seed, start_step=start_step)
+    def sampler(self, *, global_batch: int, seq_len: int, seed: int = 0, start_step: int = 0,
+                rampup: BatchRampup | None = None) -> BatchSampler:
+        return BatchSampler(self, global_batch=global_batch, seq_len=seq_len, seed=seed, start_step=start_step,
+                            rampup=rampup)
 
     def batches(self, global_batch: int, seq_len: int, seed: int = 0, start_step: int = 0) -> BatchSampler:
         """Iterator of (input_ids, labels), each (global_batch, seq_len) int64, from step start_step on."""
         return self.sampler(global_batch=global_batch, seq_len=seq_len, seed=seed, start_step=start_step)
+
+
+# ---- ramp-up -----------------------------------------------------------------------------
+class BatchRampup:
+    """Global batch size by step during a ramp-up (see the module docstring); `final` is the
+    plan's global batch. `multiple`: every batch must be a multiple of it (dp x micro-batch size)."""
+
+    def __init__(self, start: int, increment: int, samples: int, *, final: int, multiple: int = 1):
+        for name, value, low in (("start", start, 1), ("increment", increment, 1), ("samples", samples, 1),
+                                 ("final", final, 1), ("multiple", multiple, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"--rampup-batch-size {name} must be a whole number >= {low}, got {value!r}")
+        if start >= final:
+            raise ConfigError(f"--rampup-batch-size start {start} must be below the global batch {final}; "
+                              f"e.g. start={max(multiple, final // 4 // multiple * multiple)}")
+        if (final - start) % increment:
+            raise ConfigError(f"--rampup-batch-size: the global batch {final} minus start {start} is not a multiple "
+                              f"of the increment {increment}; use an increment dividing {final - start}")
+        for name, value in (("start", start), ("increment", increment)):
+            if value % multiple:
+                good = max(multiple, value // multiple * multiple)
+                raise ConfigError(
+                    f"--rampup-batch-size {name}={value} is not a multiple of dp x micro-batch size = {multiple}: "
+                    f"every batch of the ramp must split into whole micro-batches on every data-parallel "
+                    f"rank; use {name}={good}")
+        self.start, self.increment, self.samples, self.final = start, increment, samples, final
+        increments = (final - start) // increment
+        per_increment = samples / increments               # samples consumed per batch size
+        # phases[j] = (first step, consumed samples at it, batch size) for each batch size
+        self.phases: list[tuple[int, int, int]] = []
+        step, consumed = 0, 0
+        for j in range(increments):
+            size = start + j * increment
+            self.phases.append((step, consumed, size))
+            # Megatron: size = start + floor(consumed / per_increment) * increment
+            n = max(0, math.ceil(((j + 1) * per_increment - consumed) / size))   # steps at this size
+            step, consumed = step + n, consumed + n * size
+        self.phases.append((step, consumed, final))
+
+    def __repr__(self) -> str:
+        return f"BatchRampup(start={self.start}, increment={self.increment}, samples={self.samples}, final={self.final})"
+
+    def state(self) -> list[int]:
+        return [self.start, self.increment, self.samples, self.final]
+
+    @property
+    def end_step(self) -> int:
+        """The first step at the final global batch."""
+        return self.phases[-1][0]
+
+    def _phase(self, step: int) -> tuple[int, int, int]:
+        return next(p for p in reversed(self.phases) if p[0] <= step)
+
+    def batch_size(self, step: int) -> int:
+        return self._phase(step)[2]
+
+    def consumed(self, step: int) -> int:
+        """Samples read by the steps before `step`."""
+        first, consumed, size = self._phase(step)
+        return consumed + (step - first) * size
+
+    def steps_for(self, samples: int) -> int:
+        """Steps needed to consume `samples` samples."""
+        first, consumed, size = next(p for p in reversed(self.phases) if p[1] <= samples)
+        return first + -(-(samples - consumed) // size)
 
 
 # ---- sampler -----------------------------------------------------------------------------
@@ -220,7 +295,7 @@ class BatchSampler:
     """
 
     def __init__(self, dataset: TokenDataset, *, global_batch: int, seq_len: int, seed: int = 0,
-                 start_step: int = 0):
+                 start_step: int = 0, rampup: BatchRampup | None = None):
         for name, value, low in (("global_batch", global_batch, 1), ("seq_len", seq_len, 1),
                                  ("seed", seed, 0), ("start_step", start_step, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -236,12 +311,23 @@ class BatchSampler:
         self.seed = seed
         self.step = start_step
         self.num_windows = windows
+        if rampup is not None and rampup.final != global_batch:
+            raise ConfigError(f"the ramp-up ends at a global batch of {rampup.final}, the sampler's is {global_batch}")
+        self.rampup = rampup
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)        # (S+1,)
 
     @property
     def epoch(self) -> int:
         """The epoch (pass over all windows) the next batch starts in."""
-        return self.step * self.global_batch // self.num_windows
+        return self.consumed(self.step) // self.num_windows
+
+    def batch_size(self, step: int) -> int:
+        """Sequences in step `step`'s global batch (smaller during a ramp-up)."""
+        return self.rampup.batch_size(step) if self.rampup is not None else self.global_batch
+
+    def consumed(self, step: int) -> int:
+        """Samples read by the steps before `step`."""
+        return self.rampup.consumed(step) if self.rampup is not None else step * self.global_batch
 
     @property
     def steps_per_epoch(self) -> float:
@@ -249,8 +335,8 @@ class BatchSampler:
 
     def window_indices(self, step: int, rows: slice | None = None) -> np.ndarray:
         """Window index of each row of step `step` (only `rows` of them when given)."""
-        rows = rows or slice(0, self.global_batch)
-        sample = step * self.global_batch + np.arange(rows.start, rows.stop, dtype=np.int64)   # (rows,)
+        rows = rows or slice(0, self.batch_size(step))
+        sample = self.consumed(step) + np.arange(rows.start, rows.stop, dtype=np.int64)   # (rows,)
         epoch, pos = np.divmod(sample, self.num_windows)
         out = np.empty_like(sample)
         for e in np.unique(epoch):          # a batch spans two epochs at most unless it is bigger than one
@@ -260,12 +346,14 @@ class BatchSampler:
 
     def batch(self, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels) of step `step` (default: the current one), each (global_batch, seq_len) int64."""
-        return self._read(self.step if step is None else step, slice(0, self.global_batch))
+        step = self.step if step is None else step
+        return self._read(step, slice(0, self.batch_size(step)))
 
     def rank_batch(self, dp_rank: int, dp: int, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Only data-parallel rank `dp_rank`'s rows of `batch(step)`: (global_batch/dp, seq_len) each."""
-        lo, hi = _rank_rows(self.global_batch, dp_rank, dp)
-        return self._read(self.step if step is None else step, slice(lo, hi))
+        step = self.step if step is None else step
+        lo, hi = _rank_rows(self.batch_size(step), dp_rank, dp)
+        return self._read(step, slice(lo, hi))
 
     def _read(self, step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         if step < 0:
@@ -287,7 +375,8 @@ class BatchSampler:
     def state_dict(self) -> dict[str, Any]:
         """Position to save in a checkpoint: the next step to read, plus what fixes the order."""
         return {"version": SAMPLER_STATE_VERSION, "step": self.step, "epoch": self.epoch, "seed": self.seed,
-                "global_batch": self.global_batch, "seq_len": self.seq_len, "num_windows": self.num_windows}
+                "global_batch": self.global_batch, "seq_len": self.seq_len, "num_windows": self.num_windows,
+                "rampup": self.rampup.state() if self.rampup is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; refuse one whose batches would differ from this sampler's."""
@@ -295,12 +384,13 @@ class BatchSampler:
             raise ConfigError(f"data position version {state.get('version')!r} is not supported "
                               f"(expects {SAMPLER_STATE_VERSION})")
         for key, label in (("seed", "seed"), ("global_batch", "global batch"), ("seq_len", "seq_len"),
-                           ("num_windows", "number of data windows")):
-            if state.get(key) != getattr(self, key):
+                           ("num_windows", "number of data windows"), ("rampup", "batch-size ramp-up")):
+            mine = self.rampup.state() if key == "rampup" and self.rampup is not None else getattr(self, key, None)
+            if state.get(key) != mine:
                 hint = ("the data changed since the checkpoint" if key == "num_windows"
                         else f"resume with {key}={state.get(key)}")
                 raise ConfigError(f"the checkpoint's data position was saved with {label} {state.get(key)}, "
-                                  f"this run has {getattr(self, key)}; batches would not continue the same "
+                                  f"this run has {mine}; batches would not continue the same "
                                   f"order: {hint}, or start a fresh run")
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

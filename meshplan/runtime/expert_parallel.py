@@ -54,7 +54,7 @@ from torch import nn
 from meshplan.errors import LayoutError
 
 __all__ = ["find_expert_modules", "check_expert_parallel", "apply_expert_parallel", "expert_labelled_params",
-           "ep_dispatch"]
+           "ep_dispatch", "MoEBalancer", "balance_group", "summarize_routing"]
 
 _EP_ATTR = "_meshplan_ep"      # set on wrapped modules: (ep mesh, local expert count)
 
@@ -261,3 +261,128 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | fro
         setattr(module, _EP_ATTR, (ep_mesh, n_local))
         module.forward = types.MethodType(_ep_forward, module)
     return fqns
+
+
+# ---- load balancing across ranks and micro-batches -----------------------------------------
+
+def balance_group(pm):
+    """The process group of the ranks that hold other tokens of the same layers (dp x cp of this
+    pipeline stage), or None when this rank is alone. Collective the first time (a flattened
+    mesh under HSDP creates a group): every rank calls it in the same order."""
+    meshes = getattr(pm, "meshes", None)
+    if meshes is None:
+        mesh = pm.mesh
+        return mesh["dp"].get_group() if "dp" in mesh.mesh_dim_names and mesh["dp"].size() > 1 else None
+    fsdp = meshes.fsdp
+    if fsdp.ndim == 1:
+        return fsdp.get_group() if fsdp.size() > 1 else None
+    dims = tuple(d for d in ("dp_replicate", "dp_shard", "cp") if d in pm.mesh.mesh_dim_names)
+    flat = pm.mesh[dims]._flatten("moe_balance")
+    return flat.get_group() if flat.size() > 1 else None
+
+
+def _routing_layers(stages) -> list[tuple[str, nn.Module]]:
+    # routed MoE layers by what they offer, not by class: routing statistics and a window
+    return [(fqn, m) for st in stages for fqn, m in st.named_modules()
+            if hasattr(m, "step_stats") and hasattr(m, "window") and hasattr(m, "balance_group")]
+
+
+class MoEBalancer:
+    """Global MoE load balancing for a ParallelModel: each routed layer's statistics are
+    all-reduced over the dp x cp ranks of its stage and accumulated over the step's micro-batches
+    (the global auxiliary loss, Megatron-Core's `global_aux_loss`), and after the optimizer step
+    the aux-loss-free expert bias (DeepSeek-V3) moves by `rate * sign(mean load - load)` from the
+    step's global counts, the same on every rank.
+
+        balancer = MoEBalancer(pm)                  # collective (may build a group)
+        balancer.begin_step()                       # before forward_backward
+        ... forward_backward, clip, optimizer step ...
+        stats = balancer.finish_step()              # bias update; global stats (collective over pp)
+    """
+
+    def __init__(self, pm, num_microbatches: int | None = None):
+        self.pm = pm
+        self.layers = _routing_layers(pm.stages)
+        self.group = balance_group(pm) if self._any_anywhere() else None
+        for _, m in self.layers:
+            m.balance_group = self.group
+        self.set_microbatches(num_microbatches or pm.plan.num_microbatches)
+        _mark_probes(getattr(pm, "schedule", None), [m for _, m in self.layers])
+
+    def _any_anywhere(self) -> bool:
+        # under PP a stage may hold only dense blocks, but every rank must agree on building groups
+        import torch.distributed as dist
+        flag = torch.tensor([1.0 if self.layers else 0.0])
+        dist.all_reduce(flag)
+        return bool(flag.item())
+
+    @property
+    def active(self) -> bool:
+        return bool(self.layers) or self.group is not None
+
+    def set_microbatches(self, m: int) -> None:
+        """Micro-batches per step (changes with a batch-size ramp-up)."""
+        for _, layer in self.layers:
+            layer.num_microbatches = int(m)
+
+    def begin_step(self) -> None:
+        for _, m in self.layers:
+            m.window.reset()
+
+    def finish_step(self, *, update_bias: bool = True) -> dict:
+        """Update the expert biases, then return this step's statistics over every routed layer of
+        the model: {"layers": {fqn: stats}, "imbalance": max over layers of max/mean tokens per
+        expert, "imbalance_mean", "aux_loss" and "z_loss" (mean over layers), "dropped"} (empty
+        when the model has no routed layer). Collective over the pipeline ranks when pp > 1."""
+        import torch.distributed as dist
+        if update_bias:
+            for _, m in self.layers:
+                if m.bias_update:
+                    m.update_expert_bias()
+        layers = {fqn: m.step_stats() for fqn, m in self.layers}
+        layers = {k: v for k, v in layers.items() if v}
+        pp = self.pm.plan.mesh.get("pp", 1)
+        if pp > 1:
+            parts: list = [None] * pp
+            dist.all_gather_object(parts, layers, group=self.pm.mesh["pp"].get_group())
+            layers = {k: v for part in parts for k, v in part.items()}
+        return summarize_routing(layers)
+
+
+def _mark_probes(schedule, layers: list[nn.Module]) -> None:
+    """torch.distributed.pipelining infers a stage's shapes by running it once on a real (first
+    stage) or materialised micro-batch before the schedule's first step; the routed layers must
+    not count that run in the step's statistics. Wraps the stages' metadata inference (private
+    API of torch 2.13; without it nothing is wrapped) to mark the layers as probing meanwhile."""
+    if schedule is None or not layers:
+        return
+    stages = getattr(schedule, "_stages", None) or [s for s in [getattr(schedule, "_stage", None)] if s]
+    for stage in stages:
+        infer = getattr(stage, "_forward_metadata_inference", None)
+        if infer is None:
+            continue
+
+        def probing(*args, _infer=infer, **kwargs):
+            for m in layers:
+                m.probing = True
+            try:
+                return _infer(*args, **kwargs)
+            finally:
+                for m in layers:
+                    m.probing = False
+        stage._forward_metadata_inference = probing
+
+
+def summarize_routing(layers: dict[str, dict]) -> dict:
+    """Per-layer routing statistics -> the step's summary (see MoEBalancer.finish_step)."""
+    if not layers:
+        return {}
+    n = len(layers)
+    copies = [sum(s["tokens_per_expert"]) for s in layers.values()]
+    dropped = sum(s["dropped"] * c for s, c in zip(layers.values(), copies)) / max(sum(copies), 1)
+    return {"layers": layers,
+            "imbalance": max(s["imbalance"] for s in layers.values()),
+            "imbalance_mean": sum(s["imbalance"] for s in layers.values()) / n,
+            "aux_loss": sum(s["aux_loss"] for s in layers.values()) / n,
+            "z_loss": sum(s["z_loss"] for s in layers.values()) / n,
+            "dropped": dropped}

@@ -8,7 +8,11 @@ the stage root takes what is left (embedding, final norm, head). How the plan's 
 | zero=3                     | reshard_after_forward as planned (True: ZeRO-3; False: ZeRO-2-like memory) |
 | zero=3, fsdp_shard < dp    | HSDP: 2-D mesh (replicate, shard); shard over fsdp_shard ranks   |
 | zero=2                     | reshard_after_forward=False, gradients reduce-scattered per micro-batch |
-| zero=0/1                   | reshard_after_forward=False, gradients accumulated unsharded and reduce-scattered once per step (see parallel.py) |
+| zero=1                     | reshard_after_forward=False, gradients accumulated unsharded and reduce-scattered once per step (see parallel.py) |
+| zero=0                     | DDP (parallel.py) where `ddp_runs`; else as zero=1                |
+
+ZeRO-1/2 gather the weights once per step: `ParallelModel` keeps them gathered after every
+micro-batch's backward but the last (`set_reshard_after_backward`).
 
 Between steps the weights are always sharded (FSDP2 has no "keep unsharded" mode), so zero<3
 uses a little less memory than planned, never more.
@@ -40,10 +44,14 @@ __all__ = ["apply_fsdp"]
 
 def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, reshard_after_forward: bool,
                param_dtype: torch.dtype | None, overlap: bool = True, experts: list[str] = (),
-               expert_mesh=None) -> list[nn.Module]:
+               expert_mesh=None, one_unit_below_zero3: bool = False) -> list[nn.Module]:
     """Shard `stage` over `dp_mesh`; returns the FSDP units, expert modules first, then blocks,
     root last.
 
+    `one_unit_below_zero3`: for zero 1/2, one unit per stage instead of one per block (where
+    communication does not overlap compute - gloo reduces on the cores that compute - per-block
+    units only add per-collective latency; with overlap, per-block reduce-scatters hide behind
+    backward).
     `experts`: FQNs of expert-parallel modules (parameters already DTensors over the EP axis),
     sharded over `expert_mesh` (the edp axis) as units of their own before the blocks, so that
     the block units over `dp_mesh` leave their parameters alone.
@@ -57,6 +65,11 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
         fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
         expert_units.append(module)
     units = []
+    if zero < 3 and one_unit_below_zero3:
+        # ZeRO-1/2 keep whole weights from the first forward to the last backward of a step: one
+        # unit (the stage) gathers them once and reduce-scatters the gradients once, the single
+        # all-gather + reduce-scatter the cost model prices, instead of one pair per block
+        blocks = []
     for fqn in blocks:
         block = stage.get_submodule(fqn)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

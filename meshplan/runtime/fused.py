@@ -33,7 +33,19 @@ from torch import nn
 from meshplan.errors import ConfigError
 from meshplan.planner.fusions import FusedModule, parse_entry
 
-__all__ = ["apply_fused_kernels", "FusedHead", "Swapped"]
+__all__ = ["apply_fused_kernels", "apply_router_kernel", "FusedHead", "Swapped", "choose_kernels", "FASTER_THAN_EAGER"]
+
+# Which kernels beat the eager modules they replace, by (device type, kernel backend): the
+# runtime swaps a kernel in for training only where it is faster (issue #17 part 4).
+# cuda/triton: benchmarks/results/kernels-2026-11-24-nvidia-h100-80gb-hbm3.md, bf16, fwd+bwd:
+#   rms_norm 0.61 vs 1.90 ms, swiglu 0.66 vs 4.36 ms, rope 0.54 vs 2.24 ms, linear+CE 43 vs 52 ms
+#   (llama3-8b shapes; the same order at llama3-70b shapes).
+# Everything else (CPU with the plain-PyTorch reference, the Triton interpreter) is slower than
+# the modules it replaces: on CPU the reference fallbacks made a tiny-llama step 0.129 s against
+# 0.123 s eager (issue #17); they exist to test the swap's correctness, not to train.
+FASTER_THAN_EAGER: dict[tuple[str, str], frozenset[str]] = {
+    ("cuda", "triton"): frozenset({"rms_norm", "swiglu", "rope", "linear_cross_entropy"}),
+}
 
 # forward outputs of the eager and the fused module must agree this closely on a random input
 _TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-6, 1e-8)}
@@ -47,6 +59,7 @@ class FusedHead:
 
     fqn: str
     module: nn.Module
+    compute_dtype: torch.dtype | None = None    # autocast's dtype (the loss runs outside the forward's autocast)
 
     def loss(self, hidden: torch.Tensor, target: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
         """Summed cross entropy of hidden @ weight.T against target (the default loss's contract)."""
@@ -55,7 +68,8 @@ class FusedHead:
         if _is_dtensor(w):
             raise ConfigError(f"{self.fqn}.weight is still sharded when the loss runs; plan with "
                               "fused_kernels=False for this layout")
-        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(w.dtype), w,
+        dtype = self.compute_dtype or w.dtype     # fp32 master weights under autocast: run the matmul in bf16
+        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(dtype), w.to(dtype),
                                           target.reshape(-1), ignore_index=ignore_index, reduction="sum")
 
 
@@ -126,6 +140,11 @@ def _check_same(fqn: str, kernel: str, eager: torch.Tensor, fused: torch.Tensor)
 
 def _swap(fqn: str, module: nn.Module, new_forward, width: int, kernel: str) -> None:
     x = _sample(module, width)
+    if x.is_meta:
+        # a model not yet materialised (deferred initialisation) cannot be checked numerically:
+        # the match was made on the traced graph, and the kernels' own tests cover their numerics
+        module.forward = types.MethodType(new_forward, module)
+        return
     with torch.no_grad():
         eager = module(x)
         module.forward = types.MethodType(new_forward, module)
@@ -164,6 +183,10 @@ def apply_fused_kernels(stage: nn.Module, entries, signatures: dict[str, str], *
     TP/FSDP); the output layer only when `fuse_loss` (the default loss is used)."""
     out = Swapped(modules=[])
     for entry in entries:
+        if entry.split()[:1] == ["moe_router"]:        # "moe_router <module key>": the fused MoE router
+            out.modules += apply_router_kernel(stage, entry.split()[1] if len(entry.split()) > 1 else None,
+                                               signatures)
+            continue
         f = parse_entry(entry)
         for fqn, m in _modules(stage, f, signatures):
             if f.kernel == "rms_norm":
@@ -192,9 +215,65 @@ def apply_fused_kernels(stage: nn.Module, entries, signatures: dict[str, str], *
                     raise ConfigError(f"{fqn}: the fused linear + cross-entropy needs a linear layer "
                                       "without bias; re-run meshplan plan")
                 x = _sample(m, m.weight.shape[1])
-                with torch.no_grad():
-                    _check_same(fqn, f.kernel, m(x), x @ m.weight.t())
+                if not x.is_meta:          # deferred initialisation: see _swap
+                    with torch.no_grad():
+                        _check_same(fqn, f.kernel, m(x), x @ m.weight.t())
                 m.forward = types.MethodType(_identity_forward, m)
                 out.head = FusedHead(fqn=fqn, module=m)
                 out.modules.append(fqn)
     return out
+
+
+def choose_kernels(entries, device_type: str, mode) -> tuple[list[str], dict[str, str]]:
+    """The plan's fused-kernel entries to swap in on this device, and per kernel what runs and why.
+
+    `mode`: True swaps every entry (correctness tests), False none, "auto" only the kernels whose
+    backend here beats eager (FASTER_THAN_EAGER). Returns (entries to swap, {kernel: decision}).
+    """
+    from meshplan.kernels import backend
+    kinds = list(dict.fromkeys(parse_entry(e).kernel for e in entries))
+    if mode is False or not entries:
+        return [], {k: "eager (fused kernels off)" for k in kinds}
+    be = backend()
+    if mode is True:
+        return list(entries), {k: f"fused ({be} on {device_type}, forced)" for k in kinds}
+    if mode != "auto":
+        raise ConfigError(f"fused_kernels={mode!r}: use 'auto', True or False")
+    faster = FASTER_THAN_EAGER.get((device_type, be), frozenset())
+    keep = [e for e in entries if parse_entry(e).kernel in faster]
+    return keep, {k: (f"fused ({be} on {device_type})" if k in faster else
+                      f"eager ({be} on {device_type} is slower than the module it replaces)") for k in kinds}
+
+
+def apply_router_kernel(stage: nn.Module, key: str | None = None, signatures: dict[str, str] | None = None
+                        ) -> list[str]:
+    """Route the MoE layers of `stage` (those named by the plan key `key`, or every routed layer)
+    with the fused router kernel (meshplan.kernels.moe_route: top-k, softmax/sigmoid, expert
+    bias, summed probabilities for the aux loss), after checking it picks the same experts with
+    the same weights as the eager router on a random input. Returns the swapped FQNs."""
+    from meshplan.models.moe import kernel_route
+    if key is not None and ":" in key:
+        sig, rel = key.split(":", 1)
+        names = {f"{inst}.{rel}" for inst, s in (signatures or {}).items() if s == sig}
+    else:
+        names = None if key is None else {key}
+    swapped = []
+    for fqn, m in stage.named_modules():
+        if not (hasattr(m, "route_fn") and hasattr(m, "_route") and isinstance(getattr(m, "router", None), nn.Module)):
+            continue
+        if names is not None and fqn not in names:
+            continue
+        w = m.router.weight
+        if not w.is_meta:
+            logits = torch.randn(16, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device)
+            with torch.no_grad():
+                want_w, want_e, probs = m._route(logits)
+                got_w, got_e, prob_sum = kernel_route(logits, m)
+            if not torch.equal(want_e, got_e):
+                raise ConfigError(f"{fqn}: the fused router picks other experts than the module's own router "
+                                  "(different scoring); run with fused kernels off")
+            _check_same(fqn, "moe_router", want_w, got_w)
+            _check_same(fqn, "moe_router", probs.sum(0), prob_sum)
+        m.route_fn = kernel_route
+        swapped.append(fqn)
+    return swapped

@@ -7,6 +7,13 @@
     log.write(m); progress.update(m)
     # step 12/100 loss 3.21 tok/s 4.1k step 0.84 s (pred 0.80 s) mfu 1.2%
 
+MoE models add their routing statistics (meshplan.runtime.expert_parallel.MoEBalancer, global
+over the data-parallel ranks and the step's micro-batches): `moe_imbalance` (max over layers of
+max/mean tokens per expert; 1.0 is perfect balance), `moe_imbalance_mean` (mean over layers),
+`moe_aux_loss` and `moe_z_loss` (mean over layers, before their coefficients), `moe_dropped`
+(fraction of token copies a capacity factor dropped) and `moe_layers` (those per layer); the
+console line shows "moe max/mean 1.31 aux 1.02 z 0.41 drop 0.0%".
+
 Only one process (global rank 0) should write the log and the display.
 Memory is in GiB (2^30 bytes), like `Estimate.peak_memory_gb`.
 """
@@ -24,7 +31,7 @@ from typing import IO, Any
 
 from meshplan.errors import ConfigError
 
-__all__ = ["StepMetrics", "MetricsLog", "read_metrics", "Progress", "format_progress", "mfu",
+__all__ = ["StepMetrics", "MetricsLog", "read_metrics", "moe_metrics", "Progress", "format_progress", "mfu",
            "peak_memory_gb", "reset_peak_memory", "human_count"]
 
 GIB = 1 << 30
@@ -43,21 +50,31 @@ class StepMetrics:
     predicted_step_time_s: float | None = None
     mfu: float | None = None               # fraction of peak, 0..1
     peak_memory_gb: float | None = None
+    global_batch: int | None = None        # sequences this step (changes during a batch-size ramp-up)
+    moe_imbalance: float | None = None     # MoE: max over layers of max/mean tokens per expert
+    moe_imbalance_mean: float | None = None
+    moe_aux_loss: float | None = None      # mean over layers, before the coefficient
+    moe_z_loss: float | None = None
+    moe_dropped: float | None = None       # fraction of token copies dropped by a capacity factor
+    moe_layers: dict | None = None         # {layer: {imbalance, aux_loss, z_loss, dropped}}
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ConfigError(f"step must be a whole number >= 0, got {self.step!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "step" and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if f.name not in ("step", "moe_layers") and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ConfigError(f"metric {f.name} must be a number, got {v!r}")
         for name in ("step_time_s", "tokens_per_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"metric {name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        # JSON has no NaN/inf: a diverged loss is written as null, not as an unparsable token
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        # JSON has no NaN/inf: a diverged loss is written as null, not as an unparsable token;
+        # fields that are None and not in every record (batch, MoE) are left out
+        optional = ("global_batch", "moe_imbalance", "moe_imbalance_mean", "moe_aux_loss", "moe_z_loss",
+                    "moe_dropped", "moe_layers")
+        return {k: _finite(v) for k, v in asdict(self).items() if not (k in optional and v is None)}
 
 
 class MetricsLog:
@@ -119,6 +136,24 @@ def read_metrics(path: str | os.PathLike, *, last_per_step: bool = True) -> list
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return v
+
+
+def moe_metrics(routing: dict) -> dict[str, Any]:
+    """StepMetrics fields from `MoEBalancer.finish_step()`'s summary (nothing for a dense model)."""
+    if not routing:
+        return {}
+    keys = ("imbalance", "aux_loss", "z_loss", "dropped")
+    return {"moe_imbalance": routing["imbalance"], "moe_imbalance_mean": routing["imbalance_mean"],
+            "moe_aux_loss": routing["aux_loss"], "moe_z_loss": routing["z_loss"], "moe_dropped": routing["dropped"],
+            "moe_layers": {name: {k: round(float(s[k]), 6) for k in keys} for name, s in routing["layers"].items()}}
+
+
 # ---- display -----------------------------------------------------------------------------
 def human_count(x: float) -> str:
     """4100 -> '4.1k', 2.5e6 -> '2.5M', 812 -> '812'."""
@@ -140,6 +175,17 @@ def format_progress(m: StepMetrics, total_steps: int | None = None) -> str:
         parts.append(f"mfu {100 * m.mfu:.1f}%")
     if m.peak_memory_gb is not None:
         parts.append(f"mem {m.peak_memory_gb:.1f} GB")
+    if m.global_batch is not None:
+        parts.append(f"batch {m.global_batch}")
+    if m.moe_imbalance is not None:
+        moe = f"moe max/mean {m.moe_imbalance:.2f}"
+        if m.moe_aux_loss is not None:
+            moe += f" aux {m.moe_aux_loss:.3f}"
+        if m.moe_z_loss:
+            moe += f" z {m.moe_z_loss:.3f}"
+        if m.moe_dropped:
+            moe += f" drop {100 * m.moe_dropped:.1f}%"
+        parts.append(moe)
     return " ".join(parts)
 
 

@@ -2,13 +2,22 @@
 
 One fixed order, each step a no-op at degree 1 (DESIGN.md):
 
-    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> CP -> EP -> recompute -> FSDP/ZeRO -> schedule
+    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> CP -> EP -> FP8 -> recompute -> FSDP/ZeRO
+    -> schedule
 
 EP (expert_parallel.py): routed experts sharded over the EP group (DTensors, Shard(0) over the
 "ep" axis), tokens moved by autograd-aware all-to-all; FSDP then shards expert weights over
 `edp` and everything else over the whole dp mesh. Gradient norm, full tensors and DCP state
 need nothing special: expert gradients are DTensors over (edp, ep), so their sums and
 `full_tensor()` cover every expert exactly once.
+
+Data parallelism and precision (issue #17: never slower than the PyTorch a user writes by hand):
+zero 1-3 run through FSDP2 (fsdp.py; ZeRO-1/2 gather the weights once per step); zero=0 runs
+as plain DDP (bucketed all-reduce overlapped with backward, summed by a comm hook) where
+`ddp_runs`; one data-parallel rank has no wrapper at all and gets bf16 from `torch.autocast`
+around each stage's forward (fp32 master weights and gradients), not from FSDP2 over a one-rank
+mesh. Fused kernels run only where faster than eager on this device (fused.choose_kernels);
+`ParallelModel.kernels` says what runs and why.
 
 Everything it does is read from the Plan: mesh degrees, stage -> module FQNs, per-module
 placements, recompute policy, ZeRO stage, schedule, micro-batch counts. It decides nothing.
@@ -25,6 +34,8 @@ rank contributes it, and FSDP sums the partial gradients over dp x cp.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -33,17 +44,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.errors import ConfigError, LayoutError
+from meshplan.support import runtime_limits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import expert_parallel as _ep
+from meshplan.runtime import fp8 as _fp8
 from meshplan.runtime import fsdp as _fsdp
+from meshplan.runtime import materialize as _mat
 from meshplan.runtime import pipeline as _pp
-from meshplan.runtime.fused import apply_fused_kernels
+from meshplan.runtime.fused import apply_fused_kernels, choose_kernels
 from meshplan.runtime.recompute import apply_recompute
-from meshplan.runtime.tensor_parallel import apply_tensor_parallel, block_signatures, sequence_parallel
+from meshplan.runtime.tensor_parallel import (apply_tensor_parallel, block_signatures, enable_async_tp,
+                                              sequence_parallel)
 
 __all__ = ["parallelize", "ParallelModel", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
+# "fp8": the plan's fp8_modules run FP8 GEMMs (runtime/fp8.py), every other module bf16
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp32": None}
 
 
@@ -56,12 +72,12 @@ def _check(model: nn.Module, plan, world_size: int) -> None:
         raise ConfigError(f"this plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) "
                           f"but this model's structure has fingerprint {fp}: the model changed since "
                           "planning (layers, shapes or dtypes); re-plan for this model")
-    lay = plan.layout_obj
-    if lay.ep > 1 and (lay.etp > 1 or lay.tp > 1 or lay.cp > 1 or _hsdp(plan)):
-        raise LayoutError(f"the runtime runs expert parallelism (ep={lay.ep}) with experts folded over the "
-                          f"data-parallel ranks only: it needs tp=1, cp=1, etp=1 and no HSDP (plan has tp={lay.tp}, "
-                          f"cp={lay.cp}, etp={lay.etp}, fsdp_shard={lay.fsdp_shard}); re-plan with "
-                          "fixed={'tp': 1, 'cp': 1, 'etp': 1} or with ep=1")
+    # the same declaration the planner's search reads (meshplan.support): a plan made by
+    # meshplan.plan never trips this; a hand-edited or older plan may
+    limits = runtime_limits(plan.layout_obj)
+    if limits:
+        raise LayoutError("the runtime cannot run this plan: " + "; ".join(limits)
+                          + "; re-plan (meshplan.plan never returns such a layout)")
 
 
 def _tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
@@ -178,6 +194,58 @@ def _build_mesh(plan, device_type: str) -> Meshes:
     return Meshes(root=root, dp=root["dp"], fsdp=fsdp)
 
 
+def ddp_runs(layout) -> bool:
+    """Whether the runtime runs this layout's data parallelism as plain DDP (zero=0): replicated
+    fp32 weights, one bucketed all-reduce of the gradients overlapped with backward. DDP keeps
+    plain tensors, so it runs without TP, PP, CP and EP; zero=0 with any of those runs through
+    FSDP2 as ZeRO-1 (less memory than planned, never more). The planner offers zero=0 only here."""
+    return layout.zero == 0 and layout.dp > 1 and layout.tp == 1 and layout.pp == 1 and layout.cp == 1 \
+        and layout.ep == 1
+
+
+def _data_parallel_mode(plan) -> str:
+    """"ddp", "fsdp" or "none" (one data-parallel rank: no wrapper at all, not FSDP over a one-rank
+    mesh, whose hooks, copies and sharded optimizer cost ~30 ms a step on CPU for nothing)."""
+    lay = plan.layout_obj
+    if plan.mesh.get("dp", 1) * plan.mesh.get("cp", 1) == 1:
+        return "none"
+    return "ddp" if ddp_runs(lay) else "fsdp"
+
+
+def _sum_allreduce_hook(group, bucket):
+    """DDP communication hook: SUM the bucket over the group (DDP's default averages; the loss is
+    already divided by the global token count, so the sum is the global-batch mean gradient)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _wrap_ddp(stage: nn.Module, group, device: torch.device) -> nn.Module:
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+    with warnings.catch_warnings():     # broadcast_buffers=False: buffers are derived (rope tables), never synced
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DistributedDataParallel(stage, process_group=group, broadcast_buffers=False,
+                                      gradient_as_bucket_view=True,
+                                      device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    return ddp
+
+
+def _autocast_forward(stage: nn.Module, dtype: torch.dtype, device_type: str) -> None:
+    """Mixed precision without FSDP: the stage's forward runs under autocast (bf16 matmuls, fp32
+    master weights, gradients and reductions), as a user writes it by hand. Only the forward:
+    backward ops follow the dtypes autocast chose for their forward ops."""
+    import functools
+    inner = stage.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+    stage.forward = forward
+
+
 def _owned_blocks(spec: _pp.StageSpec, signatures: dict[str, str]) -> list[str]:
     return [m for m in spec.owned if m in signatures]
 
@@ -196,10 +264,17 @@ class ParallelModel:
     loss_fn: object = None                  # (logits, labels) -> summed loss; default: cross entropy
     fused_head: object = None               # fused.FusedHead when the loss runs fused with the output layer
     fused_modules: list[str] = field(default_factory=list)   # modules running meshplan's fused kernels here
+    kernels: dict[str, str] = field(default_factory=dict)    # plan's fused kernel -> what runs here and why
+    data_parallel: str = "none"             # "fsdp" | "ddp" | "none" (see _data_parallel_mode)
+    ddp: list = field(default_factory=list)  # DistributedDataParallel wrappers of `stages` (data_parallel "ddp")
+    autocast_dtype: torch.dtype | None = None   # mixed precision by autocast where FSDP does not cast
+    async_tp: bool = False                  # TP collectives overlapped with matmuls (tp_comm_overlap, CUDA)
     _step_loss_fn: object = None            # this step's normalised loss (the global token count changes)
     tied: list[tuple[str, ...]] = field(default_factory=list)       # tied parameter names, canonical first
     tied_shapes: list = field(default_factory=list)                 # per tied set: local grad shape if it spans stages
     meshes: Meshes | None = None
+    fp8: object = None                      # fp8.Fp8Swap: FP8 modules here and the backend running them
+    precisions: dict[str, str] = field(default_factory=dict)    # module FQN -> precision it computes in
 
     # ---- coordinates -----------------------------------------------------------------
     def _rank(self, axis: str) -> int:
@@ -240,9 +315,15 @@ class ParallelModel:
         for p in self.parameters():
             p.grad = None
 
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step: the plan's, or fewer while a batch-size ramp-up runs (train.py
+        sets `microbatches_override`; the layout, hence the micro-batch size, never changes)."""
+        return getattr(self, "microbatches_override", None) or self.plan.num_microbatches
+
     def _local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B = input_ids.shape[0]
-        m = self.plan.num_microbatches
+        m = self.num_microbatches
         if input_ids.shape != labels.shape:
             raise ConfigError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must have "
                               "the same shape (batch, seq_len)")
@@ -282,6 +363,8 @@ class ParallelModel:
         self._finalise_grads()
         # one rank per (dp, cp, last stage) contributes, so the world sum is the global sum (CP
         # ranks hold disjoint tokens: each loss is a partial sum)
+        if dist.get_world_size() == 1:
+            return local
         contributes = self.holds_last_stage and self._rank("tp") == 0
         t = torch.tensor([local if contributes else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
@@ -296,17 +379,24 @@ class ParallelModel:
                                reduction="sum")
 
     def _accumulate(self, x, y, loss_fn) -> float:
-        m = self.plan.num_microbatches
+        m = self.num_microbatches
         stage = self.stages[0]
-        sync_every = self.plan.layout_obj.zero >= 2
+        forward = self.ddp[0] if self.ddp else stage
+        zero = self.plan.layout_obj.zero
         total = 0.0
-        for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
+        for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))) if m > 1 else enumerate([(x, y)]):
             last = i == m - 1
-            if self.fsdp_units and not sync_every:
-                # ZeRO-0/1: accumulate whole gradients locally, reduce-scatter once at the end
-                stage.set_requires_gradient_sync(last, recurse=True)
-            loss = loss_fn(_pp.logits_of(stage(xm)), ym)
-            loss.backward()
+            if self.fsdp_units and zero < 3 and m > 1:
+                # ZeRO-1/2 keep the gathered weights from the first micro-batch's forward to the last
+                # one's backward: one all-gather per step, as the cost model prices it
+                stage.set_reshard_after_backward(last, recurse=True)
+                if zero < 2:
+                    # ZeRO-0/1: accumulate whole gradients locally, reduce-scatter once at the end
+                    stage.set_requires_gradient_sync(last, recurse=True)
+            sync = self.ddp[0].no_sync() if self.ddp and not last else contextlib.nullcontext()
+            with sync:
+                loss = loss_fn(_pp.logits_of(forward(xm)), ym)
+                loss.backward()
             total += float(loss.detach())
         return total
 
@@ -445,7 +535,9 @@ def _state_keys(module: nn.Module) -> list[str]:
 
 
 def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | str = "plan",
-                overlap: bool = True, loss_fn=None, fused_kernels: bool = True) -> ParallelModel:
+                overlap: bool = True, loss_fn=None, fused_kernels: bool | str = "auto", fp8: bool = True,
+                fp8_backend: str = "auto", fp8_recipe: str = "tensorwise",
+                materialize: bool = True) -> ParallelModel:
     """Apply `plan` to `model` inside an initialised default process group of the plan's size.
 
     `compute_dtype`: "plan" (default) takes the plan's precision (bf16 parameters and compute,
@@ -453,9 +545,18 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     model's own dtype (what numerical-equivalence tests use). `loss_fn(logits, labels)` must
     return the SUM over tokens (default: cross entropy ignoring -100); with a `loss_fn` the
     output layer keeps its eager form (the fused linear + cross-entropy computes the default loss).
-    `fused_kernels`: swap in the kernels the plan lists (Plan.fused_kernels; False keeps every
-    module eager). Which implementation runs is meshplan.kernels.set_backend's choice: Triton
-    on GPUs (or under TRITON_INTERPRET=1), the plain-PyTorch reference otherwise.
+    `fused_kernels`: "auto" (default) swaps in the kernels the plan lists (Plan.fused_kernels)
+    that are faster than eager with this device's backend (fused.FASTER_THAN_EAGER: Triton on
+    CUDA; on CPU none - the reference fallbacks are slower); True swaps every listed kernel
+    (correctness tests), False none. `ParallelModel.kernels` records what runs and why. Which
+    implementation runs is meshplan.kernels.set_backend's choice: Triton on GPUs (or under
+    TRITON_INTERPRET=1), the plain-PyTorch reference otherwise.
+    Data parallelism (`ParallelModel.data_parallel`): FSDP2 for zero 1-3, DDP for zero=0 (where
+    `ddp_runs`), nothing for one data-parallel rank; mixed precision then comes from autocast.
+    `fp8`: for an FP8 plan, swap exactly Plan.fp8_modules for FP8 linears (runtime/fp8.py) with
+    `fp8_backend` ("auto": Transformer Engine on CUDA when installed, else torchao; "torchao", "te")
+    and `fp8_recipe` ("tensorwise", "rowwise", "delayed"); False is the explicit override that runs
+    the plan in `compute_dtype` instead. A missing backend fails here, before any collective.
     """
     if not dist.is_initialized():
         raise ConfigError("parallelize() needs an initialised process group: launch with torchrun "
@@ -469,6 +570,9 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         compute_dtype = _DTYPES.get(plan.precision, torch.bfloat16)
     if compute_dtype == torch.float32:
         compute_dtype = None
+    run_fp8 = fp8 and plan.precision == "fp8" and bool(plan.fp8_modules)
+    if run_fp8:     # a missing package fails before any collective, naming what to install
+        _fp8.resolve_backend(fp8_backend, device)
     signatures = block_signatures(model)
     specs = _pp.stage_specs(plan.stages)
     _pp.check_stage_coverage(model, plan.stages)
@@ -479,28 +583,38 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         _ep.check_expert_parallel(model, lay.ep, expert_params)
     meshes = _build_mesh(plan, device.type)
     mesh = meshes.root
+    # deferred initialisation (runtime/materialize.py): an unsharded meta copy to replay the
+    # single-device initialisation from, and the random state that initialisation starts from
+    deferred = _mat.is_meta(model)
+    reference = copy.deepcopy(model) if deferred else None
+    rng_start = torch.get_rng_state() if deferred else None
 
     pp = plan.mesh["pp"]
     mine = _pp.stages_of_rank(mesh["pp"].get_local_rank(), pp, len(specs), plan.schedule)
     local_specs = [specs[i] for i in mine]
     stages = []
     fused_head, fused_modules = None, []
+    run_kernels, kernels = choose_kernels(plan.fused_kernels, device.type, fused_kernels)
     for spec in local_specs:
         # 1. pipeline split (the model itself when there is one stage)
         # (a later stage runs the model's forward on token ids of the LOCAL length: seq_len / cp)
         stage = model if len(specs) == 1 else _pp.build_stage_module(
             model, spec, seq_len=plan.seq_len // plan.mesh.get("cp", 1), copy_model=True)
-        if next(iter(stage.parameters())).device.type == "meta":
-            raise ConfigError("the model is on the meta device: materialise it (to_empty + init) before "
-                              "parallelize, or build it on the CPU")
-        stage.to(device)
-        if fused_kernels and plan.fused_kernels:                                    # 1b. fused kernels
-            swapped = apply_fused_kernels(stage, plan.fused_kernels, signatures, fuse_loss=loss_fn is None)
+        if deferred:        # a meta model: shard first, allocate only this rank's shards (step 4b)
+            _mat.materialize_buffers(stage, reference, device)
+        else:
+            stage.to(device)
+        if run_kernels:                                                              # 1b. fused kernels
+            swapped = apply_fused_kernels(stage, run_kernels, signatures, fuse_loss=loss_fn is None)
             fused_head = swapped.head or fused_head
             fused_modules += swapped.modules
         stages.append(stage)
     units: list[nn.Module] = []
-    use_fsdp = plan.mesh.get("dp", 1) * plan.mesh.get("cp", 1) > 1 or compute_dtype is not None
+    dp_mode = _data_parallel_mode(plan)     # FSDP2 / DDP / none (autocast gives mixed precision)
+    use_fsdp = dp_mode == "fsdp"
+    ddps: list[nn.Module] = []
+    async_tp = False
+    swaps: list = []
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, signatures)
         apply_tensor_parallel(stage, plan.placements, signatures, mesh["tp"])      # 2. TP / SP
@@ -513,16 +627,37 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             _cp.apply_context_parallel(stage, group=mesh["cp"].get_group(), seq_len=plan.seq_len, blocks=blocks)
         experts = (_ep.apply_expert_parallel(stage, meshes.ep, labelled=expert_params)   # 2c. EP
                    if lay.ep > 1 else [])
+        if run_fp8:                                                                 # 2d. FP8
+            swaps.append(_fp8.apply_fp8(stage, plan.fp8_modules, backend=fp8_backend, recipe=fp8_recipe,
+                                        device=device, tp=lay.tp,
+                                        fsdp_float8_all_gather=use_fsdp and lay.zero == 3))
         apply_recompute(stage, blocks, plan.recompute)                              # 3. recompute
+        if lay.tp_comm_overlap:                                                     # 3b. async TP
+            async_tp = enable_async_tp(stage, blocks, mesh["tp"]) or async_tp
         if use_fsdp:                                                                # 4. FSDP / ZeRO
             units += _fsdp.apply_fsdp(stage, blocks, meshes.fsdp, zero=lay.zero,
                                       reshard_after_forward=lay.reshard_after_forward,
                                       param_dtype=compute_dtype, overlap=overlap,
-                                      experts=experts, expert_mesh=meshes.expert_fsdp)
+                                      experts=experts, expert_mesh=meshes.expert_fsdp,
+                                      one_unit_below_zero3=device.type == "cpu")
+        elif compute_dtype is not None:
+            _autocast_forward(stage, compute_dtype, device.type)
+            if fused_head is not None:
+                fused_head.compute_dtype = compute_dtype
+        if deferred and materialize:                                                # 4b. materialise
+            # materialize=False leaves a meta model sharded but unallocated: the fake-world
+            # contract tests count each rank's shards against the cost model without memory
+            _mat.materialize([stage], reference, device, rng_state=rng_start)
+        if dp_mode == "ddp" and (materialize or not deferred):     # DDP checks real tensors
+            ddps.append(_wrap_ddp(stage, meshes.fsdp.get_group(), device))
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
-                       fused_modules=fused_modules, meshes=meshes,
+                       fused_modules=fused_modules, meshes=meshes, kernels=kernels, data_parallel=dp_mode,
+                       ddp=ddps, autocast_dtype=None if use_fsdp else compute_dtype, async_tp=async_tp,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
+    pm.fp8 = _fp8.merge(swaps)
+    pm.precisions = _fp8.module_precisions(stages, compute_dtype, pm.fp8)
+    _fp8.log_precisions(pm.precisions, plan)
     if len(specs) > 1:                                                              # 5. schedule
         from torch.distributed.pipelining import PipelineStage
         group = mesh["pp"].get_group()

@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_single_process_group(timeout_s: float = 60.0) -> bool:
+    """A one-rank gloo group in this process (tests and tools that run the runtime in-process);
+    False, doing nothing, when a group is already initialised."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
 def exit_worker(code: int) -> None:
     """End a distributed worker process now, skipping interpreter finalisation.
 

@@ -28,18 +28,25 @@ Inside TP regions the user's reshapes see local feature sizes; attention modules
 head counts as attributes get them divided ("heads"). The loss sees full logits: the head's
 output is gathered (Replicate) because the loss function is the user's.
 
-Communication (all through DTensor redistributions): colwise input all-gather (SP) / identity,
-rowwise all-reduce or reduce-scatter (SP), their transposes in backward. Overlap of these with
-compute needs async-TP (symmetric memory, CUDA only); on CPU they are synchronous.
+Communication (all through DTensor redistributions): the activation entering each block's
+attention / feed-forward sub-module is made a Replicate DTensor once, by a pre-hook on that
+sub-module (torchtitan's `PrepareModuleInput`): one all-gather under SP, none without, and in
+backward one reduce-scatter / all-reduce of the summed input gradient of all its column-parallel
+linears (not one per linear: wq, wk, wv each gathering the same activation cost 2.5x the
+collectives). Row-parallel outputs are all-reduced (reduce-scattered under SP), their
+transposes in backward. Overlap of these with
+compute is async TP (`enable_async_tp`, the plan's tp_comm_overlap: symmetric memory + compiled
+blocks, CUDA only); on CPU they are synchronous.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshplan.errors import LayoutError
 
-__all__ = ["apply_tensor_parallel", "block_signatures", "HEAD_COUNT_ATTRS", "sequence_parallel"]
+__all__ = ["apply_tensor_parallel", "block_signatures", "HEAD_COUNT_ATTRS", "sequence_parallel", "enable_async_tp"]
 
 # attribute names user attention modules keep head counts in (local-shape handling for "heads")
 HEAD_COUNT_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_key_value_heads",
@@ -58,7 +65,7 @@ def block_signatures(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _styles(label: str, sequence: bool, module: nn.Module, fqn: str):
+def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_after: bool = False):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -80,13 +87,69 @@ def _styles(label: str, sequence: bool, module: nn.Module, fqn: str):
         # a DTensor output keeps the global shape, so the user's `B, T, _ = x.shape` stays right
         return SequenceParallel(use_local_output=False)
     if label == "replicate" and sequence and not linear_or_emb and any(True for _ in module.parameters()):
-        # a norm the ILP runs on whole tokens inside a sequence-parallel block: gather its input
+        if gathered_after:
+            # a norm the ILP runs on whole tokens inside a sequence-parallel block, whose consumer
+            # gathers its output once (see _gather_once): run it on the sequence shard instead and
+            # gather after it - the same all-gather, a reduce-scatter (not an all-reduce per
+            # column-parallel consumer) in backward, and 1/tp of the norm's work
+            return SequenceParallel(use_local_output=False)
+        # no consumer to gather at: gather the norm's input
         return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                   use_local_output=True)
     if label == "replicate" and sequence and linear_or_emb:
         raise LayoutError(f"module {fqn!r}: a replicated linear inside a sequence-parallel block is not "
                           "supported by the runtime yet; re-plan with sp=False")
     return None
+
+
+def _gather_once(tp_mesh, sequence: bool):
+    """Forward pre-hook on the module that holds a block's column-parallel linears (attention,
+    feed-forward): its activation input becomes a Replicate DTensor once, so wq / wk / wv (or
+    w1 / w3) see an input already in their layout and communicate nothing. torchtitan's
+    `PrepareModuleInput` on `attention` / `feed_forward` does the same.
+
+    Forward: one all-gather of the sequence shards (SP) or nothing (input already whole).
+    Backward: the consumers' partial input gradients accumulate on that one DTensor and are
+    reduced once (reduce-scatter under SP, all-reduce without), instead of once per consumer.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def to_replicate(x):
+        if isinstance(x, DTensor):
+            return x if all(p.is_replicate() for p in x.placements) else x.redistribute(tp_mesh, [Replicate()])
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            layout = Shard(1) if sequence else Replicate()
+            return DTensor.from_local(x, tp_mesh, [layout], run_check=False).redistribute(tp_mesh, [Replicate()])
+        return x
+
+    def hook(module, args, kwargs):
+        if args:
+            return (to_replicate(args[0]),) + tuple(args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": to_replicate(kwargs["hidden_states"])}
+        if "x" in kwargs:
+            return args, {**kwargs, "x": to_replicate(kwargs["x"])}
+        return None
+    return hook
+
+
+def _colwise_parents(placements: dict[str, str], signatures: dict[str, str], modules: dict) -> set[str]:
+    """FQNs of the sub-modules of each block (attention, feed-forward) that hold column-parallel
+    linears and whose first input is the activation those linears read. A block whose colwise
+    linears hang directly off the block (no such sub-module) keeps the per-linear gather."""
+    parents: set[str] = set()
+    for key, label in placements.items():
+        if label != "colwise" or ":" not in key or key.endswith(":<io>"):
+            continue
+        sig, rel = key.split(":", 1)
+        parent_rel = rel.rpartition(".")[0]
+        if not parent_rel:
+            continue
+        for inst, s in signatures.items():
+            fqn = f"{inst}.{parent_rel}"
+            if s == sig and fqn in modules and type(modules[fqn]).__name__ != "_PassThrough":
+                parents.add(fqn)
+    return parents
 
 
 def _head(sequence: bool):
@@ -138,6 +201,7 @@ def apply_tensor_parallel(stage: nn.Module, placements: dict[str, str], signatur
     if unknown:
         raise LayoutError(f"placements {unknown} are not supported by the runtime yet (it runs "
                           f"{list(_SUPPORTED)}); re-plan with ep=1 or for a dense model")
+    parents = _colwise_parents(placements, signatures, modules)
     plan: dict = {}
     for key, label in placements.items():
         if key.endswith(":<io>") or "*" in key:
@@ -159,7 +223,9 @@ def apply_tensor_parallel(stage: nn.Module, placements: dict[str, str], signatur
             elif ":" not in key and label == "colwise":       # the output layer (outside the blocks)
                 plan[fqn] = _head(sequence)
             else:
-                style = _styles(label, sequence, mod, fqn)
+                inst = fqn[:-len(key.split(":", 1)[1]) - 1] if ":" in key else ""
+                style = _styles(label, sequence, mod, fqn,
+                                gathered_after=any(p.startswith(inst + ".") for p in parents) if inst else False)
                 if style is not None:
                     plan[fqn] = style
     # norms the fallback placements name by pattern ("*norm*"): sequence-parallel under SP
@@ -170,3 +236,29 @@ def apply_tensor_parallel(stage: nn.Module, placements: dict[str, str], signatur
                 plan[fqn] = _styles("sequence", True, mod, fqn)
     if plan:
         parallelize_module(stage, tp_mesh, plan)
+    for fqn in sorted(parents):
+        modules[fqn].register_forward_pre_hook(_gather_once(tp_mesh, sequence), with_kwargs=True)
+
+
+def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:
+    """Async tensor parallelism (the plan's `tp_comm_overlap`) with PyTorch's own machinery:
+    symmetric memory on the TP group and inductor's micro-pipeline TP pass, which rewrites each
+    compiled block's all-gather -> matmul and matmul -> reduce-scatter pairs into
+    `symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, so the collective runs in
+    chunks under the matmul (torchtitan's `enable_async_tensor_parallel`; it needs torch.compile).
+
+    Only on CUDA: symmetric memory needs NVLink-connected GPUs. Elsewhere (CPU / gloo) it returns
+    False and changes nothing, so numerics are those of synchronous TP. Blocks are compiled in
+    place (`nn.Module.compile`): FQNs, hooks and FSDP wrapping are unchanged. Returns whether
+    async TP is on.
+    """
+    if tp_mesh.size() == 1 or tp_mesh.device_type != "cuda":
+        return False
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+    inductor_config._micro_pipeline_tp = True
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):      # implicit in newer releases
+        symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    for fqn in blocks:
+        stage.get_submodule(fqn).compile()
+    return True

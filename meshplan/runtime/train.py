@@ -1,11 +1,16 @@
 """The training loop as an API: `train(model, plan, TrainConfig(...))` inside a process group.
 
-Per step: learning rate from warm-up + cosine (schedule.py) -> `forward_backward` on the global
-batch (the ParallelModel slices its data-parallel share and micro-batches as planned) -> global
-gradient-norm clipping across every shard -> AdamW step -> metrics (loss, grad norm, tokens/s,
-measured vs predicted step time, MFU against the cluster's peak, peak memory) on rank 0 ->
-a checkpoint every `checkpoint_every` steps (checkpoint.py). If the output directory already
-holds a checkpoint, training resumes from the newest one: model, optimizer, data position, RNG.
+Per step: learning rate from warm-up + cosine or WSD (schedule.py) -> `forward_backward` on the
+global batch (the ParallelModel slices its data-parallel share and micro-batches as planned;
+during a batch-size ramp-up the batch is smaller and only the number of micro-batches changes)
+-> global gradient-norm clipping across every shard -> AdamW step -> MoE expert-bias update
+(expert_parallel.MoEBalancer, from the step's global routing counts) -> metrics (loss, grad
+norm, tokens/s, measured vs predicted step time, MFU against the cluster's peak, peak memory,
+MoE routing statistics) on rank 0 -> a checkpoint every `checkpoint_every` steps
+(checkpoint.py; the newest `keep_checkpoints` and every multiple of `keep_every` are kept). If
+the output directory already holds a checkpoint, training resumes from the newest one: model
+(with the MoE expert biases), optimizer, data position, RNG. Otherwise `init_from` may give the
+starting weights (a fine-tuning start: weights only).
 
 Exact resume: the data order is a pure function of (seed, step), the optimizer state and every
 weight are restored bit for bit, and the computation after resume runs the same kernels in the
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 from meshplan.errors import ConfigError
 from meshplan.runtime import checkpoint as ckpt
+from meshplan.runtime.metrics import moe_metrics
 from meshplan.runtime.schedule import lr_at, set_lr
 
 __all__ = ["TrainConfig", "TrainResult", "RankHangError", "train"]
@@ -75,6 +81,13 @@ class TrainConfig:
                                                 #   default group's timeout, which the launcher set)
     hang_at_step: int | None = None         # testing aid: rank `hang_rank` stops responding at this step
     hang_rank: int = 1                      #   (first attempt only; it sleeps until the launcher kills it)
+    lr_schedule: str = "cosine"             # "cosine" or "wsd" (warm-up, stable, decay: schedule.py)
+    wsd_decay_steps: int | None = None      # WSD: steps of the final decay (None: the last 10% of steps)
+    wsd_decay_style: str = "linear"         # WSD: "linear", "cosine" or "minus_sqrt"
+    keep_every: int = 0                     # also keep every checkpoint whose step is a multiple (milestones)
+    rampup_batch_size: tuple[int, int, int] | None = None   # (start, increment, samples), Megatron's ramp-up
+    init_from: str | None = None            # fine-tune start: model weights only (a checkpoint step_N
+                                            #   directory or a transformers safetensors directory)
 
     def __post_init__(self) -> None:
         for name in ("steps", "warmup", "checkpoint_every", "keep_checkpoints", "hang_rank"):
@@ -89,6 +102,19 @@ class TrainConfig:
             raise ConfigError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
         if not isinstance(self.async_checkpoint, bool):
             raise ConfigError(f"async_checkpoint must be True or False, got {self.async_checkpoint!r}")
+        if isinstance(self.keep_every, bool) or not isinstance(self.keep_every, int) or self.keep_every < 0:
+            raise ConfigError(f"keep_every must be a whole number of steps >= 0 (0: no milestones), got "
+                              f"{self.keep_every!r}; e.g. keep_every=1000")
+        # the schedule's own checks (names the option and a value that works)
+        lr_at(0, base_lr=self.lr, warmup=self.warmup, total=self.steps, min_lr=self.lr * self.min_lr_ratio,
+              style=self.lr_schedule, decay_steps=self.wsd_decay_steps, decay_style=self.wsd_decay_style)
+        r = self.rampup_batch_size
+        if r is not None:
+            if not isinstance(r, (tuple, list)) or len(r) != 3 or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in r):
+                raise ConfigError(f"rampup_batch_size must be three whole numbers >= 1 (start, increment, "
+                                  f"samples), e.g. (16, 16, 100000); got {r!r}")
+            object.__setattr__(self, "rampup_batch_size", tuple(r))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,11 +147,22 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             dataset = TokenDataset.open(config.data)
     if vocab:
         dataset.check_vocab(vocab)
-    sampler = dataset.sampler(global_batch=plan.global_batch, seq_len=plan.seq_len, seed=config.seed)
-    opt = torch.optim.AdamW(pm.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    rampup = _rampup(plan, config)
+    sampler = dataset.sampler(global_batch=plan.global_batch, seq_len=plan.seq_len, seed=config.seed,
+                              rampup=rampup)
+    # Adam moments in the layout's optimizer_dtype (fp32, or bf16 with fp32 master weights: optim.py)
+    from meshplan.runtime.optim import build_optimizer
+    opt = build_optimizer(pm.parameters(), optimizer_dtype=plan.layout_obj.optimizer_dtype, lr=config.lr,
+                          betas=config.betas, weight_decay=config.weight_decay, device=pm.device)
+    _report_precisions(pm, plan, out, rank)
     start = 0
-    checkpoints = ckpt.Checkpointer(out, keep=config.keep_checkpoints, async_save=config.async_checkpoint)
+    checkpoints = ckpt.Checkpointer(out, keep=config.keep_checkpoints, async_save=config.async_checkpoint,
+                                    keep_every=config.keep_every)
     last = checkpoints.last if config.resume else None
+    if last is None and config.init_from:
+        ckpt.load_weights(config.init_from, pm)     # fine-tune start: weights only, step 0, fresh optimizer
+        if rank == 0:
+            print(f"initialised the model's weights from {config.init_from}", flush=True)
     if last is not None:
         meta = ckpt.load(last, pm, opt)
         start = int(meta["step"])
@@ -135,7 +172,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             print(f"resumed from {last} (step {start})", flush=True)
     predicted = plan.estimate.get("step_time_s")
     est_mfu = plan.estimate.get("mfu")
-    tokens_per_step = plan.global_batch * plan.seq_len
+    balancer = _balancer(pm)
     log = MetricsLog(out / "metrics.jsonl") if rank == 0 else None
     bar = Progress(total_steps=config.steps) if rank == 0 and config.progress else None
     losses: dict[int, float] = {}
@@ -153,22 +190,31 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 while True:                       # simulated hang of one rank (tests only)
                     time.sleep(1.0)
             lr = lr_at(step, base_lr=config.lr, warmup=config.warmup, total=config.steps,
-                       min_lr=config.lr * config.min_lr_ratio)
+                       min_lr=config.lr * config.min_lr_ratio, style=config.lr_schedule,
+                       decay_steps=config.wsd_decay_steps, decay_style=config.wsd_decay_style)
             set_lr(opt, lr)
             x, y = sampler.batch(step)
+            _set_microbatches(pm, balancer, x.shape[0])
             t0 = time.perf_counter()
+            if balancer is not None:
+                balancer.begin_step()
             loss = pm.forward_backward(x, y)
             norm = pm.clip_grad_norm(config.grad_clip)
             opt.step()
             pm.zero_grad()
+            routing = balancer.finish_step() if balancer is not None else {}   # expert-bias update
             dt = time.perf_counter() - t0
             losses[step + 1] = loss
             if rank == 0:
-                m = StepMetrics(step=step + 1, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tokens_per_step / dt,
-                                step_time_s=dt, predicted_step_time_s=predicted,
+                # with a ramp-up, the predicted time and MFU are the plan's, at the full batch
+                full = x.shape[0] / plan.global_batch
+                m = StepMetrics(step=step + 1, loss=loss, grad_norm=norm, lr=lr,
+                                tokens_per_s=x.shape[0] * plan.seq_len / dt,
+                                step_time_s=dt, predicted_step_time_s=predicted * full if predicted else None,
                                 # MFU scales inversely with step time from the plan's own prediction
-                                mfu=(est_mfu * predicted / dt) if est_mfu and predicted else None,
-                                peak_memory_gb=peak_memory_gb(pm.device))
+                                mfu=(est_mfu * predicted * full / dt) if est_mfu and predicted else None,
+                                peak_memory_gb=peak_memory_gb(pm.device), global_batch=x.shape[0],
+                                **moe_metrics(routing))
                 log.write(m)
                 if bar:
                     bar.update(m)
@@ -194,6 +240,37 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             log.close()
     return TrainResult(losses=losses, start_step=start, final_step=start + len(losses),
                        checkpoint=str(written) if written else None)
+
+
+def _rampup(plan, config: TrainConfig):
+    """The batch-size ramp-up of `config` for `plan` (None without one); refuses batches that do
+    not split into the plan's micro-batches on every data-parallel rank."""
+    if config.rampup_batch_size is None:
+        return None
+    from meshplan.runtime.data import BatchRampup
+    lay = plan.layout_obj
+    if plan.mesh.get("pp", 1) > 1:
+        raise ConfigError(f"--rampup-batch-size with pipeline parallelism (pp={plan.mesh['pp']}) is not supported: "
+                          "the pipeline schedule is built for the plan's micro-batch count; re-plan with "
+                          "fixed={'pp': 1} or train without a ramp-up")
+    start, increment, samples = config.rampup_batch_size
+    return BatchRampup(start, increment, samples, final=plan.global_batch, multiple=plan.mesh.get("dp", 1) * lay.mbs)
+
+
+def _set_microbatches(pm, balancer, batch: int) -> None:
+    """Keep the plan's layout (micro-batch size), change the number of micro-batches."""
+    per_microbatch = pm.plan.mesh.get("dp", 1) * pm.plan.layout_obj.mbs
+    m = batch // per_microbatch
+    pm.microbatches_override = None if m == pm.plan.num_microbatches else m
+    if balancer is not None:
+        balancer.set_microbatches(m)
+
+
+def _balancer(pm):
+    """MoE load balancing over dp x cp and micro-batches when the model has routed layers (collective)."""
+    from meshplan.runtime.expert_parallel import MoEBalancer
+    balancer = MoEBalancer(pm)
+    return balancer if balancer.active else None
 
 
 def _is_timeout(error: BaseException) -> bool:
@@ -285,6 +362,30 @@ class _Heartbeat:
             f"{names} stopped responding ({where}; {within}, set by --timeout). Rank(s) {waited} timed out "
             f"waiting for it. Look at what {names} was doing (its output; py-spy dump --pid): a stuck data "
             "read, a deadlock, an overloaded host. If steps legitimately take longer, raise --timeout")
+
+
+def _report_precisions(pm, plan, out: Path, rank: int) -> None:
+    """Rank 0 prints one line per precision kind and writes every module's precision (all pipeline
+    ranks gathered) to out/precisions.json: what runs, whatever the plan said (collective)."""
+    import json
+
+    from meshplan.runtime.fp8 import precision_summary
+    mine = dict(getattr(pm, "precisions", {}) or {})
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    merged: dict[str, str] = {}
+    for part in parts:
+        merged.update(part or {})
+    if rank != 0 or not merged:
+        return
+    lay = plan.layout_obj
+    print(f"precision (plan: {plan.precision}, {len(plan.fp8_modules)} FP8 modules; Adam moments "
+          f"{lay.optimizer_dtype}):", flush=True)
+    for line in precision_summary(merged):
+        print(f"  {line}", flush=True)
+    (out / "precisions.json").write_text(json.dumps({"plan_precision": plan.precision,
+                                                      "optimizer_dtype": lay.optimizer_dtype,
+                                                      "modules": merged}, indent=1, sort_keys=True) + "\n")
 
 
 def _vocab(model) -> int | None:

@@ -78,6 +78,29 @@ def reference(model, x, y):
     return float(loss.detach()), grads, params
 
 
+class _CountCollectives:
+    """Counts collectives, forward and backward: functional ones (what DTensor redistributions
+    issue) and c10d ones (FSDP2's all-gathers and reduce-scatters).
+    (CommDebugMode's module tracker fails on modules with hooks that replace their inputs.)"""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counts: dict[str, int] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("_c10d_functional", "c10d") and func.__name__.split(".")[0] != "wait_tensor":
+                    name = func.__name__.split(".")[0]
+                    counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+        self.counts, self._mode = counts, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
 def equivalence(rank: int, world: int, case: dict) -> dict:
     """Run one plan sharded and unsharded; raise AssertionError on any mismatch."""
     from meshplan.runtime import parallelize
@@ -85,8 +108,15 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     model = build_model(case["model"], seq_len=case["seq_len"])
     ref = copy.deepcopy(model)
     x, y = batch(case["global_batch"], case["seq_len"])
-    pm = parallelize(model, case["plan"], compute_dtype=None, overlap=case.get("overlap", True))
-    loss = pm.forward_backward(x, y)
+    # fused_kernels=True: swap every kernel the plan lists (on CPU "auto" swaps none: slower)
+    pm = parallelize(model, case["plan"], compute_dtype=None, overlap=case.get("overlap", True),
+                     fused_kernels=case.get("fused_kernels", True))
+    if case.get("count_comm"):
+        with _CountCollectives() as counter:
+            loss = pm.forward_backward(x, y)
+        counts = counter.counts
+    else:
+        loss, counts = pm.forward_backward(x, y), None
     grads = pm.full_grads()
     norm = pm.clip_grad_norm(None)          # measures only: the optimizer step below is unchanged
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
@@ -103,7 +133,8 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"grad norm: {m}")
     worst = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
-    return {"loss": loss, "ref_loss": ref_loss, "max_grad_err": worst, "fused": list(pm.fused_modules)}
+    return {"loss": loss, "ref_loss": ref_loss, "max_grad_err": worst, "fused": list(pm.fused_modules),
+            "data_parallel": pm.data_parallel, "comm": counts}
 
 
 def expect_error(rank: int, world: int, case: dict) -> dict:
@@ -131,7 +162,7 @@ def train_steps(rank: int, world: int, case: dict) -> dict:
         losses.append(pm.forward_backward(x, y))
         opt.step()
         pm.zero_grad()
-    return {"losses": losses}
+    return {"losses": losses, "data_parallel": pm.data_parallel}
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:

@@ -41,11 +41,12 @@ def _cluster(world: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(kind: str, world: int, fixed_items: tuple):
+def _plan(kind: str, world: int, fixed_items: tuple, for_runtime: bool = True):
     import meshplan as mp
     device = "cpu" if kind.startswith("hf") else "meta"
     model = ep_workers.build_model(kind, device=device)
-    return mp.plan(model, _cluster(world), seq_len=SEQ, global_batch=BATCH, fixed=dict(fixed_items))
+    return mp.plan(model, _cluster(world), seq_len=SEQ, global_batch=BATCH, fixed=dict(fixed_items),
+                   for_runtime=for_runtime)
 
 
 def _cases(table: dict, world: int) -> dict:
@@ -75,7 +76,10 @@ def world2():
     # the plan's own precision (bf16 parameters and tokens through gloo's all-to-all): loss falls
     cases["train_bf16"] = dict(kind="train", model="moe", plan=moe(ep=2, zero=3))
     cases["hf_mixtral"] = dict(kind="error", model="hf-mixtral",
-                               plan=_plan("hf-mixtral", 2, (("cp", 1), ("dp", 2), ("ep", 2), ("pp", 1), ("tp", 1))))
+                               # planned without the runtime's limits: the planner refuses it itself
+                               # (test_planner_refuses_ep_for_hf_mixtral); the runtime must too
+                               plan=_plan("hf-mixtral", 2, (("cp", 1), ("dp", 2), ("ep", 2), ("pp", 1), ("tp", 1)),
+                                          for_runtime=False))
     return _run(2, cases)
 
 
@@ -121,6 +125,12 @@ def test_trains_in_plan_precision(world2):
     losses = runs[0]["losses"]
     assert all(r["losses"] == losses for r in runs), "ranks disagree on the losses"
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_planner_refuses_ep_for_hf_mixtral():
+    from meshplan.errors import LayoutError
+    with pytest.raises(LayoutError, match="expert modules whose forward takes tokens sorted by expert"):
+        _plan("hf-mixtral", 2, (("dp", 2), ("ep", 2)))
 
 
 def test_mixtral_is_refused(world2):

@@ -20,9 +20,15 @@ SEQ, BATCH = 32, 8
 CASES_2 = {
     "tp2": ("tiny-llama", dict(tp=2, sp=False, dp=1, pp=1)),
     "tp2_sp": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    # async TP is CUDA-only (symmetric memory): on CPU the plan's tp_comm_overlap changes nothing
+    "tp2_sp_comm_overlap": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=4, tp_comm_overlap=True)),
     "dp2_fsdp": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
     "dp2_fsdp_no_overlap": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
     "dp2_zero1_accum4": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=1, mbs=1)),
+    "dp2_zero2_accum2": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=2, mbs=2)),
+    # zero=0: plain DDP (bucketed all-reduce, summed), gradients accumulated under no_sync
+    "dp2_ddp_accum2": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=0, mbs=2)),
+    "gpt_dp2_ddp_tied": ("tiny-gpt", dict(dp=2, tp=1, pp=1, zero=0, mbs=4)),
     "pp2_1f1b": ("tiny-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
     "pp2_vp2_interleaved": ("tiny-llama", dict(pp=2, vp=2, schedule="interleaved", tp=1, dp=1, mbs=2)),
     "pp2_zbv": ("tiny-llama", dict(pp=2, vp=2, schedule="zbv", tp=1, dp=1, mbs=2)),
@@ -47,6 +53,10 @@ CASES_8 = {
 }
 
 
+# cases whose TP collectives are counted (CommDebugMode) during forward_backward
+COUNT_COMM = ("tp2_sp", "tp2", "hf_tp2_sp", "dp2_zero1_accum4")
+
+
 def _plan(kind: str, world: int, fixed_items: tuple):
     return numerics.plan_for(kind, world, fixed_items, SEQ, BATCH)
 
@@ -55,7 +65,7 @@ def _cases(table: dict, world: int) -> dict:
     out = {}
     for name, (kind, fixed) in table.items():
         out[name] = dict(model=kind, plan=_plan(kind, world, tuple(sorted(fixed.items()))), seq_len=SEQ,
-                         global_batch=BATCH, overlap="no_overlap" not in name)
+                         global_batch=BATCH, overlap="no_overlap" not in name, count_comm=name in COUNT_COMM)
     return out
 
 
@@ -71,6 +81,10 @@ def world2():
     # bad input: a plan for 4 ranks on 2, and a model changed since planning
     cases["wrong_world"] = dict(kind="error", model="tiny-llama", seq_len=SEQ,
                                 plan=_plan("tiny-llama", 4, (("dp", 4),)))
+    # one data-parallel rank in bf16: autocast, no FSDP over a one-rank mesh (pipeline: autocast per stage)
+    cases["pp2_bf16_train"] = dict(kind="train", model="tiny-llama", seq_len=SEQ, global_batch=BATCH,
+                                   plan=_plan("tiny-llama", 2, (("dp", 1), ("pp", 2), ("schedule", "1f1b"),
+                                                                ("tp", 1))))
     cases["changed_model"] = dict(kind="error", model="tiny-llama", seq_len=SEQ, change_model=True,
                                   plan=_plan("tiny-llama", 2, (("dp", 2),)))
     return _run(2, cases)
@@ -150,3 +164,43 @@ def test_parallelize_needs_process_group():
     plan = _plan("tiny-llama", 2, (("dp", 2),))
     with pytest.raises(ConfigError, match="process group"):
         parallelize(model, plan)
+
+
+def test_tp_gathers_once_per_block(world2):
+    """The activation entering attention / feed-forward is gathered once for all its column-parallel
+    linears (torchtitan's PrepareModuleInput), not once per linear (issue #17: wq, wk, wv, w1, w3
+    each gathered the same tensor). Per micro-batch and layer: 2 all-gathers forward + 2 backward
+    under SP (2 all-reduces each way without), plus a few for the embedding and head."""
+    layers = 4
+    for name, collective in (("tp2_sp", "all_gather_into_tensor"), ("hf_tp2_sp", "all_gather_into_tensor"),
+                             ("tp2", "all_reduce")):
+        m = _plan(CASES_2[name][0], 2, tuple(sorted(CASES_2[name][1].items()))).num_microbatches
+        counts = world2[name][0]["comm"]
+        # the per-linear gathers cost 2 + 5 per layer forward (SP): 7 * layers + 3 per micro-batch
+        assert counts.get(collective, 0) <= m * (4 * layers + 3), (name, m, counts)
+
+
+def test_data_parallel_flavours(world2):
+    """zero=0 runs as DDP, zero>=1 through FSDP2, one data-parallel rank with no wrapper at all."""
+    assert world2["dp2_ddp_accum2"][0]["data_parallel"] == "ddp"
+    assert world2["gpt_dp2_ddp_tied"][0]["data_parallel"] == "ddp"
+    assert world2["dp2_zero1_accum4"][0]["data_parallel"] == "fsdp"
+    assert world2["dp2_fsdp"][0]["data_parallel"] == "fsdp"
+    assert world2["tp2"][0]["data_parallel"] == "none"
+
+
+def test_one_data_parallel_rank_trains_in_bf16_without_fsdp(world2):
+    runs = world2["pp2_bf16_train"]
+    assert all("error" not in r for r in runs), runs[0]
+    losses = runs[0]["losses"]
+    assert all(r["losses"] == losses for r in runs) and losses[-1] < losses[0] - 0.5, losses
+    assert runs[0]["data_parallel"] == "none"
+
+
+def test_zero1_gathers_weights_once_per_step(world2):
+    """ZeRO-1 over 4 micro-batches: the weights are all-gathered once and the gradients
+    reduce-scattered once per step (one FSDP unit on CPU), not once per micro-batch or block."""
+    counts = world2["dp2_zero1_accum4"][0]["comm"]
+    gathers = sum(v for k, v in counts.items() if "all_gather" in k or "allgather" in k)
+    scatters = sum(v for k, v in counts.items() if "reduce_scatter" in k)
+    assert gathers == 1 and scatters == 1, counts

@@ -7,7 +7,6 @@ round trip copies tensors, it computes nothing.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import functools
 import json
@@ -26,11 +25,9 @@ SEQ = 16
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    from meshplan.runtime.spawn import free_port
-    if dist.is_initialized():
+    from meshplan.runtime.spawn import init_single_process_group
+    if not init_single_process_group(60):
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
     yield
     dist.destroy_process_group()
 

@@ -1,0 +1,86 @@
+"""Uncertainty bands on estimates (issue #16 part 4): derived from mechanism validation errors,
+wider for less-validated mechanisms, and the planner keeps a simpler layout when the gain of a
+more complex one is inside the band."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from meshplan.cluster import Cluster
+from meshplan.cost_models import uncertainty as U
+from meshplan.cost_models.estimate import Estimate, estimate_profile
+from meshplan.planner.analytic import profile_from_config
+
+LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256, ffn_hidden=14336)
+
+
+def _est(layout, seq_len=8192, n=64, gbs=64):
+    prof = profile_from_config(LLAMA8B)
+    cl = Cluster(gpu="h100-sxm", num_gpus=n, gpus_per_node=8)
+    return estimate_profile(prof, cl, layout, seq_len=seq_len, global_batch=gbs)
+
+
+def test_every_estimate_has_a_band_and_it_round_trips():
+    e = _est(dict(tp=2, pp=1, dp=32, mbs=1, recompute="none"))
+    assert 0.05 < e.uncertainty < 0.5
+    lo, hi = e.step_time_range_s
+    assert lo < e.step_time_s < hi
+    assert set(e.uncertainty_s) >= {"compute", "tp", "dp"}
+    again = Estimate.from_json(e.to_json()) if hasattr(Estimate, "from_json") else Estimate.from_dict(e.to_dict())
+    assert again.uncertainty == e.uncertainty and again.regime == e.regime
+
+
+def test_band_is_the_component_errors_in_quadrature():
+    t = {"compute": 1.0, "tp": 0.2, "bubble": 0.3}
+    band, contrib = U.step_uncertainty(t, {})
+    expect = (U.E_DENSE ** 2 + (U.X_TP * 0.2) ** 2 + (U.X_PP * 0.3) ** 2) ** 0.5 / 1.5
+    assert abs(band - expect) < 1e-12 and abs(contrib["bubble"] - U.X_PP * 0.3) < 1e-12
+
+
+def test_long_context_cp_is_flagged_and_less_certain():
+    short = U.regime_of({"cp": 2}, seq_len=8192, precision="bf16", ep_cross_domain=False)
+    long = U.regime_of({"cp": 8}, seq_len=131072, precision="bf16", ep_cross_domain=False)
+    assert not short["cp_long"] and long["cp_long"]
+    t = {"compute": 1.0, "cp": 0.3}
+    assert U.step_uncertainty(t, long)[0] > U.step_uncertainty(t, short)[0]
+    assert U.complexity({"cp": 8}, long) > U.complexity({"cp": 2}, short) > U.complexity({}, {})
+
+
+def test_shared_mechanism_error_cancels_in_a_gain():
+    a = {"time_s": {"compute": 1.0, "bubble": 0.10}, "step_time_s": 1.10, "regime": {}}
+    b = {"time_s": {"compute": 1.0, "bubble": 0.30}, "step_time_s": 1.30, "regime": {}}
+    gain, band, diff = U.gain_band(a, b)
+    assert abs(gain - (1.30 / 1.10 - 1)) < 1e-12 and diff["bubble"] > 0
+    # only the bubble difference (0.2 s) and the pair residual count, not the 1 s of compute
+    expect = ((U.E_PAIR * 1.10) ** 2 + (U.X_PP * 0.2) ** 2) ** 0.5 / 1.10
+    assert abs(band - expect) < 1e-12
+
+
+def _fake(step, layout, uncertainty, time_s, regime=None):
+    return SimpleNamespace(step_time_s=step, layout=layout, uncertainty=uncertainty, fits=True, precision="bf16",
+                           time_s=time_s, regime=regime or {})
+
+
+def test_planner_prefers_simpler_layout_inside_band_and_says_why():
+    fast = _fake(1.00, {"tp": 4, "cp": 8, "pp": 8, "schedule": "zb"}, 0.15,
+                 {"compute": 0.9, "bubble": 0.1}, {"zb": True, "cp_long": True})
+    plain = _fake(1.05, {"tp": 8, "pp": 8}, 0.10, {"compute": 0.9, "bubble": 0.15})
+    chosen, note = U.prefer_simpler([fast, plain])
+    assert chosen is plain and "inside the band" in note and "bubble" in note
+    # a large edge survives the band
+    slow = _fake(2.0, {"tp": 8, "pp": 8}, 0.10, {"compute": 0.9, "bubble": 1.1})
+    chosen, note = U.prefer_simpler([fast, slow])
+    assert chosen is fast and note == ""
+    # a simpler layout that is LESS certain does not replace the fastest
+    shaky = _fake(1.02, {"tp": 8}, 0.5, {"compute": 0.9, "bubble": 0.12})
+    assert U.prefer_simpler([fast, shaky])[0] is fast
+
+
+def test_explain_states_the_band():
+    import meshplan as mp
+    pl = mp.plan(mp.models.build("tiny-llama", device="meta"), mp.Cluster.preset("local-cpu"), seq_len=128,
+                 global_batch=16)
+    text = pl.explain()
+    assert "uncertainty band" in text and pl.estimate_obj.uncertainty > 0
+    if pl.search.get("band_choice"):
+        assert "inside the band" in text

@@ -1,0 +1,57 @@
+"""What the runtime and the planner choose (issue #17), without processes: fixed schedules kept
+or refused, fused kernels only where faster, zero=0 (DDP) offered by the search."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan as mp
+from meshplan.cost_models.layout import Layout
+from meshplan.errors import ConfigError
+from meshplan.runtime.fused import FASTER_THAN_EAGER, choose_kernels
+from meshplan.runtime.parallel import ddp_runs
+
+ENTRIES = ("rms_norm abc:attention_norm weight=weight eps=1e-05",
+           "swiglu abc:feed_forward gate=w1 up=w3 down=w2", "linear_cross_entropy output")
+
+
+def test_named_schedule_is_kept_or_refused():
+    assert Layout(pp=2, vp=2).schedule == "interleaved"          # no schedule named: vp picks it
+    assert Layout(pp=2, vp=1, schedule="1f1b").schedule == "1f1b"
+    assert Layout(pp=2).schedule == "1f1b"
+    for sched in ("1f1b", "zb", "gpipe"):
+        with pytest.raises(ConfigError, match="one model chunk per pipeline rank"):
+            Layout(pp=2, vp=2, schedule=sched)
+
+
+def test_planner_keeps_a_fixed_schedule():
+    model = mp.models.build("tiny-llama", seq_len=64, device="meta")
+    cluster = mp.Cluster.preset("local-cpu")
+    plan = mp.plan(model, cluster, seq_len=64, global_batch=8, fixed={"pp": 2, "schedule": "1f1b"})
+    assert plan.schedule == "1f1b" and plan.layout_obj.vp == 1
+    with pytest.raises(ConfigError, match="contradicts fixed vp"):
+        mp.plan(model, cluster, seq_len=64, global_batch=8, fixed={"pp": 2, "vp": 2, "schedule": "1f1b"})
+
+
+def test_search_offers_plain_ddp():
+    model = mp.models.build("tiny-llama", seq_len=64, device="meta")
+    plan = mp.plan(model, mp.Cluster.preset("local-cpu"), seq_len=64, global_batch=8,
+                   fixed={"dp": 4, "zero": 0})
+    assert plan.layout_obj.zero == 0 and ddp_runs(plan.layout_obj)
+    assert not ddp_runs(Layout(tp=2, dp=2, zero=0)) and not ddp_runs(Layout(dp=4, zero=1))
+
+
+def test_fused_kernels_only_where_faster(monkeypatch):
+    import meshplan.kernels as kernels
+    monkeypatch.setattr(kernels, "backend", lambda: "reference")
+    run, why = choose_kernels(ENTRIES, "cpu", "auto")
+    assert run == [] and set(why) == {"rms_norm", "swiglu", "linear_cross_entropy"}
+    assert all(v.startswith("eager") for v in why.values())
+    run, why = choose_kernels(ENTRIES, "cpu", True)            # correctness tests force the swap
+    assert run == list(ENTRIES) and all(v.startswith("fused") for v in why.values())
+    assert choose_kernels(ENTRIES, "cpu", False)[0] == []
+    monkeypatch.setattr(kernels, "backend", lambda: "triton")
+    run, why = choose_kernels(ENTRIES, "cuda", "auto")
+    assert run == list(ENTRIES) and FASTER_THAN_EAGER[("cuda", "triton")] >= set(why)
+    with pytest.raises(ConfigError):
+        choose_kernels(ENTRIES, "cpu", "sometimes")
