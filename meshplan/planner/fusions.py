@@ -32,7 +32,7 @@ from meshplan.planner.profile import ModelProfile, OpInfo
 
 __all__ = ["FusedModule", "FusionPlan", "find_fusions", "parse_entry"]
 
-KERNELS = ("rms_norm", "swiglu", "linear_cross_entropy")
+KERNELS = ("rms_norm", "swiglu", "linear_cross_entropy", "moe_router")
 # non-view ops an eager RMSNorm is made of (the casts are views in the IR's kinds)
 _RMS_OPS = frozenset({"aten::pow", "aten::mean", "aten::add", "aten::rsqrt", "aten::mul", "aten::div",
                       "aten::sqrt", "aten::reciprocal", "aten::_to_copy", "aten::to", "aten::type_as"})
@@ -193,6 +193,14 @@ def _leaf_groups(ops) -> dict[str, list[OpInfo]]:
     return groups
 
 
+def _router_module(b, inst: str) -> str | None:
+    """The block-relative path of the MoE layer holding the block's router linear, if any."""
+    for li in b.linears:
+        if li.role == "router" and "." in li.name:
+            return li.name.rsplit(".", 1)[0]
+    return None
+
+
 def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
     """Match the fused kernels against the traced graph (pure: the profile's ops only).
 
@@ -225,6 +233,13 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
                 applied["swiglu"] = True
         if b.gated and b.ffn_hidden and "swiglu" not in applied:
             applied["swiglu"] = False
+        router = _router_module(b, inst)
+        if router:
+            # the MoE layer whose router linear this is: top-k, softmax/sigmoid, expert bias and the
+            # aux-loss statistics run as one kernel (meshplan.kernels.moe_route); the runtime swaps it
+            # where the layer exposes its routing (meshplan's MoE) and the kernel is faster there
+            modules.append(FusedModule(kernel="moe_router", key=f"{b.signature}:{router}"))
+            applied["moe_router"] = True
         if _has_eager_rope(b):
             applied["rope"] = False
     for mod, ops in _leaf_groups([*profile.pre_ops, *profile.post_ops]).items():
