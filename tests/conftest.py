@@ -26,3 +26,15 @@ def h100x16():
     """Two DGX H100 nodes (16 GPUs)."""
     from meshplan.cluster import Cluster
     return Cluster.preset("dgx-h100", nodes=2)
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A one-rank gloo process group for the tests of a module that run the runtime in-process."""
+    import torch.distributed as dist
+
+    from meshplan.runtime.spawn import init_single_process_group
+    if not init_single_process_group(120):
+        pytest.skip("a process group is already initialised in this process")
+    yield
+    dist.destroy_process_group()

@@ -350,15 +350,23 @@ def load(path: str | os.PathLike, pm, optimizer) -> dict[str, Any]:
     return meta
 
 
-def _check_same_model(path: Path, saved: dict[str, list[int]], here: dict[str, list[int]]) -> None:
-    diffs = [f"{k}: {saved[k]} in the checkpoint, {here[k]} here" for k in sorted(saved.keys() & here.keys())
+def _shape_differences(saved: dict[str, list[int]], here: dict[str, list[int]], *, there: str, here_name: str,
+                       missing: str, extra: str, ignore_missing: set[str] = frozenset()) -> tuple[int, str]:
+    """(how many names differ, the first few described) between two {name: shape} maps."""
+    diffs = [f"{k}: {saved[k]} {there}, {here[k]} {here_name}" for k in sorted(saved.keys() & here.keys())
              if list(saved[k]) != list(here[k])]
-    diffs += [f"{k}: not in the checkpoint" for k in sorted(here.keys() - saved.keys())]
-    diffs += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - here.keys())]
-    if diffs:
-        more = f" (and {len(diffs) - _SHOWN_DIFFERENCES} more)" if len(diffs) > _SHOWN_DIFFERENCES else ""
-        raise ConfigError(f"checkpoint {path} was saved from a different model: {len(diffs)} parameter(s) "
-                          f"differ, e.g. {'; '.join(diffs[:_SHOWN_DIFFERENCES])}{more}. Resume with the model "
+    diffs += [f"{k}: {missing}" for k in sorted(here.keys() - saved.keys() - ignore_missing)]
+    diffs += [f"{k}: {extra}" for k in sorted(saved.keys() - here.keys())]
+    more = f" (and {len(diffs) - _SHOWN_DIFFERENCES} more)" if len(diffs) > _SHOWN_DIFFERENCES else ""
+    return len(diffs), "; ".join(diffs[:_SHOWN_DIFFERENCES]) + more
+
+
+def _check_same_model(path: Path, saved: dict[str, list[int]], here: dict[str, list[int]]) -> None:
+    n, shown = _shape_differences(saved, here, there="in the checkpoint", here_name="here",
+                                  missing="not in the checkpoint", extra="only in the checkpoint")
+    if n:
+        raise ConfigError(f"checkpoint {path} was saved from a different model: {n} parameter(s) "
+                          f"differ, e.g. {shown}. Resume with the model "
                           "it was written for, or start afresh (--no-resume, or another --out)")
 
 
@@ -442,12 +450,10 @@ def _tied_names(pm) -> set[str]:
 
 def _check_weights(what: str, saved: dict[str, list[int]], here: dict[str, list[int]], *,
                    only_here_ok: set[str] = frozenset()) -> None:
-    diffs = [f"{k}: {saved[k]} in {what}, {here[k]} in the model" for k in sorted(saved.keys() & here.keys())
-             if list(saved[k]) != list(here[k])]
-    diffs += [f"{k}: missing from {what}" for k in sorted(here.keys() - saved.keys() - only_here_ok)]
-    diffs += [f"{k}: in {what} but not in the model" for k in sorted(saved.keys() - here.keys())]
-    if diffs:
-        more = f" (and {len(diffs) - _SHOWN_DIFFERENCES} more)" if len(diffs) > _SHOWN_DIFFERENCES else ""
-        raise ConfigError(f"cannot initialise the model from {what}: {len(diffs)} weight(s) do not match, e.g. "
-                          f"{'; '.join(diffs[:_SHOWN_DIFFERENCES])}{more}. Fine-tuning needs the same "
+    n, shown = _shape_differences(saved, here, there=f"in {what}", here_name="in the model",
+                                  missing=f"missing from {what}", extra=f"in {what} but not in the model",
+                                  ignore_missing=set(only_here_ok))
+    if n:
+        raise ConfigError(f"cannot initialise the model from {what}: {n} weight(s) do not match, e.g. "
+                          f"{shown}. Fine-tuning needs the same "
                           "architecture (same sizes and weight names); build the model with the source's config")

@@ -161,30 +161,36 @@ def train(rank: int, world: int, case: dict) -> dict:
     return {"losses": losses, "dtype": str(next(iter(pm.parameters())).dtype)}
 
 
-def run_cases(rank: int, world: int, cases: dict) -> dict:
-    """Several cases in one process group; errors are reported per case, ranks kept in step."""
+def each_case(rank: int, cases: dict, run_one) -> dict:
+    """Several cases in one process group: `run_one(name, case)` for each; errors are reported per
+    case (and printed at once: if the other ranks hang in a collective, that is all that comes
+    back), and a barrier keeps the ranks in step between cases."""
     import torch.distributed as dist
     out = {}
     for name, case in cases.items():
         try:
-            kind = case.get("kind")
-            if kind == "dispatch":
-                out[name] = dispatch(rank, world)
-            elif kind == "reshard":
-                out[name] = reshard(rank, world, case)
-            elif kind == "train":
-                out[name] = train(rank, world, case)
-            elif kind == "error":
-                out[name] = _expect_error(case)
-            else:
-                out[name] = equivalence(rank, world, case)
+            out[name] = run_one(name, case)
         except Exception as e:  # noqa: BLE001 - reported per case
             import traceback
             out[name] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
-            # printed now: if the other ranks hang in a collective, this is all that comes back
             print(f"rank {rank}, case {name}: {out[name]['tb']}", file=sys.stderr, flush=True)
         dist.barrier()
     return out
+
+
+def run_cases(rank: int, world: int, cases: dict) -> dict:
+    def one(name, case):
+        kind = case.get("kind")
+        if kind == "dispatch":
+            return dispatch(rank, world)
+        if kind == "reshard":
+            return reshard(rank, world, case)
+        if kind == "train":
+            return train(rank, world, case)
+        if kind == "error":
+            return _expect_error(case)
+        return equivalence(rank, world, case)
+    return each_case(rank, cases, one)
 
 
 def _expect_error(case: dict) -> dict:

@@ -94,16 +94,4 @@ def balance(rank: int, world: int, case: dict) -> dict:
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
-    import sys
-
-    import torch.distributed as dist
-    out = {}
-    for name, case in cases.items():
-        try:
-            out[name] = balance(rank, world, case)
-        except Exception as e:  # noqa: BLE001 - reported per case
-            import traceback
-            out[name] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
-            print(f"rank {rank}, case {name}: {out[name]['tb']}", file=sys.stderr, flush=True)
-        dist.barrier()
-    return out
+    return ep_workers.each_case(rank, cases, lambda name, case: balance(rank, world, case))

@@ -17,19 +17,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import meshplan as mp
 from meshplan.errors import ConfigError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    from meshplan.runtime.spawn import init_single_process_group
-    if not init_single_process_group(120):
-        pytest.skip("a process group is already initialised in this process")
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")     # tests/conftest.py
 
 
 def _plan(model, *, seq_len: int, global_batch: int, precision: str, **fixed):

@@ -9,15 +9,7 @@ import torch
 import meshplan as mp
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    import torch.distributed as dist
-
-    from meshplan.runtime.spawn import init_single_process_group
-    if not init_single_process_group(60):
-        pytest.skip("a process group is already initialised in this process")
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")     # tests/conftest.py
 
 
 def test_router_kernel_planned_and_swapped():

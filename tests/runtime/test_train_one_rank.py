@@ -23,13 +23,7 @@ from meshplan.runtime.checkpoint import Checkpointer, CheckpointWriteError
 SEQ = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    from meshplan.runtime.spawn import init_single_process_group
-    if not init_single_process_group(60):
-        pytest.skip("a process group is already initialised in this process")
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")     # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)
