@@ -15,8 +15,6 @@ from meshplan.planner.profile import ModelProfile
 __all__ = ["build_plan", "placements_for", "stage_modules"]
 
 # Placement of a linear by its data-flow role (roles come from the traced graph, not class names).
-# the runtime's TP pattern (meshplan.support): role-based placements and the check of the ILP's
-_ROLE_PLACEMENT = TP_ROLE_PLACEMENT
 
 
 def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_len: int = 0,
@@ -60,7 +58,7 @@ def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_l
             return out
     for b in profile.blocks:
         for li in b.linears:
-            out[f"{b.signature}:{li.name}"] = _ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
+            out[f"{b.signature}:{li.name}"] = TP_ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
                 else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
         if layout.tp > 1 and b.ops and b.instances:
             # traced blocks: the attention between column- and row-parallel linears runs on the

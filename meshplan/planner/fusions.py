@@ -193,7 +193,7 @@ def _leaf_groups(ops) -> dict[str, list[OpInfo]]:
     return groups
 
 
-def _router_module(b, inst: str) -> str | None:
+def _router_module(b) -> str | None:
     """The block-relative path of the MoE layer holding the block's router linear, if any."""
     for li in b.linears:
         if li.role == "router" and "." in li.name:
@@ -233,7 +233,7 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
                 applied["swiglu"] = True
         if b.gated and b.ffn_hidden and "swiglu" not in applied:
             applied["swiglu"] = False
-        router = _router_module(b, inst)
+        router = _router_module(b)
         if router:
             # the MoE layer whose router linear this is: top-k, softmax/sigmoid, expert bias and the
             # aux-loss statistics run as one kernel (meshplan.kernels.moe_route); the runtime swaps it

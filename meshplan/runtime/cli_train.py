@@ -233,7 +233,7 @@ def cmd_train(args) -> int:
         from meshplan.planner.plan import Plan
         from meshplan.runtime.launch import layout_from_plan
         if Path(args.plan).is_file():
-            nodes, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
+            _, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
     where = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
     print(f"planning {args.model} for {args.nproc or 4} processes{where} on {args.cluster} ...",
           file=sys.stderr, flush=True)

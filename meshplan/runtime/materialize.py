@@ -36,7 +36,7 @@ def _tensors(model: nn.Module) -> Iterable[torch.Tensor]:
     yield from model.buffers()
 
 
-def materialize_buffers(stage: nn.Module, reference: nn.Module, device: torch.device) -> None:
+def materialize_buffers(stage: nn.Module, device: torch.device) -> None:
     """Allocate the stage's buffers (rotary tables, positions, routing biases) on `device` and fill
     them as the single-device model would: buffers are small and are read by steps that run before
     the parameters are materialised (context parallelism reorders the rotary tables)."""

@@ -601,7 +601,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         stage = model if len(specs) == 1 else _pp.build_stage_module(
             model, spec, seq_len=plan.seq_len // plan.mesh.get("cp", 1), copy_model=True)
         if deferred:        # a meta model: shard first, allocate only this rank's shards (step 4b)
-            _mat.materialize_buffers(stage, reference, device)
+            _mat.materialize_buffers(stage, device)
         else:
             stage.to(device)
         if run_kernels:                                                              # 1b. fused kernels
