@@ -24,7 +24,7 @@ from _report import emit  # noqa: E402
 import meshplan as mp  # noqa: E402
 from meshplan.api import profile  # noqa: E402
 from meshplan.cost_models.estimate import estimate_profile  # noqa: E402
-from meshplan.cost_models.layout import Layout, split_layers  # noqa: E402
+from meshplan.ir.layout import Layout, split_layers  # noqa: E402
 from meshplan.cost_models.uncertainty import gain_band  # noqa: E402
 
 SEQ, GBS = 8192, 2048

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshplan.api import plan  # noqa: E402
 from meshplan.cluster import Cluster  # noqa: E402
-from meshplan.cost_models.layout import Layout  # noqa: E402
+from meshplan.ir.layout import Layout  # noqa: E402
 from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows, model_config, run_row  # noqa: E402
 from meshplan.errors import MeshplanError  # noqa: E402
 from meshplan.cost_models.uncertainty import gain_band  # noqa: E402
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         fixed = {**{k: v for k, v in full.items() if k in FIX_KEYS}, **env}
         try:
             # the published runs ran on their own frameworks: layouts are compared as layouts,
-            # without meshplan's runtime limits (meshplan.support), e.g. EP with TP
+            # without meshplan's runtime limits (meshplan.ir.support), e.g. EP with TP
             same = plan(prof, cluster, seq_len=s, global_batch=B, precision=precision, fixed=fixed,
                         allow_cross_domain=True, for_runtime=False)
             free = plan(prof, cluster, seq_len=s, global_batch=B, precision=precision, fixed=env,

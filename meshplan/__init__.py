@@ -20,12 +20,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "Cluster": ("meshplan.cluster", "Cluster"),
     "GPUSpec": ("meshplan.cluster", "GPUSpec"),
-    "Layout": ("meshplan.cost_models.layout", "Layout"),
-    "Estimate": ("meshplan.cost_models.estimate", "Estimate"),
-    "ModelProfile": ("meshplan.planner.profile", "ModelProfile"),
+    "Layout": ("meshplan.ir.layout", "Layout"),
+    "Estimate": ("meshplan.ir.estimate", "Estimate"),
+    "ModelProfile": ("meshplan.ir.profile", "ModelProfile"),
     "estimate": ("meshplan.api", "estimate"),
     "plan": ("meshplan.api", "plan"),
-    "Plan": ("meshplan.planner.plan", "Plan"),
+    "Plan": ("meshplan.ir.plan", "Plan"),
     "profile": ("meshplan.api", "profile"),
     "whatif": ("meshplan.reports.whatif", "whatif"),
     "trace": ("meshplan.planner.trace", "trace"),
@@ -40,10 +40,10 @@ __all__ = sorted(list(_LAZY) + list(_SUBMODULES))
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshplan.api import estimate, plan, profile
-    from meshplan.planner.plan import Plan
+    from meshplan.ir.plan import Plan
     from meshplan.cluster import Cluster, GPUSpec
-    from meshplan.cost_models.estimate import Estimate
-    from meshplan.cost_models.layout import Layout
+    from meshplan.ir.estimate import Estimate
+    from meshplan.ir.layout import Layout
 
 
 def __getattr__(name: str) -> Any:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from meshplan.cost_models.estimate import Estimate, estimate_profile
-from meshplan.cost_models.layout import Layout
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError
-from meshplan.planner.profile import ModelProfile
+from meshplan.ir.profile import ModelProfile
 
 __all__ = ["estimate", "profile", "resolve_cluster"]
 
@@ -116,7 +117,7 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
          fused_kernels: bool = True, for_runtime: bool = True):
     """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
 
-    for_runtime: True (default) returns only layouts meshplan's runtime runs (meshplan.support);
+    for_runtime: True (default) returns only layouts meshplan's runtime runs (meshplan.ir.support);
     False plans for another framework (exports to Megatron-LM, torchtitan, NeMo), whose own
     limits the exporters check.
 

@@ -12,7 +12,8 @@ import meshplan
 from meshplan.cluster import Cluster
 from meshplan.errors import ConfigError
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.estimate import GB, estimate_profile
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.ir.estimate import GB
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.cost_models.memory import state_bytes
 from meshplan.cost_models.pipeline import in_flight, pipeline_time

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import meshplan
 from meshplan.cluster import Cluster
-from meshplan.cost_models.layout import SCHEDULES, Layout, divisors
+from meshplan.ir.layout import SCHEDULES, Layout, divisors
 from meshplan.errors import ConfigError, MeshplanError
 
 PRESETS = ("dgx-a100", "hgx-a100-40gb", "dgx-h100", "h100-pcie-8", "h800-8", "hgx-h200", "dgx-b200",

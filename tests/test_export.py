@@ -18,7 +18,7 @@ import pytest
 import meshplan as mp
 from meshplan import models
 from meshplan.errors import ConfigError, UnknownNameError
-from meshplan.planner.plan import Plan
+from meshplan.ir.plan import Plan
 from meshplan.reports import export as ex
 
 # ---- reference names ------------------------------------------------------------------------------

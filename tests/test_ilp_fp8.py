@@ -15,7 +15,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import fp8_weight_cast_time
 from meshplan.cost_models.layer import Context, _gemms
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError, DoesNotFitError
 from meshplan.models.presets import config
 from meshplan.planner.analytic import profile_from_config

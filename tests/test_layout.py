@@ -9,7 +9,7 @@ import pytest
 
 import meshplan
 from meshplan.cluster import Cluster
-from meshplan.cost_models.layout import Layout, check_layout, split_layers
+from meshplan.ir.layout import Layout, check_layout, split_layers
 from meshplan.errors import ConfigError, LayoutError, MeshplanError
 from meshplan.planner.analytic import profile_from_config
 

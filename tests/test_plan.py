@@ -9,7 +9,7 @@ from meshplan.api import plan
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.errors import ConfigError, DoesNotFitError
 from meshplan.planner.analytic import profile_from_config
-from meshplan.planner.plan import Plan
+from meshplan.ir.plan import Plan
 
 LLAMA70B = profile_from_config(dict(layers=80, hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=128256,
                                     name="llama3-70b"))
@@ -130,7 +130,7 @@ def test_partial_recompute_is_in_the_search_space():
 def test_stage_ilp_refinement_never_slower(p70):
     """The plan keeps the ILP's stage split only when the full estimate agrees it is faster."""
     from meshplan.planner.stages import refine_stages
-    from meshplan.cost_models.layout import Layout
+    from meshplan.ir.layout import Layout
     lay = dict(p70.layout, stage_layers=None)
     even = estimate_profile(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), Layout.from_dict(lay), seq_len=8192,
                             global_batch=512)

@@ -1,4 +1,4 @@
-"""One declaration of what the runtime runs (meshplan.support), read by the planner and the runtime."""
+"""One declaration of what the runtime runs (meshplan.ir.support), read by the planner and the runtime."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import meshplan as mp
 from meshplan.errors import LayoutError
 from meshplan.planner.traits import model_traits
-from meshplan.support import ModelTraits, runtime_limits
+from meshplan.ir.support import ModelTraits, runtime_limits
 
 
 def test_layout_rules():

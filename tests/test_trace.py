@@ -13,8 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import meshplan.models as mm
 from meshplan.errors import ConfigError, TraceError
-from meshplan.planner.blocks import find_block_containers, fingerprint, signature
-from meshplan.planner.profile import OP_KINDS
+from meshplan.ir.fingerprint import fingerprint
+from meshplan.planner.blocks import find_block_containers, signature
+from meshplan.ir.profile import OP_KINDS
 from meshplan.planner.trace import trace, trace_graph
 
 T = 64  # tokens per sequence in the small traces

@@ -8,7 +8,7 @@ masking. Training = 3x forward (fwd + dgrad + wgrad). Logits: 2*h*V forward.
 
 from __future__ import annotations
 
-from meshplan.planner.profile import BlockProfile, ModelProfile
+from meshplan.ir.profile import BlockProfile, ModelProfile
 
 __all__ = ["layer_fwd_flops_per_token", "attention_fwd_flops_per_token", "model_flops_per_step",
            "recompute_flops_per_step"]

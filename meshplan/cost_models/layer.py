@@ -15,7 +15,7 @@ from meshplan.cost_models.comm import Group, collective_time, dedup_all_to_all_t
 from meshplan.cost_models.compute import (attention_time, cpu_op_overhead, elementwise_time, gemm_time, is_cpu,
                                           matmul_rate)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
-from meshplan.planner.profile import BlockProfile
+from meshplan.ir.profile import BlockProfile
 
 __all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of"]
 

@@ -235,7 +235,7 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
             lay["fsdp_impl"] = "megatron"
     if cfg["layers"] % (pp * vp):
         # the run split layers unevenly (e.g. BLOOM: 70 layers + 2 embedding stages on pp=12)
-        from meshplan.cost_models.layout import split_layers
+        from meshplan.ir.layout import split_layers
         lay["stage_layers"] = split_layers(cfg["layers"], pp * vp)
     if cfg.get("experts"):
         lay["ep"] = row.num("ep") or 1

@@ -12,7 +12,7 @@ import json
 from typing import Any, Mapping
 
 from meshplan.errors import ConfigError
-from meshplan.planner.profile import BlockProfile, LinearInfo, ModelProfile
+from meshplan.ir.profile import BlockProfile, LinearInfo, ModelProfile
 
 __all__ = ["profile_from_config"]
 

@@ -12,7 +12,7 @@ unique structure, traces that shallow model, and maps the names back.
   whose children are non-leaf modules with parameters and repeat a signature.
 - `shrunk(model, containers)`: context manager that swaps in the representatives (same module
   objects, no copies) and restores the original lists on exit, even on error.
-- `fingerprint(model)`: stable hash of the whole structure (plans are tied to it).
+- the whole model's fingerprint lives in meshplan.ir.fingerprint (planner and runtime share it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from meshplan.planner.flops import COPY_OPS, VIEW_OPS, TensorSpec
-from meshplan.planner.profile import LinearInfo
+from meshplan.ir.fingerprint import tensor_desc
+from meshplan.ir.profile import LinearInfo
 
 __all__ = [
     "signature",
@@ -36,7 +37,6 @@ __all__ = [
     "find_block_containers",
     "FqnMap",
     "shrunk",
-    "fingerprint",
     "join",
     "Ref",
     "Node",
@@ -59,14 +59,10 @@ def join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _tensor_desc(t: torch.Tensor | None) -> str:
-    return "None" if t is None else f"{tuple(t.shape)}:{t.dtype}"
-
-
 def _describe(module: nn.Module) -> str:
     parts = [type(module).__qualname__]
-    parts += [f"p:{n}={_tensor_desc(p)}" for n, p in module._parameters.items()]
-    parts += [f"b:{n}={_tensor_desc(b)}" for n, b in module._buffers.items()]
+    parts += [f"p:{n}={tensor_desc(p)}" for n, p in module._parameters.items()]
+    parts += [f"b:{n}={tensor_desc(b)}" for n, b in module._buffers.items()]
     parts += [f"a:{k}={v!r}" for k, v in sorted(vars(module).items())
               if not k.startswith("_") and k not in _SKIP_ATTRS and isinstance(v, _ATTR_TYPES)]
     parts += [f"c:{n}=({'None' if c is None else _describe(c)})" for n, c in module._modules.items()]
@@ -224,24 +220,6 @@ def shrunk(model: nn.Module, containers: tuple[BlockContainer, ...]) -> Iterator
     finally:
         for module, original in reversed(saved):
             module._modules = original
-
-
-def fingerprint(model: nn.Module) -> str:
-    """Stable hash of the module tree, parameter/buffer names, shapes and dtypes (16 hex)."""
-    h = hashlib.sha256()
-    for name, module in model.named_modules(remove_duplicate=False):
-        h.update(f"m:{name}:{type(module).__qualname__};".encode())
-        for pname, p in module._parameters.items():
-            h.update(f"p:{pname}:{_tensor_desc(p)};".encode())
-        for bname, b in module._buffers.items():
-            h.update(f"b:{bname}:{_tensor_desc(b)};".encode())
-    # tied parameters change the parameter count, so they are part of the structure
-    owners: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first = owners.setdefault(id(p), name)
-        if first != name:
-            h.update(f"tie:{name}={first};".encode())
-    return h.hexdigest()[:16]
 
 
 # --- graph analysis of one block ------------------------------------------------------------

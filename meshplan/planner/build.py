@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from meshplan.cost_models.estimate import Estimate, estimate_profile
-from meshplan.cost_models.layout import Layout, check_layout
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout, check_layout
 from meshplan.errors import DoesNotFitError, LayoutError
-from meshplan.support import TP_ROLE_PLACEMENT, block_placement_limits
+from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
 from meshplan.planner.explain import why_lost
-from meshplan.planner.plan import MESH_AXES, Plan, RunnerUp
-from meshplan.planner.profile import ModelProfile
+from meshplan.ir.plan import MESH_AXES, Plan, RunnerUp
+from meshplan.ir.profile import ModelProfile
 
 __all__ = ["build_plan", "placements_for", "stage_modules"]
 

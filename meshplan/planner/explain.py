@@ -3,8 +3,8 @@ stage against capacity, the runner-ups and why each lost, and the bottleneck."""
 
 from __future__ import annotations
 
-from meshplan.cost_models.estimate import Estimate
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout
 
 __all__ = ["explain", "why_lost"]
 

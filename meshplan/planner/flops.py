@@ -3,7 +3,7 @@
 The tracer calls `op_flops` once per graph node. Shapes come from the node's fake value, so
 nothing here touches real memory.
 
-Conventions (shared with `meshplan.planner.profile`)
+Conventions (shared with `meshplan.ir.profile`)
 - A multiply-add counts 2 FLOPs. Only matrix products and attention are counted; elementwise
   ops, norms and reductions count 0 FLOPs (they are bandwidth-bound; the tracer records their
   bytes instead), as in Megatron-LM's model-FLOPs accounting (Narayanan et al., 2021, §5.1).

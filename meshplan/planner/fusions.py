@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.errors import ConfigError
-from meshplan.planner.profile import ModelProfile, OpInfo
+from meshplan.ir.profile import ModelProfile, OpInfo
 
 __all__ = ["FusedModule", "FusionPlan", "find_fusions", "parse_entry"]
 

@@ -56,9 +56,9 @@ import pulp
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
-from meshplan.cost_models.estimate import GB
+from meshplan.ir.estimate import GB
 from meshplan.cost_models.layer import Context, unfused_of
-from meshplan.cost_models.layout import Layout, split_layers
+from meshplan.ir.layout import Layout, split_layers
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.solver import has_solution, proved_optimal, resolve_solver, solve

@@ -83,7 +83,7 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group
 from meshplan.cost_models.compute import attention_time, elementwise_time, gemm_time, matmul_rate
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError, TraceError
-from meshplan.planner.profile import BlockProfile, ModelProfile, OpInfo
+from meshplan.ir.profile import BlockProfile, ModelProfile, OpInfo
 from meshplan.planner.solver import has_solution, proved_optimal, resolve_solver, solve
 
 __all__ = ["PLACEMENTS", "LAYOUTS", "OpChoice", "Reshard", "BlockSharding", "ShardingProblem",

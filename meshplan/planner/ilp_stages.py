@@ -81,7 +81,7 @@ from typing import Sequence
 
 import pulp
 
-from meshplan.cost_models.layout import split_layers
+from meshplan.ir.layout import split_layers
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.solver import has_solution, proved_optimal, resolve_solver, solve
 

@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from meshplan.cost_models.estimate import Estimate, estimate_profile
-from meshplan.cost_models.layout import Layout, divisors, split_layers
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.errors import ConfigError, MeshplanError
-from meshplan.planner.profile import ModelProfile
+from meshplan.ir.profile import ModelProfile
 from meshplan.planner.traits import model_traits
-from meshplan.support import runtime_limits
+from meshplan.ir.support import runtime_limits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
@@ -47,7 +48,7 @@ class SearchResult:
     ranked: list[Estimate]                 # fitting candidates, best first
     rejected: list[Estimate]               # evaluated but over memory: the leanest few, for messages
     rejected_fast: list[Estimate] = field(default_factory=list)   # over memory: the fastest few
-    # layouts the runtime cannot run (meshplan.support), fastest first, with the first reason
+    # layouts the runtime cannot run (meshplan.ir.support), fastest first, with the first reason
     unsupported: list[tuple[Estimate, str]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
 

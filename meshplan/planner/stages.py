@@ -19,12 +19,12 @@ from meshplan.cost_models.estimate import (
     head_times,
 )
 from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, unfused_of
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.layout import Layout
 from meshplan.cost_models.memory import optimizer_bytes, state_bytes
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import MeshplanError
 from meshplan.planner.ilp_stages import assign_stages
-from meshplan.planner.profile import ModelProfile
+from meshplan.ir.profile import ModelProfile
 
 __all__ = ["refine_stages"]
 

@@ -49,11 +49,11 @@ from meshplan.planner.blocks import (
     analyse_block,
     arg,
     find_block_containers,
-    fingerprint,
     join,
     shrunk,
     weight_of,
 )
+from meshplan.ir.fingerprint import fingerprint
 from meshplan.planner.flops import (
     DISPATCH_OPS,
     VIEW_OPS,
@@ -68,7 +68,7 @@ from meshplan.planner.flops import (
     writes_first_arg,
 )
 from meshplan.planner.fusions import find_fusions
-from meshplan.planner.profile import BlockProfile, ModelProfile, OpInfo
+from meshplan.ir.profile import BlockProfile, ModelProfile, OpInfo
 
 __all__ = ["trace", "trace_graph"]
 

@@ -1,9 +1,9 @@
-"""The model facts `meshplan.support.runtime_limits` needs, read from a traced `ModelProfile`."""
+"""The model facts `meshplan.ir.support.runtime_limits` needs, read from a traced `ModelProfile`."""
 
 from __future__ import annotations
 
-from meshplan.planner.profile import ModelProfile
-from meshplan.support import ModelTraits
+from meshplan.ir.profile import ModelProfile
+from meshplan.ir.support import ModelTraits
 
 __all__ = ["model_traits"]
 

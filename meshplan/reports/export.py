@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError, UnknownNameError
 
 __all__ = [
@@ -127,7 +127,7 @@ def model_shape(plan: Any, model: Any = None) -> ModelShape | None:
     """The model's shape from `model` (ModelShape, ModelConfig, ModelProfile, config mapping or
     preset name), else from the plan's model name when it is a meshplan preset, else None."""
     from meshplan.models.config import ModelConfig
-    from meshplan.planner.profile import ModelProfile
+    from meshplan.ir.profile import ModelProfile
     if model is None:
         from meshplan.models.presets import PRESETS, config
         if plan.model in PRESETS:

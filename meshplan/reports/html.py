@@ -18,7 +18,7 @@ from meshplan.reports import svg
 from meshplan.reports.render import COLUMNS, compact_layout, fmt_days, fmt_money, fmt_pct, fmt_si
 
 if TYPE_CHECKING:  # pragma: no cover
-    from meshplan.planner.plan import Plan
+    from meshplan.ir.plan import Plan
     from meshplan.reports.whatif import WhatIf
 
 __all__ = ["write_plan_report", "plan_report_html", "plan_section_html", "whatif_html", "write_whatif_report",

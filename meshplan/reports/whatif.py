@@ -274,7 +274,7 @@ class WhatIf:
         """The chosen row's `Plan`, or None."""
         if self.chosen_plan is None:
             return None
-        from meshplan.planner.plan import Plan
+        from meshplan.ir.plan import Plan
         return Plan.from_dict(self.chosen_plan)
 
     # ---- serialisation and renderings ----
@@ -522,7 +522,7 @@ def rampup_seconds(est, *, global_batch: int, seq_len: int, rampup: tuple[int, i
 
 def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, seconds: float,
                  rampup: tuple[int, int, int] | None = None) -> WhatIfRow:
-    from meshplan.cost_models.layout import Layout
+    from meshplan.ir.layout import Layout
     est = plan.estimate_obj
     n = cl.num_gpus
     tps = est.tokens_per_s_per_gpu * n

@@ -56,7 +56,7 @@ def _sizes(args) -> tuple[int, int, str]:
     """(nodes, processes per node, a note saying where the numbers came from)."""
     from meshplan.runtime.launch import layout_from_plan
     if args.plan:
-        from meshplan.planner.plan import Plan
+        from meshplan.ir.plan import Plan
         if not Path(args.plan).is_file():
             raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
                               "`meshplan plan ... --json plan.json`")

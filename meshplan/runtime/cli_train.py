@@ -139,7 +139,7 @@ def _plan(args, world_size: int | None = None):
     every rank) that plans gets the same plan."""
     import meshplan as mp
     from meshplan.cli import _parse_layout
-    from meshplan.planner.plan import Plan
+    from meshplan.ir.plan import Plan
     if args.plan:
         if not Path(args.plan).is_file():
             raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
@@ -230,7 +230,7 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plan and args.nproc is None:
-        from meshplan.planner.plan import Plan
+        from meshplan.ir.plan import Plan
         from meshplan.runtime.launch import layout_from_plan
         if Path(args.plan).is_file():
             _, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
@@ -300,7 +300,7 @@ def _worker(args, plan=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from meshplan.planner.plan import Plan
+    from meshplan.ir.plan import Plan
     from meshplan.runtime.parallel import parallelize
     from meshplan.runtime.train import RankHangError, TrainConfig, train
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.errors import ConfigError, LayoutError
-from meshplan.support import runtime_limits
+from meshplan.ir.support import runtime_limits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import expert_parallel as _ep
 from meshplan.runtime import fp8 as _fp8
@@ -52,6 +52,7 @@ from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import materialize as _mat
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.fused import apply_fused_kernels, choose_kernels
+from meshplan.ir.fingerprint import fingerprint
 from meshplan.runtime.recompute import apply_recompute
 from meshplan.runtime.tensor_parallel import (apply_tensor_parallel, block_signatures, enable_async_tp,
                                               sequence_parallel)
@@ -65,14 +66,13 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
 
 def _check(model: nn.Module, plan, world_size: int) -> None:
     """Refuse mismatches before any collective runs (every rank reaches the same verdict)."""
-    from meshplan.planner.blocks import fingerprint
     plan.check_matches(world_size=world_size)
     fp = fingerprint(model)
     if fp != plan.model_fingerprint:
         raise ConfigError(f"this plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) "
                           f"but this model's structure has fingerprint {fp}: the model changed since "
                           "planning (layers, shapes or dtypes); re-plan for this model")
-    # the same declaration the planner's search reads (meshplan.support): a plan made by
+    # the same declaration the planner's search reads (meshplan.ir.support): a plan made by
     # meshplan.plan never trips this; a hand-edited or older plan may
     limits = runtime_limits(plan.layout_obj)
     if limits:

@@ -11,7 +11,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import attention_time
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError
 from meshplan.planner.analytic import profile_from_config
 

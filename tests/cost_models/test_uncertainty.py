@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models import uncertainty as U
-from meshplan.cost_models.estimate import Estimate, estimate_profile
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.ir.estimate import Estimate
 from meshplan.planner.analytic import profile_from_config
 
 LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256, ffn_hidden=14336)

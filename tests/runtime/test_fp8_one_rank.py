@@ -200,7 +200,7 @@ def test_bf16_adam_moments_track_fp32_moments(tmp_path, bf16_run):
 # ---- the layout knob and its memory price ---------------------------------------------------------
 def test_optimizer_dtype_is_a_validated_layout_knob_priced_in_memory():
     from meshplan.cost_models import memory
-    from meshplan.cost_models.layout import Layout
+    from meshplan.ir.layout import Layout
     lay = Layout(optimizer_dtype="bf16")
     assert "adam-bf16" in lay.short() and Layout.from_dict(lay.to_dict()) == lay
     with pytest.raises(ConfigError, match="optimizer_dtype='fp8'"):

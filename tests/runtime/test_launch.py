@@ -105,7 +105,7 @@ def test_slurm_script_defaults_and_validation():
 
 
 def _write_plan(path, *, world_mesh, gpus_per_node, nodes):
-    from meshplan.planner.plan import Plan
+    from meshplan.ir.plan import Plan
     plan = Plan(model="tiny-llama", model_fingerprint="m", cluster={"name": "c", "gpus_per_node": gpus_per_node,
                                                                    "nodes": nodes},
                 cluster_fingerprint="c", seq_len=128, global_batch=8, precision="bf16", layout={}, mesh=world_mesh,

@@ -33,7 +33,7 @@ def test_rank_holds_what_the_cost_model_charged(model, nodes, seq_len, global_ba
 
 def test_runtime_pattern_placements_match_single_device():
     """When the sharding ILP's dataflow is one the runtime does not run, the planner falls back to
-    the runtime's role-based pattern (meshplan.support.TP_ROLE_PLACEMENT, attention on local
+    the runtime's role-based pattern (meshplan.ir.support.TP_ROLE_PLACEMENT, attention on local
     heads); that fallback must itself be exact: TP2 + SP against the single-device model."""
     import dataclasses
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import meshplan as mp
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError
 from meshplan.runtime.fused import FASTER_THAN_EAGER, choose_kernels
 from meshplan.runtime.parallel import ddp_runs

@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from meshplan.cost_models.estimate import Estimate
-from meshplan.cost_models.layout import Layout
+from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError
 
 __all__ = ["Plan", "RunnerUp", "PLAN_VERSION"]
