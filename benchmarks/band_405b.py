@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     pl = mp.plan(model, cl, seq_len=SEQ, global_batch=GBS)
     lines = []
     p = lines.append
-    chosen = pl.estimate_obj
+    chosen = pl.estimate
     fastest = min([chosen] + [r for r in pl.runner_ups if r.fits], key=lambda r: r.step_time_s)
     fastest_est = chosen if fastest is chosen else estimate_profile(prof, cl, fastest.layout, seq_len=SEQ,
                                                                    global_batch=GBS)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     for name, lay in EXPERTS.items():
         # the cheapest recompute that fits, as the experts would have run it
         e = mp.plan(model, cl, seq_len=SEQ, global_batch=GBS, fixed={k: v for k, v in lay.items()
-                                                                     if k != "recompute"}).estimate_obj
+                                                                     if k != "recompute"}).estimate
         for who, cand in (("fastest", fastest_est), ("chosen", chosen)):
             gain, band, diff = gain_band(cand, e)
             edge = ", ".join(f"{k} {d * 1e3:+.0f} ms" for k, d in sorted(diff.items(), key=lambda kv: -kv[1])

@@ -49,10 +49,10 @@ def _fix_dict(fix: str) -> dict:
 def predict(model: str, fix: str, cluster: str = "local-cpu"):
     """The plan's Estimate for the layout, as `meshplan train` would plan it."""
     import meshplan as mp
-    from meshplan.runtime.cli_train import _cluster
+    from meshplan.cli.train import _cluster
     cl = _cluster(cluster, NPROC)
     m = mp.models.build(model, device="meta")
-    return mp.plan(m, cl, seq_len=SEQ, global_batch=GBS, fixed=_fix_dict(fix)).estimate_obj
+    return mp.plan(m, cl, seq_len=SEQ, global_batch=GBS, fixed=_fix_dict(fix)).estimate
 
 
 def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: int) -> tuple[float, float, list]:

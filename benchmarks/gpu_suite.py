@@ -181,7 +181,7 @@ def runtime_rows(device, *, dry: bool, warmup: int, steps: int) -> list[dict]:
 
     plan = mp.plan(meta, cluster, seq_len=seq, global_batch=batch, precision="bf16")
     lay = plan.layout
-    print("   meshplan plan:", json.dumps(lay), flush=True)
+    print("   meshplan plan:", json.dumps(lay.to_dict()), flush=True)
 
     def meshplan_step(the_plan=None, **parallel_kw):
         m = mp.models.build(cfg, device="cpu" if device.type == "cpu" else "meta")
@@ -201,8 +201,8 @@ def runtime_rows(device, *, dry: bool, warmup: int, steps: int) -> list[dict]:
         return step, lambda: None
     e = plan.estimate
     measure("meshplan bf16 (plan + parallelize)", meshplan_step,
-            {"pred_step_s": e["step_time_s"], "pred_mem_gib": e.get("peak_memory_gb"),
-             "layout": {k: lay[k] for k in ("dp", "zero", "mbs", "recompute") if k in lay}})
+            {"pred_step_s": e.step_time_s, "pred_mem_gib": e.peak_memory_gb,
+             "layout": {k: getattr(lay, k) for k in ("dp", "zero", "mbs", "recompute")}})
 
     try:
         import torchao  # noqa: F401
@@ -225,7 +225,7 @@ def runtime_rows(device, *, dry: bool, warmup: int, steps: int) -> list[dict]:
             rows.append({"case": label, "error": f"{backend} not installed (pip install 'meshplan[{'fp8' if backend == 'torchao' else 'gpu'}]')"})
             continue
         measure(label, lambda b=backend: meshplan_step(plan8, fp8_backend=b),
-                {"pred_step_s": e8["step_time_s"], "pred_mem_gib": e8.get("peak_memory_gb")})
+                {"pred_step_s": e8.step_time_s, "pred_mem_gib": e8.peak_memory_gb})
     if have_ao and device.type == "cuda":
         for recipe in ("tensorwise", "rowwise"):
             measure(f"torchao fp8 {recipe} + compile", eager(compile_=True, fp8=recipe), pred("fp8"))

@@ -38,9 +38,9 @@ def run_variant(options: dict, *, steps: int, seed: int = 0) -> dict:
 
     import meshplan as mp
     from meshplan.cluster import Cluster
-    from meshplan.runtime.metrics import read_metrics
+    from meshplan.train.metrics import read_metrics
     from meshplan.runtime.parallel import parallelize
-    from meshplan.runtime.train import TrainConfig, train
+    from meshplan.train.loop import TrainConfig, train
     plan = mp.plan(mp.models.build("moe", seq_len=SEQ, device="meta", **MODEL, **options),
                    Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1), seq_len=SEQ, global_batch=BATCH)
     torch.manual_seed(seed)
@@ -64,7 +64,7 @@ def run_variant(options: dict, *, steps: int, seed: int = 0) -> dict:
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    from meshplan.runtime.spawn import free_port
+    from meshplan.train.spawn import free_port
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--variants", default=",".join(VARIANTS))

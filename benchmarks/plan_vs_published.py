@@ -83,9 +83,9 @@ def main(argv=None) -> int:
         except MeshplanError as e:
             p(f"{r.id[:42]:42s} planning failed: {e}")
             continue
-        if abs(same.estimate_obj.step_time_s - pub.step_time_s) > 1e-9 * pub.step_time_s:
+        if abs(same.estimate.step_time_s - pub.step_time_s) > 1e-9 * pub.step_time_s:
             n_mismatch += 1
-        fe = free.estimate_obj
+        fe = free.estimate
         gain, band, _ = gain_band(fe, pub)
         inside = gain <= band
         n_inside += inside
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         else:
             n_worse += 1
         p(f"{r.id[:42]:42s} {Layout.from_dict(lay).short()[:44]:44s} {pub.tokens_per_s_per_gpu:9.0f} "
-          f"{Layout.from_dict(free.layout).short()[:52]:52s} {fe.tokens_per_s_per_gpu:10.0f} {gain * 100:+5.1f}% {band * 100:5.1f}%  "
+          f"{free.layout.short()[:52]:52s} {fe.tokens_per_s_per_gpu:10.0f} {gain * 100:+5.1f}% {band * 100:5.1f}%  "
           f"{'inside band' if inside else 'beyond band'}")
         if gain > 0.005:
             diffs.append(f"  {r.id}: published loses by {gain * 100:.1f}% (band {band * 100:.1f}%): "

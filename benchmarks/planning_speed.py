@@ -45,7 +45,7 @@ pl = plan(prof, cluster, seq_len=%(seq)d, global_batch=%(batch)d)
 t_plan = time.perf_counter() - t2
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / 1024
 print(json.dumps(dict(name=name, gpus=gpus, import_s=t_import, trace_s=t_trace, plan_s=t_plan, rss_gb=rss,
-                      layout=pl.layout_obj.short(), mfu=pl.estimate_obj.mfu, meshes=pl.search["meshes"],
+                      layout=pl.layout.short(), mfu=pl.estimate.mfu, meshes=pl.search["meshes"],
                       estimates=pl.search["estimates"])))
 """
 

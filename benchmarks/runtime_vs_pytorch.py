@@ -225,8 +225,8 @@ def run_row(rank: int, world: int, row: str, plan, cfg: dict) -> dict:
                 times["hand"].append(t)
     out = {"meshplan_s": statistics.median(times["meshplan"]),
            "hand_s": statistics.median(times["hand"]) if times["hand"] else None,
-           "layout": plan.layout_obj.short(), "data_parallel": pm.data_parallel,
-           "kernels": dict(pm.kernels), "predicted_s": plan.estimate_obj.step_time_s}
+           "layout": plan.layout.short(), "data_parallel": pm.data_parallel,
+           "kernels": dict(pm.kernels), "predicted_s": plan.estimate.step_time_s}
     if cfg.get("profile") and rank == 0:
         out["profile"] = _profile(mesh_step, hand, batch, seq)
     elif cfg.get("profile"):
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a CPU profile of each row (rank 0)")
     ap.add_argument("--out", default=None, help="write the table to this Markdown file ('auto': results/)")
     args = ap.parse_args(argv)
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     quick = args.quick
     rows = args.rows.split(",") if args.rows else (
         ["one", "dp_ddp", "dp_zero1", "dp_fsdp", "tp2_dp2", "pp2_dp2", "planner"] if quick else list(ROWS))

@@ -25,7 +25,7 @@ _LAZY = {
     "ModelProfile": ("meshplan.ir.profile", "ModelProfile"),
     "estimate": ("meshplan.api", "estimate"),
     "plan": ("meshplan.api", "plan"),
-    "Plan": ("meshplan.ir.plan", "Plan"),
+    "Plan": ("meshplan.api", "Plan"),
     "profile": ("meshplan.api", "profile"),
     "whatif": ("meshplan.reports.whatif", "whatif"),
     "trace": ("meshplan.planner.trace", "trace"),
@@ -40,7 +40,7 @@ __all__ = sorted(list(_LAZY) + list(_SUBMODULES))
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshplan.api import estimate, plan, profile
-    from meshplan.ir.plan import Plan
+    from meshplan.api import Plan
     from meshplan.cluster import Cluster, GPUSpec
     from meshplan.ir.estimate import Estimate
     from meshplan.ir.layout import Layout

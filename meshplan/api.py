@@ -6,12 +6,43 @@ import dataclasses
 from typing import Any, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
+from meshplan.errors import ConfigError
+from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
-from meshplan.errors import ConfigError
 from meshplan.ir.profile import ModelProfile
+from meshplan.planner.explain import explain as _explain
+from meshplan.reports import export as _export
 
-__all__ = ["estimate", "profile", "resolve_cluster"]
+__all__ = ["Plan", "estimate", "plan", "profile", "resolve_cluster"]
+
+
+class Plan(ir_plan.Plan):
+    """The Plan as users hold it: the planner/runtime contract (meshplan.ir.plan.Plan, which is
+    all the runtime reads) plus the planner's explanation and the exports to other frameworks."""
+
+    @classmethod
+    def of(cls, plan: ir_plan.Plan) -> "Plan":
+        if isinstance(plan, cls):
+            return plan
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+
+    def explain(self) -> str:
+        """Why this layout: what limits it, the runner-ups and why each lost."""
+        return _explain(self)
+
+    # ---- exports to other frameworks (meshplan/reports/export.py, docs/exports.md) ------
+    def to_megatron_args(self, model=None) -> list[str]:
+        """Megatron-LM flags; `model` (preset name, ModelConfig, ModelProfile) adds the shape flags."""
+        return _export.to_megatron_args(self, model)
+
+    def to_torchtitan(self, model=None) -> dict[str, Any]:
+        """torchtitan (v0.2.2 TOML) job config sections as a nested dict."""
+        return _export.to_torchtitan(self, model)
+
+    def to_nemo(self, model=None, *, flavor: str = "nemo") -> dict[str, Any]:
+        """NeMo 2 (or flavor='megatron-bridge') recipe overrides, dotted key -> value."""
+        return _export.to_nemo(self, model, flavor=flavor)
 
 # The cost model needs the architecture, not long sequences: profiles are traced at a short
 # sequence (shapes scale linearly in tokens, attention is recomputed for the real seq_len).
@@ -151,17 +182,17 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
         out = dataclasses.replace(out, precision=run_as)
     if optimizer_dtype is not None:
         out = _with_optimizer_dtype(prof, cl, out, optimizer_dtype, seq_len=seq_len, global_batch=global_batch)
-    return out
+    return Plan.of(out)
 
 
 def _with_optimizer_dtype(prof, cl, plan, dtype: str, *, seq_len: int, global_batch: int):
     """fixed={"optimizer_dtype": "bf16"}: Adam moments in bf16 (fp32 master weights), the plan's
     estimate recomputed for that layout."""
-    lay = Layout.from_dict({**plan.layout, "optimizer_dtype": dtype})     # validates the name
+    lay = dataclasses.replace(plan.layout, optimizer_dtype=dtype)     # validates the name
     est = estimate_profile(prof, cl, lay, seq_len=seq_len, global_batch=global_batch,
-                           precision=plan.estimate_obj.precision,
-                           fp8_modules=frozenset(plan.fp8_modules) if plan.estimate_obj.precision == "fp8" else None)
-    return dataclasses.replace(plan, layout=lay.to_dict(), estimate=est.to_dict(),
+                           precision=plan.estimate.precision,
+                           fp8_modules=frozenset(plan.fp8_modules) if plan.estimate.precision == "fp8" else None)
+    return dataclasses.replace(plan, layout=lay, estimate=est,
                                search={**plan.search, "fixed": {**plan.search.get("fixed", {}), "optimizer_dtype": dtype}})
 
 
@@ -203,6 +234,6 @@ def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int):
     from meshplan.planner.build import _fp8_modules
     gpu = dataclasses.replace(cl.gpu, fp8_tflops=2 * cl.gpu.bf16_tflops, fp8_gemm_efficiency=cl.gpu.gemm_efficiency)
     emu = dataclasses.replace(cl, gpu=gpu)
-    mods = _fp8_modules(prof, emu, plan.layout_obj, plan.estimate_obj, seq_len, global_batch)
+    mods = _fp8_modules(prof, emu, plan.layout, plan.estimate, seq_len, global_batch)
     return dataclasses.replace(plan, precision="fp8", fp8_modules=mods,
                                search={**plan.search, "fp8_emulated": True})

@@ -33,7 +33,7 @@ def one_process_group():
     """A one-rank gloo process group for the tests of a module that run the runtime in-process."""
     import torch.distributed as dist
 
-    from meshplan.runtime.spawn import init_single_process_group
+    from meshplan.train.spawn import init_single_process_group
     if not init_single_process_group(120):
         pytest.skip("a process group is already initialised in this process")
     yield

@@ -18,7 +18,7 @@ import pytest
 import meshplan as mp
 from meshplan import models
 from meshplan.errors import ConfigError, UnknownNameError
-from meshplan.ir.plan import Plan
+from meshplan.api import Plan
 from meshplan.reports import export as ex
 
 # ---- reference names ------------------------------------------------------------------------------
@@ -172,10 +172,10 @@ def test_megatron_fp8_moe_and_fsdp(plans):
 
 def test_megatron_rejects_zero_bubble_and_notes_gpipe(plans):
     d = plans["uneven"].to_dict()
-    zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb"), schedule="zb"))
+    zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb")))
     with pytest.raises(ConfigError, match="zero-bubble.*schedule='1f1b'"):
         zb.to_megatron_args()
-    gp = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="gpipe"), schedule="gpipe"))
+    gp = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="gpipe")))
     assert any("GPipe" in n for n in ex.megatron_export(gp).notes)
 
 
@@ -236,7 +236,7 @@ def test_torchtitan_pipeline_split_and_batches(plans):
     assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
     assert "pipeline_parallel_layers_per_stage" not in par            # uneven: explicit parts only
     tr = pl.to_torchtitan()["training"]
-    assert tr["local_batch_size"] * pl.layout["dp"] == 512 and par["pipeline_parallel_microbatch_size"] == pl.micro_batch_size
+    assert tr["local_batch_size"] * pl.layout.dp == 512 and par["pipeline_parallel_microbatch_size"] == pl.micro_batch_size
     ac = plans["uneven"].to_torchtitan()["activation_checkpoint"]
     # 3 of (at most) 11 layers per rank -> one layer in every 3, at least as many as planned
     assert ac == {"mode": "selective", "selective_ac_option": "3"}
@@ -249,13 +249,13 @@ def test_torchtitan_fp8_and_zero(plans):
     assert cfg["model"]["converters"] == ["quantize.linear.float8"]
     f8 = cfg["quantize"]["linear"]["float8"]
     assert f8["recipe_name"] == "tensorwise" and "output" in f8["filter_fqns"]
-    assert cfg["parallelism"]["data_parallel_shard_degree"] == plans["fp8"].layout["dp"]
+    assert cfg["parallelism"]["data_parallel_shard_degree"] == plans["fp8"].layout.dp
     assert cfg["parallelism"]["fsdp_reshard_after_forward"] == "never"      # ZeRO-1 -> FSDP, no reshard
 
 
 def test_torchtitan_rejects_what_it_cannot_run(plans):
     d = plans["uneven"].to_dict()
-    zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb"), schedule="zb"))
+    zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb")))
     with pytest.raises(ConfigError, match="schedule='zbv'"):
         zb.to_torchtitan()
     m = plans["moe"].to_dict()
@@ -333,7 +333,7 @@ def test_megatron_real_parser(plans):
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     for pl in plans.values():
         args = parser.parse_args(pl.to_megatron_args())
-        assert args.tensor_model_parallel_size == pl.layout["tp"]
+        assert args.tensor_model_parallel_size == pl.layout.tp
         assert args.micro_batch_size == pl.micro_batch_size
 
 
@@ -345,4 +345,4 @@ def test_torchtitan_real_parser(plans, tmp_path):
         path = tmp_path / f"{name}.toml"
         path.write_text(ex.export_text(pl, "torchtitan"))
         cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
-        assert cfg.parallelism.tensor_parallel_degree == pl.layout["tp"]
+        assert cfg.parallelism.tensor_parallel_degree == pl.layout.tp

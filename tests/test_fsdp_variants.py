@@ -46,4 +46,4 @@ def test_search_offers_all_flavours_and_honours_fixed():
     assert _fsdp_variants(1, 32, 8, {}) == [{}]
     assert _fsdp_variants(3, 32, 8, {"reshard_after_forward": False}) == [dict(fsdp_shard=0, reshard_after_forward=False)]
     pl = mp.plan(P, CL, seq_len=4096, global_batch=64, fixed={"zero": 3, "fsdp_shard": 8, "tp": 1, "pp": 1, "cp": 1})
-    assert pl.layout["fsdp_shard"] == 8 and pl.layout["zero"] == 3
+    assert pl.layout.fsdp_shard == 8 and pl.layout.zero == 3

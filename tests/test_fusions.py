@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 
 import pytest
@@ -10,7 +12,8 @@ from torch import nn
 
 import meshplan as mp
 from meshplan.errors import ConfigError
-from meshplan.planner.fusions import find_fusions, parse_entry
+from meshplan.ir.plan import FusedKernel
+from meshplan.planner.fusions import find_fusions
 from meshplan.planner.trace import trace
 
 
@@ -67,19 +70,20 @@ class UserLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def _kernels(entries):
-    return sorted((e.split()[0], e.split()[1].split(":")[-1]) for e in entries)
+def _kernels(modules):
+    """(kernel, module path inside its block, or FQN outside the blocks), once per block path."""
+    return sorted({(m.kernel, re.sub(r"^(.*?\.)?\d+\.", "", m.module)) for m in modules})
 
 
 def test_users_own_modules_are_matched_by_computation():
     with torch.device("meta"):
         model = UserLM()
     f = find_fusions(trace(model, seq_len=16))
-    assert _kernels(f.entries()) == [("linear_cross_entropy", "head"), ("rms_norm", "n1"), ("rms_norm", "n2"),
+    assert _kernels(f.modules) == [("linear_cross_entropy", "head"), ("rms_norm", "n1"), ("rms_norm", "n2"),
                                      ("rms_norm", "norm"), ("swiglu", "mlp")]
-    norm = next(parse_entry(e) for e in f.entries() if e.endswith("norm eps=1e-05 weight=scale"))
+    norm = next(m for m in f.modules if m.kernel == "rms_norm" and m.option.get("weight") == "scale")
     assert norm.option == {"eps": "1e-05", "weight": "scale"}
-    mlp = next(parse_entry(e) for e in f.entries() if e.startswith("swiglu"))
+    mlp = next(m for m in f.modules if m.kernel == "swiglu")
     assert mlp.option == {"gate": "a", "up": "b", "down": "c"}
     assert f.applied_map() == {"rms_norm": True, "swiglu": True, "linear_cross_entropy": True}
 
@@ -88,7 +92,7 @@ def test_near_misses_are_not_matched():
     with torch.device("meta"):
         model = UserLM(extra=True, head_bias=True)
     f = find_fusions(trace(model, seq_len=16))
-    kinds = {e.split()[0] for e in f.entries()}
+    kinds = {m.kernel for m in f.modules}
     assert "swiglu" not in kinds and "linear_cross_entropy" not in kinds
     assert f.applied_map()["linear_cross_entropy"] is False
 
@@ -97,16 +101,16 @@ def test_tensor_parallel_head_keeps_eager_loss():
     with torch.device("meta"):
         model = UserLM()
     f = find_fusions(trace(model, seq_len=16), tp=2)
-    assert "linear_cross_entropy" not in {e.split()[0] for e in f.entries()}
+    assert "linear_cross_entropy" not in {m.kernel for m in f.modules}
 
 
 def test_reference_models():
     llama = find_fusions(trace(mp.models.build("tiny-llama", device="meta"), seq_len=16))
     # F.rms_norm is already one fused op in PyTorch: left alone; rotary stays eager
-    assert {e.split()[0] for e in llama.entries()} == {"swiglu", "linear_cross_entropy"}
+    assert {m.kernel for m in llama.modules} == {"swiglu", "linear_cross_entropy"}
     assert llama.applied_map()["rope"] is False
     gpt = find_fusions(trace(mp.models.build("tiny-gpt", device="meta"), seq_len=16))
-    assert {e.split()[0] for e in gpt.entries()} == {"linear_cross_entropy"}     # LayerNorm, GELU
+    assert {m.kernel for m in gpt.modules} == {"linear_cross_entropy"}     # LayerNorm, GELU
 
 
 def test_hf_llama_matches():
@@ -116,16 +120,18 @@ def test_hf_llama_matches():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     f = find_fusions(trace(model, seq_len=16))
-    assert _kernels(f.entries()) == [("linear_cross_entropy", "lm_head"), ("rms_norm", "input_layernorm"),
+    assert _kernels(f.modules) == [("linear_cross_entropy", "lm_head"), ("rms_norm", "input_layernorm"),
                                      ("rms_norm", "model.norm"), ("rms_norm", "post_attention_layernorm"),
                                      ("swiglu", "mlp")]
 
 
 def test_malformed_entries():
     with pytest.raises(ConfigError, match="malformed"):
-        parse_entry("rms_norm")
+        FusedKernel.from_dict({"kernel": "rms_norm"})
     with pytest.raises(ConfigError, match="meshplan fuses"):
-        parse_entry("layernorm x")
+        FusedKernel.from_dict({"kernel": "layernorm", "module": "x"})
+    with pytest.raises(ConfigError, match="one non-empty name"):
+        FusedKernel(kernel="rms_norm", module="a b")
 
 
 def _hf_profile(seq):
@@ -161,7 +167,7 @@ def test_cost_model_counts_the_bytes_fusions_save():
 
 def test_plan_lists_fused_modules_and_can_turn_them_off():
     p = mp.plan("tiny-llama", "local-cpu", seq_len=64, global_batch=8, fixed={"tp": 1})
-    assert {e.split()[0] for e in p.fused_kernels} == {"swiglu", "linear_cross_entropy"}
+    assert {k.kernel for k in p.fused_kernels} == {"swiglu", "linear_cross_entropy"}
     assert "fused kernels: swiglu" in p.explain()
     q = mp.plan("tiny-llama", "local-cpu", seq_len=64, global_batch=8, fixed={"tp": 1}, fused_kernels=False)
     assert q.fused_kernels == ()

@@ -14,15 +14,8 @@ import meshplan
 from meshplan.cluster import Cluster
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError, TraceError
 from meshplan.planner.analytic import profile_from_config
-from meshplan.planner.ilp_sharding import (
-    PLACEMENTS,
-    _alignments,
-    _follow,
-    _reshape_map,
-    build_problem,
-    shard_block,
-    shard_profile,
-)
+from meshplan.planner.ilp_sharding import PLACEMENTS, build_problem, shard_block, shard_profile
+from meshplan.planner.sharding_labels import alignments, follow, reshape_map
 from meshplan.planner.solver import available_solvers
 from meshplan.planner.trace import trace
 
@@ -299,13 +292,13 @@ def test_errors_say_what_failed(llama8b, tiny, cluster):
 
 def test_labels_follow_views_and_transposes():
     # a feature shard on (B, S, H) lands on the heads dim of (B, S, heads, head_dim)
-    assert _reshape_map((1, 128, 4096), (1, 128, 32, 128)) == {1: 1, 2: 2}
+    assert reshape_map((1, 128, 4096), (1, 128, 32, 128)) == {1: 1, 2: 2}
     # merging heads back keeps it; a shard on head_dim (a minor dim) does not survive a merge
-    assert _reshape_map((1, 128, 32, 128), (1, 128, 4096)) == {1: 1, 2: 2}
+    assert reshape_map((1, 128, 32, 128), (1, 128, 4096)) == {1: 1, 2: 2}
     # seq = head_dim = 128: a transpose still has one reading (a permute would have two)
     src, dst = (1, 128, 32, 128), (1, 32, 128, 128)
-    assert _follow(1, src, dst, _alignments(src, dst, "transpose")) == 2
-    assert _follow(1, src, dst, _alignments(src, dst, "permute")) is None
+    assert follow(1, src, dst, alignments(src, dst, "transpose")) == 2
+    assert follow(1, src, dst, alignments(src, dst, "permute")) is None
     # slicing the labelled dim loses the label; slicing another keeps it
-    assert _follow(3, (1, 8, 128, 32), (1, 8, 128, 16), _alignments((1, 8, 128, 32), (1, 8, 128, 16), "slice")) is None
-    assert _follow(1, (1, 8, 128, 32), (1, 8, 128, 16), _alignments((1, 8, 128, 32), (1, 8, 128, 16), "slice")) == 1
+    assert follow(3, (1, 8, 128, 32), (1, 8, 128, 16), alignments((1, 8, 128, 32), (1, 8, 128, 16), "slice")) is None
+    assert follow(1, (1, 8, 128, 32), (1, 8, 128, 16), alignments((1, 8, 128, 32), (1, 8, 128, 16), "slice")) == 1

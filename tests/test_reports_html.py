@@ -149,8 +149,8 @@ def test_does_not_fit_rows_in_html():
 
 # ---- the single-plan report ------------------------------------------------------------------------
 def test_plan_report_per_stage_memory_and_step_split(pipelined_plan, tmp_path):
-    est = pipelined_plan.estimate_obj
-    assert pipelined_plan.layout["pp"] > 1
+    est = pipelined_plan.estimate
+    assert pipelined_plan.layout.pp > 1
     path = tmp_path / "plan.html"
     write_plan_report(pipelined_plan, path)
     html = path.read_text()
@@ -158,7 +158,7 @@ def test_plan_report_per_stage_memory_and_step_split(pipelined_plan, tmp_path):
     plots = _svgs(html)
     assert len(plots) == 2
     mem, step = plots
-    assert mem.count('class="mp-bar"') == len(est.memory_by_stage) == pipelined_plan.layout["pp"]
+    assert mem.count('class="mp-bar"') == len(est.memory_by_stage) == pipelined_plan.layout.pp
     assert _texts(mem, "mp-axis-label") == ["pipeline stage (rank)", "memory per GPU (GB)"]
     assert f"usable {est.capacity_gb:.1f} GB of 80 GB" in _texts(mem, "mp-legend-label")
     parts = _texts(step, "mp-legend-label")
@@ -166,7 +166,7 @@ def test_plan_report_per_stage_memory_and_step_split(pipelined_plan, tmp_path):
     if est.time_s["bubble"] > 0:
         assert any(p.startswith("pipeline bubble: ") for p in parts)
     assert "Explanation" in html and unescape(html).count(pipelined_plan.explain()) == 1
-    assert "<th>setting</th>" in html and f"pp={pipelined_plan.layout['pp']}" in html
+    assert "<th>setting</th>" in html and f"pp={pipelined_plan.layout.pp}" in html
 
 
 def test_cli_plan_report_writes_html(tmp_path, capsys):

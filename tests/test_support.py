@@ -70,4 +70,4 @@ def test_plans_for_other_frameworks_skip_the_runtime_limits():
     model = mp.models.build("tiny-moe", device="meta")
     cl = mp.Cluster(gpu="h100-sxm", gpus_per_node=8, nodes=1)
     plan = mp.plan(model, cl, seq_len=4096, global_batch=64, fixed={"ep": 2, "tp": 2}, for_runtime=False)
-    assert plan.layout["ep"] == 2 and plan.layout["tp"] == 2
+    assert plan.layout.ep == 2 and plan.layout.tp == 2

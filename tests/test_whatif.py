@@ -152,7 +152,7 @@ def test_marks_on_the_sweep(sweep):
     assert sweep.fastest == min(within_budget, key=lambda r: r.days).key
     assert set(sweep.pareto) == _brute_pareto(ok)
     assert sweep.chosen == sweep.cheapest and sweep.plan is not None
-    assert sweep.plan.estimate["num_gpus"] == sweep.row(sweep.chosen).num_gpus
+    assert sweep.plan.estimate.num_gpus == sweep.row(sweep.chosen).num_gpus
 
 
 def _brute_pareto(rows) -> set[str]:

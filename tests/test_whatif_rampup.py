@@ -21,7 +21,7 @@ def test_rampup_lengthens_time_to_train_by_its_slower_steps():
     plain, ramped = _sweep(), _sweep(rampup=(32, 32, 2_000_000))
     a, b = plain.rows[0], ramped.rows[0]
     assert b.days > a.days
-    est = ramped.plan.estimate_obj
+    est = ramped.plan.estimate
     ramp_s, ramp_tokens = rampup_seconds(est, global_batch=GB, seq_len=SEQ, rampup=(32, 32, 2_000_000), tokens=1e12)
     assert ramp_tokens == pytest.approx(2_000_000 * SEQ, rel=0.01)
     # the ramp costs at most what its steps would cost at full-batch step time, at least their share
@@ -33,7 +33,7 @@ def test_rampup_lengthens_time_to_train_by_its_slower_steps():
 
 
 def _phases():
-    from meshplan.runtime.data import BatchRampup
+    from meshplan.ir.rampup import BatchRampup
     return BatchRampup(32, 32, 2_000_000, final=GB).phases
 
 

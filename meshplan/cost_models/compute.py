@@ -9,6 +9,7 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
+           "grad_accumulation_time",
            "cpu_thread_share", "cpu_speed", "cpu_op_overhead"]
 
 
@@ -111,3 +112,18 @@ def fp8_weight_cast_time(weight_elements: float, cluster) -> float:
     if weight_elements <= 0:
         return 0.0
     return weight_elements * K.FP8_WEIGHT_CAST_BYTES / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+
+
+def grad_accumulation_time(params: float, buffer_bytes: float, cluster) -> float:
+    """One micro-batch's unfused gradient accumulation over `params` weights: the backward writes each
+    weight gradient as a bf16 tensor and a separate pass adds it into the gradient buffer (read the
+    bf16 gradient, read and write the buffer: 2 + 2 * buffer_bytes bytes per weight; 10 with fp32
+    main gradients). Megatron-LM before 2022-02 did this in a backward hook per parameter,
+    `param.main_grad.add_(param.grad.data)` (megatron/model/distributed.py, e.g. at cdde43385e, the
+    code of Narayanan et al. SC'21); commit 83b1e42f30 (2022-02-13, "gradient accumulation fusion",
+    on by default) folds the add into the weight-gradient GEMM (cuBLAS beta=1 into main_grad), as
+    Transformer Engine's fuse_wgrad_accumulation and Megatron-Core do; AMD-AGI/Primus #995 describes
+    the unfused path as "an extra full-size read-modify-write of main_grad per microbatch"."""
+    if params <= 0:
+        return 0.0
+    return elementwise_time(params * (K.BF16 + 2 * buffer_bytes), cluster)

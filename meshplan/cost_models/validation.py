@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES"]
+__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
 DEFAULT_CSV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "published_runs.csv"
 
@@ -247,6 +247,22 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     return lay
 
 
+# Stacks that add each micro-batch's weight gradients into the gradient buffer in a separate pass
+# (meshplan.cost_models.compute.grad_accumulation_time): Megatron-LM before commit 83b1e42f30
+# (2022-02-13, "gradient accumulation fusion") did it in a per-parameter backward hook
+# (`param.main_grad.add_(param.grad.data)`, megatron/model/distributed.py), which the SC'21 runs
+# (April 2021) used; Megatron-DeepSpeed (MT-NLG 2021, BLOOM 2022) forked that Megatron and accumulates
+# through DeepSpeed's engine (BLOOM: BF16_Optimizer's fp32 high-precision gradients), also unfused.
+# Korthikanti et al. (May 2022) ran Megatron-LM after the fusion landed (on by default); Megatron-Core,
+# NeMo and Transformer Engine fuse it (gradient_accumulation_fusion / fuse_wgrad_accumulation).
+_UNFUSED_GRAD_ACCUMULATION = ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero3")
+
+
+def stack_options(row: Row) -> dict[str, Any]:
+    """Keyword options of estimate_profile that describe the row's software stack (not its layout)."""
+    return {"grad_accum_fusion": row.family not in _UNFUSED_GRAD_ACCUMULATION}
+
+
 # SC'21 Table 1 launch settings, keyed by (layers, hidden, tp, pp): (micro-batch, chunks per pipeline
 # rank), from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (MBS and
 # --num-layers-per-virtual-pipeline-stage: 76B 5 of 15 layers per rank -> vp 3, 145B 5 of 10 -> 2,
@@ -327,7 +343,8 @@ def run_row(row: Row, *, traced: bool = True, profiles: dict | None = None) -> R
     from meshplan.errors import MeshplanError
     for cand in candidates:
         try:
-            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision)
+            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision,
+                                   **stack_options(row))
         except MeshplanError as e:
             res.skipped = f"layout rejected: {e}"
             return res

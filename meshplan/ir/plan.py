@@ -1,33 +1,93 @@
-"""`Plan`: the frozen, versioned, JSON-serialisable result of planning — the only thing the
-runtime reads.
+"""`Plan`: the frozen, versioned, JSON-serialisable contract between the planner and the runtime.
 
-It holds the mesh axes and degrees, per-module placements, the pipeline stages as module
-FQNs, the schedule, micro-batch and gradient-accumulation counts, the recompute policy, the
-FP8 module set, the fingerprints of the model and cluster it was made for, the predicted
-`Estimate`, and the runner-up layouts with the reason each lost.
+The planner writes it (meshplan.planner.build); the runtime reads it and nothing else of the
+planner. It therefore carries everything the runtime needs, already resolved to the module
+names of the user's (unsplit) model:
+
+- `layout` (a typed `Layout`) and the device `mesh` (axis -> degree, in MESH_AXES order);
+- `blocks`: the repeated blocks' FQNs in execution order (FSDP units, recompute, async TP);
+- `placements`: module FQN -> how tensor/expert parallelism treats it (PLACEMENTS);
+- `stages`: per virtual pipeline stage, the module FQNs it holds;
+- `fp8_modules`: the linears that run FP8 GEMMs; `fused_kernels`: each fused-kernel swap as a
+  typed `FusedKernel` record;
+- the fingerprints of the model and cluster it was made for, the predicted `Estimate`, and the
+  runner-up layouts with the reason each lost.
+
+Plans of an older version are refused with a message to re-plan (the layout is cheap to
+re-derive; a silently misread plan is not).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
+from meshplan.errors import ConfigError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
-from meshplan.errors import ConfigError
 
-__all__ = ["Plan", "RunnerUp", "PLAN_VERSION"]
+__all__ = ["Plan", "RunnerUp", "FusedKernel", "PLAN_VERSION", "MESH_AXES", "PLACEMENTS", "FUSED_KERNELS"]
 
-PLAN_VERSION = 1
+# 2: typed layout/estimate, placements and fused kernels by module FQN, `blocks` (2026-11-24)
+PLAN_VERSION = 2
 # mesh axes from slowest- to fastest-varying rank, as init_device_mesh wants them (Megatron order
 # tp-cp-ep-dp-pp read backwards)
 MESH_AXES = ("pp", "dp", "cp", "tp")
+# What a placement means to the runtime (meshplan.runtime.tensor_parallel / expert_parallel):
+PLACEMENTS = (
+    "colwise",         # nn.Linear split on its output features
+    "rowwise",         # nn.Linear split on its input features (output reduced)
+    "sequence",        # weights replicated, runs on this rank's sequence shard (SP norms)
+    "replicate",       # whole tensors and weights
+    "heads",           # attention module whose integer head counts become local (/ tp)
+    "vocab_parallel",  # nn.Embedding split over the vocabulary
+    "seq_split",       # output cut to this rank's sequence shard (learned positions under SP)
+    "expert",          # routed-expert weights, split over the expert-parallel group
+)
+FUSED_KERNELS = ("rms_norm", "swiglu", "linear_cross_entropy", "moe_router")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedKernel:
+    """One fused-kernel swap: `kernel` replaces the forward of `module`.
+
+    `module` is an absolute FQN in a Plan; the planner's fusion finder also uses
+    `<block signature>:<path in block>` keys before it expands them to every instance.
+    `options` are facts the kernel needs, read from the traced graph (e.g. ("eps", "1e-05")).
+    """
+
+    kernel: str
+    module: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kernel not in FUSED_KERNELS:
+            raise ConfigError(f"fused kernel {self.kernel!r}: meshplan fuses {FUSED_KERNELS}")
+        if not self.module or " " in self.module:
+            raise ConfigError(f"fused kernel module {self.module!r} must be one non-empty name")
+        object.__setattr__(self, "options", tuple(sorted((str(k), str(v)) for k, v in self.options)))
+
+    @property
+    def option(self) -> dict[str, str]:
+        return dict(self.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "module": self.module, "options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FusedKernel":
+        try:
+            return cls(kernel=d["kernel"], module=d["module"], options=tuple(dict(d.get("options", {})).items()))
+        except (KeyError, TypeError, AttributeError):
+            raise ConfigError(f"plan fused_kernels entry {d!r} is malformed: expected "
+                              "{'kernel': ..., 'module': ..., 'options': {...}}; re-run meshplan plan") from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunnerUp:
-    layout: dict[str, Any]
+    layout: Layout
     step_time_s: float
     peak_memory_gb: float
     fits: bool
@@ -44,34 +104,39 @@ class Plan:
     seq_len: int
     global_batch: int
     precision: str
-    layout: dict[str, Any]             # Layout.to_dict()
+    layout: Layout
     mesh: dict[str, int]               # axis name -> degree, in MESH_AXES order
-    placements: dict[str, str]         # module FQN pattern (relative to a block, or absolute) -> placement
+    blocks: tuple[str, ...] = ()       # repeated-block FQNs, execution order
+    placements: dict[str, str]         # module FQN -> one of PLACEMENTS
     stages: tuple[tuple[str, ...], ...]   # virtual stage -> module FQNs (stage s runs on pipeline rank s % pp)
-    schedule: str
-    micro_batch_size: int
     num_microbatches: int              # = gradient-accumulation steps per data-parallel rank
-    recompute: str | int
-    fp8_modules: tuple[str, ...]
-    fused_kernels: tuple[str, ...] = ()
-    estimate: dict[str, Any]           # Estimate.to_dict()
+    fp8_modules: tuple[str, ...] = ()
+    fused_kernels: tuple[FusedKernel, ...] = ()
+    estimate: Estimate
     runner_ups: tuple[RunnerUp, ...] = ()
-    search: dict[str, Any] = field(default_factory=dict)   # candidates seen, pruned, time taken
+    search: dict[str, Any] = field(default_factory=dict)   # candidates seen, pruned, time taken, notes
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
             raise ConfigError(f"plan version {self.version} is not supported by this meshplan "
                               f"(expects {PLAN_VERSION}); re-run meshplan plan")
+        for name, typ in (("layout", Layout), ("estimate", Estimate)):
+            if not isinstance(getattr(self, name), typ):
+                raise TypeError(f"Plan.{name} must be a {typ.__name__}, not {type(getattr(self, name)).__name__}")
+        if tuple(self.mesh) != MESH_AXES:
+            raise ConfigError(f"plan mesh axes {tuple(self.mesh)} must be {MESH_AXES}")
+        lay = self.layout
+        want = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+        if dict(self.mesh) != want:
+            raise ConfigError(f"plan mesh {dict(self.mesh)} disagrees with its layout ({lay.short()}); re-plan")
+        if len(self.stages) != lay.pp * lay.vp:
+            raise ConfigError(f"plan lists {len(self.stages)} pipeline stages; its layout has pp*vp = "
+                              f"{lay.pp * lay.vp}; re-plan")
+        bad = sorted({v for v in self.placements.values() if v not in PLACEMENTS})
+        if bad:
+            raise ConfigError(f"plan placements {bad} are unknown; placements are one of {PLACEMENTS}")
 
-    # ---- convenience views -------------------------------------------------------------
-    @property
-    def layout_obj(self) -> Layout:
-        return Layout.from_dict(self.layout)
-
-    @property
-    def estimate_obj(self) -> Estimate:
-        return Estimate.from_dict(self.estimate)
-
+    # ---- derived views (one home: the layout) --------------------------------------------
     @property
     def world_size(self) -> int:
         n = 1
@@ -79,13 +144,45 @@ class Plan:
             n *= v
         return n
 
+    @property
+    def schedule(self) -> str:
+        return self.layout.schedule
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.layout.mbs
+
+    @property
+    def recompute(self) -> str | int:
+        return self.layout.recompute
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the blocks keep the residual stream sharded on the sequence over TP."""
+        return bool(self.layout.sp) and self.layout.tp > 1
+
+    def block_of(self, fqn: str) -> str | None:
+        """The repeated block that holds module `fqn`, or None outside the blocks."""
+        for b in self.blocks:
+            if fqn.startswith(b + "."):
+                return b
+        return None
+
+    def summary(self) -> str:
+        return self.estimate.summary()
+
     # ---- serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["layout"] = self.layout.to_dict()
+        d["estimate"] = self.estimate.to_dict()
+        d["blocks"] = list(self.blocks)
         d["stages"] = [list(s) for s in self.stages]
         d["fp8_modules"] = list(self.fp8_modules)
-        d["fused_kernels"] = list(self.fused_kernels)
-        d["runner_ups"] = [asdict(r) for r in self.runner_ups]
+        d["fused_kernels"] = [k.to_dict() for k in self.fused_kernels]
+        d["runner_ups"] = [dict(asdict(r), layout=r.layout.to_dict()) for r in self.runner_ups]
+        d["mesh"] = dict(self.mesh)
+        d["placements"] = dict(self.placements)
         return d
 
     def to_json(self) -> str:
@@ -96,13 +193,21 @@ class Plan:
         d = dict(d)
         if "version" not in d:
             raise ConfigError("not a meshplan plan: no 'version' field")
-        d["stages"] = tuple(tuple(s) for s in d["stages"])
-        d["fp8_modules"] = tuple(d.get("fp8_modules", ()))
-        d["fused_kernels"] = tuple(d.get("fused_kernels", ()))
-        d["runner_ups"] = tuple(RunnerUp(**r) for r in d.get("runner_ups", ()))
+        if d["version"] != PLAN_VERSION:
+            raise ConfigError(f"plan version {d['version']} is not supported by this meshplan "
+                              f"(expects {PLAN_VERSION}); re-run meshplan plan")
         try:
+            d["layout"] = Layout.from_dict(d["layout"])
+            d["estimate"] = Estimate.from_dict(d["estimate"])
+            d["mesh"] = {a: int(d["mesh"][a]) for a in MESH_AXES}
+            d["blocks"] = tuple(d.get("blocks", ()))
+            d["stages"] = tuple(tuple(s) for s in d["stages"])
+            d["fp8_modules"] = tuple(d.get("fp8_modules", ()))
+            d["fused_kernels"] = tuple(FusedKernel.from_dict(k) for k in d.get("fused_kernels", ()))
+            d["runner_ups"] = tuple(RunnerUp(**dict(r, layout=Layout.from_dict(r["layout"])))
+                                    for r in d.get("runner_ups", ()))
             return cls(**d)
-        except TypeError as e:
+        except (TypeError, KeyError) as e:
             raise ConfigError(f"malformed plan JSON: {e}") from None
 
     @classmethod
@@ -114,13 +219,15 @@ class Plan:
         return cls.from_dict(d)
 
     def save(self, path) -> None:
-        from pathlib import Path
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
     def load(cls, path) -> "Plan":
-        from pathlib import Path
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
+        return cls.from_json(text)
 
     def check_matches(self, *, model_fingerprint: str | None = None, cluster=None, world_size: int | None = None) -> None:
         """Refuse a plan made for another model, cluster or world size, naming the mismatch."""
@@ -132,27 +239,3 @@ class Plan:
                               f"({self.world_size} GPUs), not {cluster.name!r} ({cluster.num_gpus} GPUs); re-plan")
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(f"this plan needs {self.world_size} processes, but the job has {world_size}")
-
-    # ---- explanation -------------------------------------------------------------------
-    def explain(self) -> str:
-        from meshplan.planner.explain import explain
-        return explain(self)
-
-    def summary(self) -> str:
-        return self.estimate_obj.summary()
-
-    # ---- exports to other frameworks (meshplan/reports/export.py, docs/exports.md) ------
-    def to_megatron_args(self, model=None) -> list[str]:
-        """Megatron-LM flags; `model` (preset name, ModelConfig, ModelProfile) adds the shape flags."""
-        from meshplan.reports.export import to_megatron_args
-        return to_megatron_args(self, model)
-
-    def to_torchtitan(self, model=None) -> dict[str, Any]:
-        """torchtitan (v0.2.2 TOML) job config sections as a nested dict."""
-        from meshplan.reports.export import to_torchtitan
-        return to_torchtitan(self, model)
-
-    def to_nemo(self, model=None, *, flavor: str = "nemo") -> dict[str, Any]:
-        """NeMo 2 (or flavor='megatron-bridge') recipe overrides, dotted key -> value."""
-        from meshplan.reports.export import to_nemo
-        return to_nemo(self, model, flavor=flavor)

@@ -5,72 +5,96 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.ir.estimate import Estimate
+from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
+from meshplan.ir.estimate import GB, Estimate
 from meshplan.ir.layout import Layout, check_layout
-from meshplan.errors import DoesNotFitError, LayoutError
+from meshplan.errors import DoesNotFitError, LayoutError, MeshplanError
 from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
 from meshplan.planner.explain import why_lost
-from meshplan.ir.plan import MESH_AXES, Plan, RunnerUp
+from meshplan.ir.plan import FusedKernel, Plan, RunnerUp
 from meshplan.ir.profile import ModelProfile
+from meshplan.planner.fusions import find_fusions
+from meshplan.planner.ilp_sharding import shard_profile
 
-__all__ = ["build_plan", "placements_for", "stage_modules"]
-
-# Placement of a linear by its data-flow role (roles come from the traced graph, not class names).
-
+__all__ = ["build_plan", "placements_for", "stage_modules", "block_instances"]
 
 def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_len: int = 0,
                    notes: list[str] | None = None) -> dict[str, str]:
-    """Per-module placements relative to each block signature (`<signature>:<module>`), plus the
-    embedding and output layer. tp == 1 means everything is replicated within the TP group.
+    """Module FQN -> placement (meshplan.ir.plan.PLACEMENTS) for every instance of every block,
+    plus the embedding and output layer. tp == 1 means everything is replicated within the TP
+    group (only routed experts are labelled, for expert parallelism).
 
     For traced profiles (blocks carry their op graph) the intra-block sharding ILP chooses the
-    placements; analytic profiles (no graph) fall back to the data-flow roles of their linears."""
+    placements; analytic profiles (no graph), and ILP results the runtime cannot run, fall back to
+    the data-flow roles of the linears (Megatron's pattern), with a note saying so."""
+    per_block = _ilp_placements(profile, layout, cluster, seq_len, notes) if layout.tp > 1 else None
+    if per_block is None:
+        per_block = {b.signature: _role_placements(b, layout) for b in profile.blocks}
     out: dict[str, str] = {}
-    if layout.tp > 1 and cluster is not None and profile.blocks and all(b.ops for b in profile.blocks):
-        from meshplan.errors import MeshplanError
-        from meshplan.planner.ilp_sharding import shard_profile
-        try:
-            tokens = int(layout.mbs * seq_len / layout.cp)
-            # the cost model priced the layout's sp choice, so the placements must carry it out
-            solved = shard_profile(profile, cluster, tp=layout.tp, tokens=tokens, sp_allowed=bool(layout.sp),
-                                   io_layout="sequence" if layout.sp else "replicate")
-        except MeshplanError:
-            solved = {}
-        by_sig = {b.signature: b for b in profile.blocks}
-        for sig, bs in list(solved.items()):
-            b = by_sig.get(sig)
-            attention = tuple(k for k, v in bs.placements.items() if k not in {li.name for li in b.linears}
-                              and any(o.kind == "attention" and o.module.endswith("." + k) for o in b.ops)) if b else ()
-            why = block_placement_limits(bs.placements, {li.name: li.role for li in b.linears}, attention) if b else []
-            if why:
-                # the ILP found a dataflow the runtime does not run: keep the runtime's pattern
-                # (the estimate priced the layout, not the ILP's placements, so it still holds)
-                if notes is not None:
-                    notes.append(f"sharding ILP's placements for block {sig} replaced by the runtime's "
-                                 f"Megatron pattern: {why[0]}")
-                solved = {}
-                break
-        if solved:
-            for sig, bs in solved.items():
-                for mod, placement in bs.placements.items():
-                    out[f"{sig}:{mod}"] = placement
-                out[f"{sig}:<io>"] = bs.io_layout
-            _outer_placements(profile, out, sequence=any(bs.io_layout == "sequence" for bs in solved.values()))
-            return out
     for b in profile.blocks:
-        for li in b.linears:
-            out[f"{b.signature}:{li.name}"] = TP_ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
-                else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
-        if layout.tp > 1 and b.ops and b.instances:
-            # traced blocks: the attention between column- and row-parallel linears runs on the
-            # local heads (the runtime adjusts the module's head counts)
-            inst = b.instances[0]
-            for o in b.ops:
-                if o.kind == "attention" and o.module.startswith(inst + "."):
-                    out[f"{b.signature}:{o.module[len(inst) + 1:]}"] = "heads"
+        for inst in b.instances:
+            out.update({f"{inst}.{rel}": label for rel, label in per_block[b.signature].items()})
     if layout.tp > 1:
-        out["*norm*"] = "sequence" if layout.sp else "replicate"
         _outer_placements(profile, out, sequence=bool(layout.sp))
+    return out
+
+
+def _ilp_placements(profile: ModelProfile, layout: Layout, cluster, seq_len: int,
+                    notes: list[str] | None) -> dict[str, dict[str, str]] | None:
+    """Block signature -> {path in block: placement} from the sharding ILP, or None (with a note)
+    where it cannot be used."""
+    def fallback(why: str) -> None:
+        if notes is not None:
+            notes.append(f"placements follow the runtime's Megatron pattern, not the sharding ILP: {why}")
+
+    if cluster is None or not profile.blocks or not all(b.ops for b in profile.blocks):
+        return None            # analytic profile: nothing to solve over
+    try:
+        tokens = int(layout.mbs * seq_len / layout.cp)
+        # the cost model priced the layout's sp choice, so the placements must carry it out
+        solved = shard_profile(profile, cluster, tp=layout.tp, tokens=tokens, sp_allowed=bool(layout.sp),
+                               io_layout="sequence" if layout.sp else "replicate")
+    except MeshplanError as e:
+        fallback(f"the ILP failed ({e})")
+        return None
+    out: dict[str, dict[str, str]] = {}
+    for b in profile.blocks:
+        bs = solved.get(b.signature)
+        if bs is None:
+            fallback(f"the ILP returned nothing for block {b.instances[0] if b.instances else b.signature}")
+            return None
+        attention = tuple(k for k in bs.placements if k not in {li.name for li in b.linears}
+                          and any(o.kind == "attention" and o.module.endswith("." + k) for o in b.ops))
+        why = block_placement_limits(bs.placements, {li.name: li.role for li in b.linears}, attention)
+        if why:
+            # the ILP found a dataflow the runtime does not run: keep the runtime's pattern (the
+            # estimate priced the layout, not the ILP's placements, so it still holds)
+            fallback(f"for block {b.instances[0] if b.instances else b.signature}: {why[0]}")
+            return None
+        out[b.signature] = dict(bs.placements)
+    return out
+
+
+def _role_placements(b, layout: Layout) -> dict[str, str]:
+    """Megatron's pattern by the linears' data-flow roles (roles come from the traced graph or
+    the config, never from class names)."""
+    out: dict[str, str] = {}
+    for li in b.linears:
+        out[li.name] = TP_ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
+            else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
+    if layout.tp > 1 and b.ops and b.instances:
+        inst = b.instances[0]
+        owners = {o.module for o in b.ops if o.params}
+        for o in b.ops:
+            if not o.module.startswith(inst + "."):
+                continue
+            rel = o.module[len(inst) + 1:]
+            if o.kind == "attention":
+                # the attention between column- and row-parallel linears runs on the local heads
+                # (the runtime adjusts the module's head counts)
+                out[rel] = "heads"
+            elif o.kind == "norm" and o.module in owners:
+                out[rel] = "sequence" if layout.sp else "replicate"
     return out
 
 
@@ -88,14 +112,18 @@ def _outer_placements(profile: ModelProfile, out: dict[str, str], *, sequence: b
         out[profile.head_fqn] = "colwise"
 
 
-def stage_modules(profile: ModelProfile, stage_layers: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
-    # instances are in execution order: the k-th use of a block is its k-th instance
+def block_instances(profile: ModelProfile) -> tuple[str, ...]:
+    """Every repeated block's FQN in execution order (the k-th use of a block is its k-th instance)."""
     order: list[str] = []
     counters = {i: 0 for i in range(len(profile.blocks))}
     for bi in profile.layers:
-        b = profile.blocks[bi]
-        order.append(b.instances[counters[bi]])
+        order.append(profile.blocks[bi].instances[counters[bi]])
         counters[bi] += 1
+    return tuple(order)
+
+
+def stage_modules(profile: ModelProfile, stage_layers: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+    order = block_instances(profile)
     stages, start = [], 0
     for s, n in enumerate(stage_layers):
         mods = list(order[start:start + n])
@@ -113,15 +141,15 @@ def stage_modules(profile: ModelProfile, stage_layers: tuple[int, ...]) -> tuple
 def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], seq_len: int) -> str:
     n = cluster.num_gpus
     total = profile.total_params
-    state_gb = total * 18 / 2 ** 30
+    lay = Layout()      # bf16 weights, fp32 gradients and Adam state, nothing sharded
+    state_gb = sum(state_bytes(total, 1, 0, grad_bytes=grad_bytes(lay), optimizer_bytes=optimizer_bytes(lay)).values()) / GB
     cap = cluster.usable_memory_gb
     min_gpus = max(1, int(state_gb / cap) + 1)
     msg = [f"no layout of {profile.name} ({total / 1e9:.1f}B parameters) fits on {n} x {cluster.gpu.id} "
            f"at seq {seq_len}"]
     if rejected:
         best = min(rejected, key=lambda e: e.peak_memory_gb)
-        lay = Layout.from_dict(best.layout)
-        msg.append(f": the leanest layout found ({lay.short()}) needs {best.peak_memory_gb:.1f} GB per GPU, "
+        msg.append(f": the leanest layout found ({Layout.from_dict(best.layout).short()}) needs {best.peak_memory_gb:.1f} GB per GPU, "
                    f"{cap:.1f} GB are usable")
     msg.append(f"; weights + gradients + Adam state alone are {state_gb:.0f} GB at dp=1, so at least "
                f"~{min_gpus} GPUs are needed even fully sharded. What would fit: more GPUs "
@@ -138,10 +166,9 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
     return tuple(sorted(choice.modules))
 
 
-def _fused_kernels(profile: ModelProfile, lay: Layout) -> tuple[str, ...]:
-    from meshplan.planner.fusions import find_fusions
+def _fused_kernels(profile: ModelProfile, lay: Layout) -> tuple[FusedKernel, ...]:
     on = {name for name, fused in profile.fusions if fused}
-    return tuple(m.entry() for m in find_fusions(profile, tp=lay.tp).modules if m.kernel in on)
+    return tuple(m for m in find_fusions(profile, tp=lay.tp).modules if m.kernel in on)
 
 
 def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
@@ -189,17 +216,16 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
         if key in seen:
             continue
         seen.add(key)
-        runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s, peak_memory_gb=e.peak_memory_gb,
-                                   fits=e.fits, reason=why_lost(e, best)))
+        runner_ups.append(RunnerUp(layout=Layout.from_dict(e.layout), step_time_s=e.step_time_s,
+                                   peak_memory_gb=e.peak_memory_gb, fits=e.fits, reason=why_lost(e, best)))
         if len(runner_ups) >= top_k - 1:
             break
     for e in [e for e in result.rejected_fast if e.step_time_s < best.step_time_s][:2]:
-        runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s, peak_memory_gb=e.peak_memory_gb,
-                                   fits=False, reason=why_lost(e, best)))
+        runner_ups.append(RunnerUp(layout=Layout.from_dict(e.layout), step_time_s=e.step_time_s,
+                                   peak_memory_gb=e.peak_memory_gb, fits=False, reason=why_lost(e, best)))
     placement_notes: list[str] = []
     placements = placements_for(profile, lay, cluster, seq_len=seq_len, notes=placement_notes)
     mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
-    assert tuple(mesh) == MESH_AXES
     fp8_modules: tuple[str, ...] = ()
     if best.precision == "fp8":
         fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch)
@@ -208,11 +234,10 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                                 precision="fp8", fp8_modules=frozenset(fp8_modules))
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
-                precision=best.precision, layout=best.layout, mesh=mesh, placements=placements,
-                stages=stage_modules(profile, stage_layers), schedule=lay.schedule, micro_batch_size=lay.mbs,
-                num_microbatches=best.num_microbatches, recompute=lay.recompute, fp8_modules=fp8_modules,
-                fused_kernels=_fused_kernels(profile, lay),
-                estimate=best.to_dict(), runner_ups=tuple(runner_ups),
+                precision=best.precision, layout=lay, mesh=mesh, blocks=block_instances(profile),
+                placements=placements, stages=stage_modules(profile, stage_layers),
+                num_microbatches=best.num_microbatches, fp8_modules=fp8_modules,
+                fused_kernels=_fused_kernels(profile, lay), estimate=best, runner_ups=tuple(runner_ups),
                 search={**result.stats, "fixed": dict(fixed or {}),
                         **({"band_choice": band_note} if band_note else {}),
                         **({"runtime_excluded_note": excluded_note} if excluded_note else {}),

@@ -50,8 +50,8 @@ def _bar(frac: float, width: int = 30) -> str:
 
 
 def explain(plan) -> str:
-    est = plan.estimate_obj
-    lay = Layout.from_dict(plan.layout)
+    est = plan.estimate
+    lay = plan.layout
     out = []
     p = out.append
     p(f"Plan for {plan.model} on {est.num_gpus} x {plan.cluster.get('gpu', {}).get('id', '?')} "
@@ -60,11 +60,13 @@ def explain(plan) -> str:
     p(f"  {plan.num_microbatches} micro-batches of {plan.micro_batch_size} per data-parallel rank per step"
       + (f"; FP8 on {len(plan.fp8_modules)} linears" if plan.fp8_modules else ""))
     if plan.fused_kernels:
-        # a block key "<signature>:<path>" stands for that module in every layer of the block
+        # a module repeated in every block is named once, by its path inside the block
         by_kernel: dict[str, list[str]] = {}
-        for entry in plan.fused_kernels:
-            kernel, key = entry.split()[:2]
-            by_kernel.setdefault(kernel, []).append(f"layers' {key.split(':', 1)[1]}" if ":" in key else key)
+        for f in plan.fused_kernels:
+            block = plan.block_of(f.module)
+            name = f"blocks' {f.module[len(block) + 1:]}" if block else f.module
+            if name not in by_kernel.setdefault(f.kernel, []):
+                by_kernel[f.kernel].append(name)
         p("  fused kernels: " + "; ".join(f"{k} on {', '.join(v)}" for k, v in by_kernel.items()))
     p("")
     p(f"Predicted step {est.step_time_s:.3f} s: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
@@ -98,7 +100,7 @@ def explain(plan) -> str:
         p("")
         p("Runner-ups:")
         for r in plan.runner_ups:
-            p(f"  {Layout.from_dict(r.layout).short():60s} {r.step_time_s:8.3f} s  {r.reason}")
+            p(f"  {r.layout.short():60s} {r.step_time_s:8.3f} s  {r.reason}")
     s = plan.search
     if s:
         p("")

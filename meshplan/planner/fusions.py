@@ -14,9 +14,8 @@ SwiGLU MLP is found as well as transformers' or meshplan's:
   parallelism (the kernel needs the whole vocabulary on one GPU). The runtime then computes
   the loss from the hidden state in chunks.
 
-The Plan records each match as one string, `"<kernel> <module key> [name=value ...]"`, where the
-module key follows Plan.placements: `<block signature>:<path inside the block>` for modules in
-repeated blocks, an absolute FQN outside them. `eps=` is read from the traced graph.
+The Plan records each match as a `FusedKernel` (kernel, module FQN, options) for every instance
+of a repeated block; `eps` is read from the traced graph.
 
 Patterns whose eager form stays in the model because no module can be swapped (rotary
 embedding is a function inside the attention's forward, not a module) are reported as
@@ -27,12 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.errors import ConfigError
-from meshplan.ir.profile import ModelProfile, OpInfo
+from meshplan.ir.plan import FusedKernel
+from meshplan.ir.profile import BlockProfile, ModelProfile, OpInfo
 
-__all__ = ["FusedModule", "FusionPlan", "find_fusions", "parse_entry"]
+__all__ = ["FusionPlan", "find_fusions"]
 
-KERNELS = ("rms_norm", "swiglu", "linear_cross_entropy", "moe_router")
 # non-view ops an eager RMSNorm is made of (the casts are views in the IR's kinds)
 _RMS_OPS = frozenset({"aten::pow", "aten::mean", "aten::add", "aten::rsqrt", "aten::mul", "aten::div",
                       "aten::sqrt", "aten::reciprocal", "aten::_to_copy", "aten::to", "aten::type_as"})
@@ -47,46 +45,13 @@ def _base(o: OpInfo) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FusedModule:
-    kernel: str                       # one of KERNELS
-    key: str                          # Plan.placements-style module key
-    options: tuple[tuple[str, str], ...] = ()   # e.g. (("eps", "1e-06"),) or the swiglu children
-
-    def __post_init__(self) -> None:
-        if self.kernel not in KERNELS:
-            raise ConfigError(f"fused kernel {self.kernel!r}: meshplan fuses {KERNELS}")
-        if not self.key or " " in self.key:
-            raise ConfigError(f"fused module key {self.key!r} must be one non-empty word")
-
-    @property
-    def option(self) -> dict[str, str]:
-        return dict(self.options)
-
-    def entry(self) -> str:
-        return " ".join([self.kernel, self.key, *(f"{k}={v}" for k, v in self.options)])
-
-
-def parse_entry(entry: str) -> FusedModule:
-    """The inverse of FusedModule.entry, with an error naming the malformed plan entry."""
-    words = entry.split()
-    if len(words) < 2 or any("=" not in w for w in words[2:]):
-        raise ConfigError(f"plan fused_kernels entry {entry!r} is malformed: expected "
-                          "'<kernel> <module> [name=value ...]'; re-run meshplan plan")
-    return FusedModule(kernel=words[0], key=words[1],
-                       options=tuple(tuple(w.split("=", 1)) for w in words[2:]))
-
-
-@dataclass(frozen=True, kw_only=True)
 class FusionPlan:
     """The modules to swap and, per fusion the cost model knows, whether it runs fused."""
 
-    modules: tuple[FusedModule, ...] = ()
+    modules: tuple[FusedKernel, ...] = ()   # one record per module instance (absolute FQNs)
     # fusion name -> True (a kernel replaces it) / False (its eager form runs); names absent
     # from the mapping do not occur in the model
     applied: tuple[tuple[str, bool], ...] = ()
-
-    def entries(self) -> tuple[str, ...]:
-        return tuple(m.entry() for m in self.modules)
 
     def applied_map(self) -> dict[str, bool]:
         return dict(self.applied)
@@ -207,7 +172,12 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
     `tp` is the plan's tensor-parallel degree: the fused output layer + loss is only used at 1.
     A profile without traced ops (meshplan.planner.analytic) gives an empty plan.
     """
-    modules: list[FusedModule] = []
+    modules: list[FusedKernel] = []
+
+    def each(b: BlockProfile, kernel: str, rel: str, options=()) -> None:
+        # the block was traced once; every instance runs the same module at the same path
+        modules.extend(FusedKernel(kernel=kernel, module=f"{inst}.{rel}", options=options) for inst in b.instances)
+
     applied: dict[str, bool] = {}
     for b in profile.blocks:
         if not b.ops or not b.instances:
@@ -222,14 +192,12 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
                 continue
             decomposed, options = found
             if decomposed:
-                modules.append(FusedModule(kernel="rms_norm", key=f"{b.signature}:{mod[len(inst) + 1:]}",
-                                           options=options))
+                each(b, "rms_norm", mod[len(inst) + 1:], options)
                 applied["rms_norm"] = True
         for mod in sorted({m for m in groups if m.startswith(inst + ".")}, key=len):
             names = _match_swiglu(mod, [o for o in b.ops if _inside(o, mod)])
             if names:
-                modules.append(FusedModule(kernel="swiglu", key=f"{b.signature}:{mod[len(inst) + 1:]}",
-                                           options=tuple(names.items())))
+                each(b, "swiglu", mod[len(inst) + 1:], tuple(names.items()))
                 applied["swiglu"] = True
         if b.gated and b.ffn_hidden and "swiglu" not in applied:
             applied["swiglu"] = False
@@ -238,19 +206,19 @@ def find_fusions(profile: ModelProfile, *, tp: int = 1) -> FusionPlan:
             # the MoE layer whose router linear this is: top-k, softmax/sigmoid, expert bias and the
             # aux-loss statistics run as one kernel (meshplan.kernels.moe_route); the runtime swaps it
             # where the layer exposes its routing (meshplan's MoE) and the kernel is faster there
-            modules.append(FusedModule(kernel="moe_router", key=f"{b.signature}:{router}"))
+            each(b, "moe_router", router)
             applied["moe_router"] = True
         if _has_eager_rope(b):
             applied["rope"] = False
     for mod, ops in _leaf_groups([*profile.pre_ops, *profile.post_ops]).items():
         found = _match_rms_norm(ops) if mod else None
         if found and found[0]:
-            modules.append(FusedModule(kernel="rms_norm", key=mod, options=found[1]))
+            modules.append(FusedKernel(kernel="rms_norm", module=mod, options=found[1]))
             applied.setdefault("rms_norm", True)
     if profile.head_fqn:
         fuse_head = tp == 1 and _match_head(profile)
         applied["linear_cross_entropy"] = fuse_head
         if fuse_head:
-            modules.append(FusedModule(kernel="linear_cross_entropy", key=profile.head_fqn))
+            modules.append(FusedKernel(kernel="linear_cross_entropy", module=profile.head_fqn))
     return FusionPlan(modules=tuple(modules), applied=tuple(sorted(applied.items())))
 

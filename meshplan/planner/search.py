@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
+from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.profile import ModelProfile
 from meshplan.planner.traits import model_traits
@@ -86,15 +87,18 @@ def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
 
 
 def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
-                          zero: int) -> float:
-    """Weights + grads + optimizer of the most loaded pipeline rank, no activations."""
+                          zero: int, grad_dtype: str = "fp32") -> float:
+    """Weights + grads + optimizer of the most loaded pipeline rank, no activations (the
+    bytes per parameter of cost_models.memory, for the gradient dtype the search prices)."""
     dense = sum((b.params - b.expert_params) * b.count for b in profile.blocks)
     expert = sum(b.expert_params * b.count for b in profile.blocks)
     dense_gpu = (dense / pp + profile.embedding_params) / tp
     expert_gpu = expert / pp / ep
 
+    lay = Layout(grad_dtype=grad_dtype)
+
     def per_param(d: int) -> float:
-        return {0: 18.0, 1: 6 + 12 / d, 2: 2 + 16 / d, 3: 18 / d}[zero]
+        return sum(state_bytes(1.0, d, zero, grad_bytes=grad_bytes(lay), optimizer_bytes=optimizer_bytes(lay)).values())
 
     return (dense_gpu * per_param(dp_shard) + expert_gpu * per_param(edp)) / 2 ** 30
 
@@ -163,7 +167,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         etp = f.get("etp", 1)
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
-                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero) > \
+                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero,
+                                                f.get("grad_dtype", "fp32")) > \
                                 cluster.usable_memory_gb:
                             stats["pruned_memory"] += 1
                             continue

@@ -173,7 +173,7 @@ class _View:
 
 
 def _view(plan: Any, model: Any) -> _View:
-    lay = Layout.from_dict(plan.layout)
+    lay = plan.layout
     notes: list[str] = []
     blocks = tuple(m for stage in plan.stages for m in stage if _BLOCK_NAME.search(m))
     counted = tuple(sum(1 for m in stage if _BLOCK_NAME.search(m)) for stage in plan.stages)
@@ -707,7 +707,7 @@ def _shell_word(w: str) -> str:
 
 
 def _header(plan: Any, exp: Export, comment: str) -> list[str]:
-    lay = Layout.from_dict(plan.layout)
+    lay = plan.layout
     lines = [f"{comment} meshplan plan for {plan.model} on {plan.world_size} GPUs: {lay.short()}, "
              f"seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}",
              f"{comment} names checked against {exp.version}"]

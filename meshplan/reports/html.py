@@ -97,12 +97,12 @@ def _dur(seconds: float) -> str:
 
 
 def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
-    est = plan.estimate_obj
+    est = plan.estimate
     lay = plan.layout
     rows = [("GPUs", f"{est.num_gpus} x {plan.cluster.get('gpu', {}).get('id', '?')} ({plan.cluster.get('name')})"),
             ("mesh", " x ".join(f"{k}={v}" for k, v in plan.mesh.items())),
-            ("degrees", " ".join(f"{k}={lay[k]}" for k in ("tp", "cp", "pp", "vp", "dp", "ep", "etp") if k in lay)),
-            ("ZeRO stage", str(lay.get("zero"))), ("sequence parallel", str(lay.get("sp"))),
+            ("degrees", " ".join(f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "pp", "vp", "dp", "ep", "etp"))),
+            ("ZeRO stage", str(lay.zero)), ("sequence parallel", str(lay.sp)),
             ("schedule", str(plan.schedule)), ("recompute", str(plan.recompute)),
             ("micro-batch", f"{plan.micro_batch_size} sequence{'s' if plan.micro_batch_size != 1 else ''}, "
                             f"{plan.num_microbatches} per step per DP rank"),
@@ -116,11 +116,11 @@ def _layout_rows(plan: Plan) -> list[tuple[str, str]]:
 
 
 def plan_section_html(plan: Plan, heading: str | None = None) -> str:
-    est = plan.estimate_obj
+    est = plan.estimate
     hbm = plan.cluster.get("gpu", {}).get("hbm_gb")
     gpu = plan.cluster.get("gpu", {}).get("id", "?")
     out = [f"<h2>{escape(heading or f'Plan: {plan.model} on {est.num_gpus} x {gpu}')}</h2>",
-           f'<p class="sub">{escape(compact_layout(plan.layout_obj.short()))} — bottleneck: {escape(est.bottleneck)}</p>',
+           f'<p class="sub">{escape(compact_layout(plan.layout.short()))} — bottleneck: {escape(est.bottleneck)}</p>',
            _table(["setting", "value"], _layout_rows(plan)),
            f'<div class="plot">{memory_svg(est, hbm_gb=hbm)}</div>',
            f'<div class="plot">{step_time_svg(est)}</div>',
@@ -129,7 +129,7 @@ def plan_section_html(plan: Plan, heading: str | None = None) -> str:
 
 
 def plan_report_html(plan: Plan) -> str:
-    est = plan.estimate_obj
+    est = plan.estimate
     gpu = plan.cluster.get("gpu", {}).get("id", "?")
     title = f"meshplan plan: {plan.model} on {est.num_gpus} x {gpu}"
     body = [f"<h1>{escape(title)}</h1>",

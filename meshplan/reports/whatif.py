@@ -274,7 +274,7 @@ class WhatIf:
         """The chosen row's `Plan`, or None."""
         if self.chosen_plan is None:
             return None
-        from meshplan.ir.plan import Plan
+        from meshplan.api import Plan
         return Plan.from_dict(self.chosen_plan)
 
     # ---- serialisation and renderings ----
@@ -505,7 +505,7 @@ def rampup_seconds(est, *, global_batch: int, seq_len: int, rampup: tuple[int, i
     without a ramp-up. See the module docstring; the ramp is cut short at `tokens`."""
     if rampup is None:
         return 0.0, 0.0
-    from meshplan.runtime.data import BatchRampup
+    from meshplan.ir.rampup import BatchRampup
     ramp = BatchRampup(*rampup, final=global_batch)
     limits = scaling_limits(est)
     fixed = min(limits["bubble"] + limits["DP comm"], est.step_time_s)
@@ -522,8 +522,7 @@ def rampup_seconds(est, *, global_batch: int, seq_len: int, rampup: tuple[int, i
 
 def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, seconds: float,
                  rampup: tuple[int, int, int] | None = None) -> WhatIfRow:
-    from meshplan.ir.layout import Layout
-    est = plan.estimate_obj
+    est = plan.estimate
     n = cl.num_gpus
     tps = est.tokens_per_s_per_gpu * n
     ramp_s, ramp_tokens = rampup_seconds(est, global_batch=plan.global_batch, seq_len=plan.seq_len,
@@ -534,7 +533,7 @@ def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, sec
     name, share = _limiter(limits, est.step_time_s)
     return WhatIfRow(
         gpu=opt.label, gpu_id=opt.spec.id, num_gpus=n, nodes=cl.nodes, gpus_per_node=cl.gpus_per_node,
-        status="ok", layout=Layout.from_dict(plan.layout).short(), precision=plan.precision,
+        status="ok", layout=plan.layout.short(), precision=plan.precision,
         step_time_s=est.step_time_s, tokens_per_s=tps, mfu=est.mfu, days=train_s / _SECONDS_PER_DAY,
         gpu_hours=gpu_hours, price_usd_per_gpu_hour=price,
         cost_usd=None if price is None else gpu_hours * price,
@@ -567,7 +566,7 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
     if precision not in ("bf16", "fp16", "fp8", "auto"):
         raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp16', 'fp8' or 'auto'")
     if rampup is not None:
-        from meshplan.runtime.data import BatchRampup
+        from meshplan.ir.rampup import BatchRampup
         rampup = tuple(rampup)
         BatchRampup(*rampup, final=global_batch)            # refuse a bad ramp before planning
     options = _options(gpus)

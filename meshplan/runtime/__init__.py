@@ -1,5 +1,12 @@
-"""The runtime: turn a `Plan` into sharded modules on PyTorch's distributed engine, feed them
-data, train, checkpoint, and launch the processes (torchrun locally, Slurm on clusters).
+"""The parallelization engine: turn a `Plan` (meshplan.ir.plan) into sharded modules on
+PyTorch's distributed engine. `parallelize(model, plan)` applies one technique per module in a
+fixed order (parallel.py): pipeline split (pipeline.py), fused kernels (fused.py), tensor /
+sequence parallelism (tensor_parallel.py), context parallelism (context_parallel.py), expert
+parallelism (expert_parallel.py), FP8 (fp8.py), activation recompute (recompute.py), FSDP2 / DDP
+(fsdp.py), deferred initialisation (materialize.py), then the pipeline schedule.
+
+It reads only the Plan types, never the planner. The training application that drives it (loop,
+data, checkpoints, launch, metrics) is meshplan.train.
 
 Modules are imported on first use; ``import meshplan.runtime`` itself pulls in nothing heavy.
 """

@@ -61,24 +61,9 @@ _EP_ATTR = "_meshplan_ep"      # set on wrapped modules: (ep mesh, local expert 
 
 # ---- matching ------------------------------------------------------------------------------
 
-def expert_labelled_params(placements: dict[str, str], signatures: dict[str, str]) -> set[str]:
-    """FQNs (in the unsplit model) of the parameters the plan labels "expert".
-
-    Plan keys are `<block signature>:<path in block>` inside blocks and absolute FQNs outside.
-    """
-    by_sig: dict[str, list[str]] = {}
-    for block, sig in signatures.items():
-        by_sig.setdefault(sig, []).append(block)
-    out: set[str] = set()
-    for key, label in placements.items():
-        if label != "expert":
-            continue
-        sig, sep, rel = key.partition(":")
-        if sep and sig in by_sig:
-            out.update(f"{block}.{rel}" for block in by_sig[sig])
-        else:
-            out.add(key)
-    return out
+def expert_labelled_params(placements: dict[str, str]) -> set[str]:
+    """FQNs (in the unsplit model) of the parameters the plan labels "expert"."""
+    return {fqn for fqn, label in placements.items() if label == "expert"}
 
 
 def _own_params(module: nn.Module) -> dict[str, nn.Parameter]:

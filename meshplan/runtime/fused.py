@@ -1,7 +1,6 @@
 """Swap the Plan's fused kernels into the model: the runtime half of meshplan.planner.fusions.
 
-Each `Plan.fused_kernels` entry names a kernel and a module (by block signature + path, or by
-absolute FQN). The module's `forward` is replaced on the instance (its parameters, FQNs and
+Each `Plan.fused_kernels` record (`FusedKernel`) names a kernel and a module FQN. The module's `forward` is replaced on the instance (its parameters, FQNs and
 children stay as they are, so TP styles, FSDP and checkpoints see the same module tree):
 
 - rms_norm: `forward(x) = kernels.rms_norm(x, self.<weight>, eps)`, eps and the weight's name
@@ -25,13 +24,14 @@ gradients DTensor's own ops produce.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshplan.errors import ConfigError
-from meshplan.planner.fusions import FusedModule, parse_entry
+from meshplan.ir.plan import FusedKernel
 
 __all__ = ["apply_fused_kernels", "apply_router_kernel", "FusedHead", "Swapped", "choose_kernels", "FASTER_THAN_EAGER"]
 
@@ -158,80 +158,72 @@ def _swap(fqn: str, module: nn.Module, new_forward, width: int, kernel: str) -> 
             raise
 
 
-def _modules(stage: nn.Module, f: FusedModule, signatures: dict[str, str]) -> list[tuple[str, nn.Module]]:
-    """The stage's real (not stubbed) modules an entry names."""
+def _module(stage: nn.Module, fqn: str) -> nn.Module | None:
+    """The stage's real (not stubbed) module `fqn`, or None where another pipeline stage holds it."""
     from meshplan.runtime.pipeline import _PassThrough, _ZeroEmbedding
-    if ":" in f.key:
-        sig, rel = f.key.split(":", 1)
-        fqns = [f"{inst}.{rel}" for inst, s in signatures.items() if s == sig]
-    else:
-        fqns = [f.key]
-    out = []
-    for fqn in fqns:
-        try:
-            m = stage.get_submodule(fqn)
-        except AttributeError:
-            continue                 # a block another pipeline stage holds (stubbed whole)
-        if not isinstance(m, (_PassThrough, _ZeroEmbedding)):
-            out.append((fqn, m))
-    return out
+    try:
+        m = stage.get_submodule(fqn)
+    except AttributeError:
+        return None                  # a block another pipeline stage holds (stubbed whole)
+    return None if isinstance(m, (_PassThrough, _ZeroEmbedding)) else m
 
 
-def apply_fused_kernels(stage: nn.Module, entries, signatures: dict[str, str], *,
-                        fuse_loss: bool = True) -> Swapped:
+def apply_fused_kernels(stage: nn.Module, entries: Iterable[FusedKernel], *, fuse_loss: bool = True) -> Swapped:
     """Swap the fused kernels `entries` (Plan.fused_kernels) into `stage` (plain modules, before
     TP/FSDP); the output layer only when `fuse_loss` (the default loss is used)."""
     out = Swapped(modules=[])
-    for entry in entries:
-        if entry.split()[:1] == ["moe_router"]:        # "moe_router <module key>": the fused MoE router
-            out.modules += apply_router_kernel(stage, entry.split()[1] if len(entry.split()) > 1 else None,
-                                               signatures)
+    entries = list(entries)
+    routers = [f.module for f in entries if f.kernel == "moe_router"]
+    if routers:
+        out.modules += apply_router_kernel(stage, routers)
+    for f in entries:
+        fqn, m = f.module, _module(stage, f.module)
+        if m is None or f.kernel == "moe_router":
             continue
-        f = parse_entry(entry)
-        for fqn, m in _modules(stage, f, signatures):
-            if f.kernel == "rms_norm":
-                name = f.option.get("weight", "weight")
-                w = getattr(m, name, None)
-                if not isinstance(w, torch.Tensor) or w.dim() != 1:
-                    raise ConfigError(f"{fqn}: the fused rms_norm needs a 1-D parameter {name!r}; "
-                                      "re-run meshplan plan")
-                m._meshplan_eps = float(f.option.get("eps", "1e-6"))
-                m._meshplan_weight = name
-                _swap(fqn, m, _rms_norm_forward, w.shape[0], f.kernel)
-                out.modules.append(fqn)
-            elif f.kernel == "swiglu":
-                names = tuple(f.option.get(k, "") for k in ("gate", "up", "down"))
-                if not all(isinstance(getattr(m, n, None), nn.Module) for n in names):
-                    raise ConfigError(f"{fqn}: the fused swiglu needs children {names}; re-run meshplan plan")
-                m._meshplan_swiglu = names
-                gate = getattr(m, names[0])
-                width = gate.weight.shape[1] if isinstance(getattr(gate, "weight", None), torch.Tensor) else 0
-                if not width:
-                    raise ConfigError(f"{fqn}.{names[0]}: expected a linear layer with a 2-D weight")
-                _swap(fqn, m, _swiglu_forward, width, f.kernel)
-                out.modules.append(fqn)
-            elif f.kernel == "linear_cross_entropy" and fuse_loss:
-                if not isinstance(getattr(m, "weight", None), torch.Tensor) or getattr(m, "bias", None) is not None:
-                    raise ConfigError(f"{fqn}: the fused linear + cross-entropy needs a linear layer "
-                                      "without bias; re-run meshplan plan")
-                x = _sample(m, m.weight.shape[1])
-                if not x.is_meta:          # deferred initialisation: see _swap
-                    with torch.no_grad():
-                        _check_same(fqn, f.kernel, m(x), x @ m.weight.t())
-                m.forward = types.MethodType(_identity_forward, m)
-                out.head = FusedHead(fqn=fqn, module=m)
-                out.modules.append(fqn)
+        if f.kernel == "rms_norm":
+            name = f.option.get("weight", "weight")
+            w = getattr(m, name, None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                raise ConfigError(f"{fqn}: the fused rms_norm needs a 1-D parameter {name!r}; "
+                                  "re-run meshplan plan")
+            m._meshplan_eps = float(f.option.get("eps", "1e-6"))
+            m._meshplan_weight = name
+            _swap(fqn, m, _rms_norm_forward, w.shape[0], f.kernel)
+            out.modules.append(fqn)
+        elif f.kernel == "swiglu":
+            names = tuple(f.option.get(k, "") for k in ("gate", "up", "down"))
+            if not all(isinstance(getattr(m, n, None), nn.Module) for n in names):
+                raise ConfigError(f"{fqn}: the fused swiglu needs children {names}; re-run meshplan plan")
+            m._meshplan_swiglu = names
+            gate = getattr(m, names[0])
+            width = gate.weight.shape[1] if isinstance(getattr(gate, "weight", None), torch.Tensor) else 0
+            if not width:
+                raise ConfigError(f"{fqn}.{names[0]}: expected a linear layer with a 2-D weight")
+            _swap(fqn, m, _swiglu_forward, width, f.kernel)
+            out.modules.append(fqn)
+        elif f.kernel == "linear_cross_entropy" and fuse_loss:
+            if not isinstance(getattr(m, "weight", None), torch.Tensor) or getattr(m, "bias", None) is not None:
+                raise ConfigError(f"{fqn}: the fused linear + cross-entropy needs a linear layer "
+                                  "without bias; re-run meshplan plan")
+            x = _sample(m, m.weight.shape[1])
+            if not x.is_meta:          # deferred initialisation: see _swap
+                with torch.no_grad():
+                    _check_same(fqn, f.kernel, m(x), x @ m.weight.t())
+            m.forward = types.MethodType(_identity_forward, m)
+            out.head = FusedHead(fqn=fqn, module=m)
+            out.modules.append(fqn)
     return out
 
 
-def choose_kernels(entries, device_type: str, mode) -> tuple[list[str], dict[str, str]]:
+def choose_kernels(entries: Iterable[FusedKernel], device_type: str, mode) -> tuple[list[FusedKernel], dict[str, str]]:
     """The plan's fused-kernel entries to swap in on this device, and per kernel what runs and why.
 
     `mode`: True swaps every entry (correctness tests), False none, "auto" only the kernels whose
     backend here beats eager (FASTER_THAN_EAGER). Returns (entries to swap, {kernel: decision}).
     """
     from meshplan.kernels import backend
-    kinds = list(dict.fromkeys(parse_entry(e).kernel for e in entries))
+    entries = list(entries)
+    kinds = list(dict.fromkeys(e.kernel for e in entries))
     if mode is False or not entries:
         return [], {k: "eager (fused kernels off)" for k in kinds}
     be = backend()
@@ -240,23 +232,18 @@ def choose_kernels(entries, device_type: str, mode) -> tuple[list[str], dict[str
     if mode != "auto":
         raise ConfigError(f"fused_kernels={mode!r}: use 'auto', True or False")
     faster = FASTER_THAN_EAGER.get((device_type, be), frozenset())
-    keep = [e for e in entries if parse_entry(e).kernel in faster]
+    keep = [e for e in entries if e.kernel in faster]
     return keep, {k: (f"fused ({be} on {device_type})" if k in faster else
                       f"eager ({be} on {device_type} is slower than the module it replaces)") for k in kinds}
 
 
-def apply_router_kernel(stage: nn.Module, key: str | None = None, signatures: dict[str, str] | None = None
-                        ) -> list[str]:
-    """Route the MoE layers of `stage` (those named by the plan key `key`, or every routed layer)
+def apply_router_kernel(stage: nn.Module, modules: Iterable[str] | None = None) -> list[str]:
+    """Route the MoE layers of `stage` (the FQNs `modules`, or every routed layer)
     with the fused router kernel (meshplan.kernels.moe_route: top-k, softmax/sigmoid, expert
     bias, summed probabilities for the aux loss), after checking it picks the same experts with
     the same weights as the eager router on a random input. Returns the swapped FQNs."""
     from meshplan.models.moe import kernel_route
-    if key is not None and ":" in key:
-        sig, rel = key.split(":", 1)
-        names = {f"{inst}.{rel}" for inst, s in (signatures or {}).items() if s == sig}
-    else:
-        names = None if key is None else {key}
+    names = None if modules is None else set(modules)
     swapped = []
     for fqn, m in stage.named_modules():
         if not (hasattr(m, "route_fn") and hasattr(m, "_route") and isinstance(getattr(m, "router", None), nn.Module)):

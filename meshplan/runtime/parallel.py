@@ -54,8 +54,7 @@ from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.fused import apply_fused_kernels, choose_kernels
 from meshplan.ir.fingerprint import fingerprint
 from meshplan.runtime.recompute import apply_recompute
-from meshplan.runtime.tensor_parallel import (apply_tensor_parallel, block_signatures, enable_async_tp,
-                                              sequence_parallel)
+from meshplan.runtime.tensor_parallel import apply_tensor_parallel, enable_async_tp
 
 __all__ = ["parallelize", "ParallelModel", "IGNORE_INDEX"]
 
@@ -74,7 +73,7 @@ def _check(model: nn.Module, plan, world_size: int) -> None:
                           "planning (layers, shapes or dtypes); re-plan for this model")
     # the same declaration the planner's search reads (meshplan.ir.support): a plan made by
     # meshplan.plan never trips this; a hand-edited or older plan may
-    limits = runtime_limits(plan.layout_obj)
+    limits = runtime_limits(plan.layout)
     if limits:
         raise LayoutError("the runtime cannot run this plan: " + "; ".join(limits)
                           + "; re-plan (meshplan.plan never returns such a layout)")
@@ -142,7 +141,7 @@ def _tied_local_shapes(stages: list[nn.Module], tied, mesh) -> list:
 
 
 def _hsdp(plan) -> bool:
-    lay = plan.layout_obj
+    lay = plan.layout
     return bool(lay.zero == 3 and lay.fsdp_shard and lay.fsdp_shard < plan.mesh.get("dp", 1))
 
 
@@ -171,7 +170,7 @@ def _build_mesh(plan, device_type: str) -> Meshes:
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
-    lay = plan.layout_obj
+    lay = plan.layout
     dp, cp, tp, pp = (plan.mesh.get(a, 1) for a in ("dp", "cp", "tp", "pp"))
     if _hsdp(plan):
         root = init_device_mesh(device_type, (pp, dp // lay.fsdp_shard, lay.fsdp_shard, cp, tp),
@@ -206,7 +205,7 @@ def ddp_runs(layout) -> bool:
 def _data_parallel_mode(plan) -> str:
     """"ddp", "fsdp" or "none" (one data-parallel rank: no wrapper at all, not FSDP over a one-rank
     mesh, whose hooks, copies and sharded optimizer cost ~30 ms a step on CPU for nothing)."""
-    lay = plan.layout_obj
+    lay = plan.layout
     if plan.mesh.get("dp", 1) * plan.mesh.get("cp", 1) == 1:
         return "none"
     return "ddp" if ddp_runs(lay) else "fsdp"
@@ -246,8 +245,8 @@ def _autocast_forward(stage: nn.Module, dtype: torch.dtype, device_type: str) ->
     stage.forward = forward
 
 
-def _owned_blocks(spec: _pp.StageSpec, signatures: dict[str, str]) -> list[str]:
-    return [m for m in spec.owned if m in signatures]
+def _owned_blocks(spec: _pp.StageSpec, blocks: tuple[str, ...]) -> list[str]:
+    return [m for m in spec.owned if m in blocks]
 
 
 @dataclass
@@ -382,7 +381,7 @@ class ParallelModel:
         m = self.num_microbatches
         stage = self.stages[0]
         forward = self.ddp[0] if self.ddp else stage
-        zero = self.plan.layout_obj.zero
+        zero = self.plan.layout.zero
         total = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))) if m > 1 else enumerate([(x, y)]):
             last = i == m - 1
@@ -563,7 +562,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                           "(meshplan launch) and call torch.distributed.init_process_group first")
     world = dist.get_world_size()
     _check(model, plan, world)
-    lay = plan.layout_obj
+    lay = plan.layout
     device = torch.device("cuda", torch.cuda.current_device()) if (
         torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
     if compute_dtype == "plan":
@@ -573,12 +572,11 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     run_fp8 = fp8 and plan.precision == "fp8" and bool(plan.fp8_modules)
     if run_fp8:     # a missing package fails before any collective, naming what to install
         _fp8.resolve_backend(fp8_backend, device)
-    signatures = block_signatures(model)
     specs = _pp.stage_specs(plan.stages)
     _pp.check_stage_coverage(model, plan.stages)
     _pp.check_stage_entries(model, specs)
     tied = _tied_parameters(model)
-    expert_params = _ep.expert_labelled_params(plan.placements, signatures) if lay.ep > 1 else set()
+    expert_params = _ep.expert_labelled_params(plan.placements) if lay.ep > 1 else set()
     if lay.ep > 1:      # refuse unsplittable experts before any collective
         _ep.check_expert_parallel(model, lay.ep, expert_params)
     meshes = _build_mesh(plan, device.type)
@@ -605,7 +603,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         else:
             stage.to(device)
         if run_kernels:                                                              # 1b. fused kernels
-            swapped = apply_fused_kernels(stage, run_kernels, signatures, fuse_loss=loss_fn is None)
+            swapped = apply_fused_kernels(stage, run_kernels, fuse_loss=loss_fn is None)
             fused_head = swapped.head or fused_head
             fused_modules += swapped.modules
         stages.append(stage)
@@ -616,10 +614,10 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     async_tp = False
     swaps: list = []
     for spec, stage in zip(local_specs, stages):
-        blocks = _owned_blocks(spec, signatures)
-        apply_tensor_parallel(stage, plan.placements, signatures, mesh["tp"])      # 2. TP / SP
+        blocks = _owned_blocks(spec, plan.blocks)
+        apply_tensor_parallel(stage, plan, mesh["tp"])                              # 2. TP / SP
         _retie(stage, tied)
-        if len(specs) > 1 and mesh["tp"].size() > 1 and sequence_parallel(plan.placements):
+        if len(specs) > 1 and mesh["tp"].size() > 1 and plan.sequence_parallel:
             # the sequence-sharded residual stream crosses stages as local shards
             stage.__dict__["_meshplan_wrap_input"] = _sequence_dtensor(mesh["tp"])
         if plan.mesh.get("cp", 1) > 1:                                              # 2b. CP

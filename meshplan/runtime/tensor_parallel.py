@@ -1,10 +1,10 @@
 """Tensor and sequence parallelism from the Plan's per-module placements.
 
-The planner's intra-block ILP labels every module of each unique block (keys
-`<block signature>:<module path in the block>`) and the block's input/output layout
-(`<signature>:<io>` = "replicate" | "sequence"), plus absolute FQNs for the modules outside the
-blocks. This module turns those labels into PyTorch parallel styles and applies them with
-`parallelize_module`; nothing here looks at class names of the user's model.
+The planner's intra-block ILP labels every module of each block, and the modules outside the
+blocks; the Plan carries the labels by module FQN (`Plan.placements`) and whether the residual
+stream is sequence-sharded (`Plan.sequence_parallel`). This module turns the labels into PyTorch
+parallel styles and applies them with `parallelize_module`; nothing here looks at class names of
+the user's model.
 
 Labels and what they become (tp = size of the "tp" mesh axis):
 
@@ -46,23 +46,12 @@ from torch import nn
 
 from meshplan.errors import LayoutError
 
-__all__ = ["apply_tensor_parallel", "block_signatures", "HEAD_COUNT_ATTRS", "sequence_parallel", "enable_async_tp"]
+__all__ = ["apply_tensor_parallel", "HEAD_COUNT_ATTRS", "enable_async_tp"]
 
 # attribute names user attention modules keep head counts in (local-shape handling for "heads")
 HEAD_COUNT_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_key_value_heads",
                     "n_head", "n_local_heads", "n_local_kv_heads", "num_attention_heads", "heads", "kv_heads")
 _SUPPORTED = ("colwise", "rowwise", "sequence", "replicate", "heads", "vocab_parallel", "seq_split")
-
-
-def block_signatures(model: nn.Module) -> dict[str, str]:
-    """Block instance FQN -> structural signature, for the ORIGINAL (unsplit) model."""
-    from meshplan.planner.blocks import find_block_containers
-    out: dict[str, str] = {}
-    for c in find_block_containers(model):
-        for sig in dict.fromkeys(c.signatures[c.start:c.stop]):
-            for fqn in c.instances(sig):
-                out[fqn] = sig
-    return out
 
 
 def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_after: bool = False):
@@ -133,23 +122,23 @@ def _gather_once(tp_mesh, sequence: bool):
     return hook
 
 
-def _colwise_parents(placements: dict[str, str], signatures: dict[str, str], modules: dict) -> set[str]:
+def _colwise_parents(placements: dict[str, str], blocks: tuple[str, ...], modules: dict) -> set[str]:
     """FQNs of the sub-modules of each block (attention, feed-forward) that hold column-parallel
     linears and whose first input is the activation those linears read. A block whose colwise
     linears hang directly off the block (no such sub-module) keeps the per-linear gather."""
     parents: set[str] = set()
-    for key, label in placements.items():
-        if label != "colwise" or ":" not in key or key.endswith(":<io>"):
+    for fqn, label in placements.items():
+        if label != "colwise":
             continue
-        sig, rel = key.split(":", 1)
-        parent_rel = rel.rpartition(".")[0]
-        if not parent_rel:
-            continue
-        for inst, s in signatures.items():
-            fqn = f"{inst}.{parent_rel}"
-            if s == sig and fqn in modules and type(modules[fqn]).__name__ != "_PassThrough":
-                parents.add(fqn)
+        parent = fqn.rpartition(".")[0]
+        if parent and parent not in blocks and _block_of(parent, blocks) and parent in modules \
+                and type(modules[parent]).__name__ != "_PassThrough":
+            parents.add(parent)
     return parents
+
+
+def _block_of(fqn: str, blocks: tuple[str, ...]) -> str | None:
+    return next((b for b in blocks if fqn.startswith(b + ".")), None)
 
 
 def _head(sequence: bool):
@@ -179,63 +168,41 @@ def _localise_heads(module: nn.Module, fqn: str, tp: int) -> None:
             setattr(module, attr, v // tp)
 
 
-def sequence_parallel(placements: dict[str, str]) -> bool:
-    """Whether the plan's blocks keep the residual stream sharded on the sequence."""
-    ios = {k.split(":", 1)[0]: v for k, v in placements.items() if k.endswith(":<io>")}
-    if len(set(ios.values())) > 1:
-        raise LayoutError(f"the plan mixes sequence-parallel and replicated blocks ({ios}); the runtime "
-                          "needs one layout for the residual stream; re-plan")
-    return "sequence" in ios.values() or placements.get("*norm*") == "sequence"
-
-
-def apply_tensor_parallel(stage: nn.Module, placements: dict[str, str], signatures: dict[str, str],
-                          tp_mesh) -> None:
-    """Shard `stage` (a whole model or a pipeline stage of it) over `tp_mesh` as the placements say."""
+def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
+    """Shard `stage` (a whole model or a pipeline stage of it) over `tp_mesh` as the plan's
+    placements (module FQN -> label) say."""
     from torch.distributed.tensor.parallel import parallelize_module
     tp = tp_mesh.size()
     if tp == 1:
         return
+    placements, blocks = plan.placements, tuple(plan.blocks)
     modules = dict(stage.named_modules())
-    sequence = sequence_parallel(placements)
+    sequence = plan.sequence_parallel
     unknown = sorted({v for v in placements.values() if v not in _SUPPORTED})
     if unknown:
         raise LayoutError(f"placements {unknown} are not supported by the runtime yet (it runs "
                           f"{list(_SUPPORTED)}); re-plan with ep=1 or for a dense model")
-    parents = _colwise_parents(placements, signatures, modules)
-    plan: dict = {}
-    for key, label in placements.items():
-        if key.endswith(":<io>") or "*" in key:
-            continue
-        if ":" in key:
-            sig, rel = key.split(":", 1)
-            targets = [f"{inst}.{rel}" for inst, s in signatures.items() if s == sig]
+    parents = _colwise_parents(placements, blocks, modules)
+    styles: dict = {}
+    for fqn, label in placements.items():
+        mod = modules.get(fqn)
+        if mod is None or type(mod).__name__ in ("_PassThrough", "_ZeroEmbedding"):
+            continue                # owned by another pipeline stage
+        block = _block_of(fqn, blocks)
+        if label == "heads":
+            _localise_heads(mod, fqn, tp)
+        elif label == "seq_split":
+            if sequence:
+                mod.register_forward_hook(_split_sequence_output(tp_mesh))
+        elif block is None and label == "colwise":       # the output layer (outside the blocks)
+            styles[fqn] = _head(sequence)
         else:
-            targets = [key]
-        for fqn in targets:
-            mod = modules.get(fqn)
-            if mod is None or type(mod).__name__ in ("_PassThrough", "_ZeroEmbedding"):
-                continue                # owned by another pipeline stage
-            if label == "heads":
-                _localise_heads(mod, fqn, tp)
-            elif label == "seq_split":
-                if sequence:
-                    mod.register_forward_hook(_split_sequence_output(tp_mesh))
-            elif ":" not in key and label == "colwise":       # the output layer (outside the blocks)
-                plan[fqn] = _head(sequence)
-            else:
-                inst = fqn[:-len(key.split(":", 1)[1]) - 1] if ":" in key else ""
-                style = _styles(label, sequence, mod, fqn,
-                                gathered_after=any(p.startswith(inst + ".") for p in parents) if inst else False)
-                if style is not None:
-                    plan[fqn] = style
-    # norms the fallback placements name by pattern ("*norm*"): sequence-parallel under SP
-    pattern = placements.get("*norm*")
-    if pattern == "sequence":
-        for fqn, mod in modules.items():
-            if fqn not in plan and "norm" in fqn.rsplit(".", 1)[-1].lower() and any(True for _ in mod.parameters(recurse=False)):
-                plan[fqn] = _styles("sequence", True, mod, fqn)
-    if plan:
-        parallelize_module(stage, tp_mesh, plan)
+            style = _styles(label, sequence, mod, fqn,
+                            gathered_after=any(p.startswith(block + ".") for p in parents) if block else False)
+            if style is not None:
+                styles[fqn] = style
+    if styles:
+        parallelize_module(stage, tp_mesh, styles)
     for fqn in sorted(parents):
         modules[fqn].register_forward_pre_hook(_gather_once(tp_mesh, sequence), with_kwargs=True)
 

@@ -19,4 +19,4 @@ def test_default_job_plans_plain_data_parallelism():
     default plan must be at least as fast as DDP by hand)."""
     plan = mp.plan(mp.models.build("tiny-llama", seq_len=128, device="meta"), mp.Cluster.preset("local-cpu"),
                    seq_len=128, global_batch=16)
-    assert plan.layout["zero"] == 0 and plan.layout["dp"] == 4
+    assert plan.layout.zero == 0 and plan.layout.dp == 4

@@ -82,6 +82,6 @@ def test_explain_states_the_band():
     pl = mp.plan(mp.models.build("tiny-llama", device="meta"), mp.Cluster.preset("local-cpu"), seq_len=128,
                  global_batch=16)
     text = pl.explain()
-    assert "uncertainty band" in text and pl.estimate_obj.uncertainty > 0
+    assert "uncertainty band" in text and pl.estimate.uncertainty > 0
     if pl.search.get("band_choice"):
         assert "inside the band" in text

@@ -16,7 +16,7 @@ from meshplan.errors import ConfigError
 from meshplan.planner.fusions import find_fusions
 from meshplan.planner.trace import trace
 from meshplan.runtime.fused import apply_fused_kernels
-from meshplan.runtime.tensor_parallel import block_signatures
+import dataclasses
 
 from tests.test_fusions import UserLM
 
@@ -49,12 +49,12 @@ def _logits(out):
 
 def _compare(model, backend_fixture_name, request):
     request.getfixturevalue(backend_fixture_name)
-    entries = find_fusions(trace(model, seq_len=SEQ, dtype=torch.float32)).entries()
+    entries = find_fusions(trace(model, seq_len=SEQ, dtype=torch.float32)).modules
     assert entries
     ref = copy.deepcopy(model)
-    swapped = apply_fused_kernels(model, entries, block_signatures(model))
+    swapped = apply_fused_kernels(model, entries)
     head = swapped.head
-    assert head is not None and len(swapped.modules) == len(entries) * 2 - 2
+    assert head is not None and len(swapped.modules) == len(entries)     # one record per module instance
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
@@ -73,26 +73,28 @@ def _compare(model, backend_fixture_name, request):
 @pytest.mark.parametrize("backend", ["triton_backend", "reference_backend"])
 def test_users_own_modules_swapped(backend, request):
     entries = _compare(_user_lm(), backend, request)
-    assert sum(e.startswith("rms_norm") for e in entries) == 3
+    assert sum(e.kernel == "rms_norm" for e in entries) == 5      # two per block (2 blocks) + the final norm
 
 
 @pytest.mark.parametrize("backend", ["triton_backend", "reference_backend"])
 def test_hf_llama_swapped(backend, request):
     entries = _compare(_hf_llama(), backend, request)
-    assert {e.split()[0] for e in entries} == {"rms_norm", "swiglu", "linear_cross_entropy"}
+    assert {e.kernel for e in entries} == {"rms_norm", "swiglu", "linear_cross_entropy"}
 
 
 def test_module_that_computes_something_else_is_refused(reference_backend):
     model = _user_lm()
-    entries = [e.replace("eps=1e-05", "eps=0.5") for e in find_fusions(trace(model, seq_len=SEQ)).entries()]
+    entries = [dataclasses.replace(e, options=tuple((k, "0.5" if k == "eps" else v) for k, v in e.options))
+               for e in find_fusions(trace(model, seq_len=SEQ)).modules]
     before = model.blocks[0].n1.forward
     with pytest.raises(ConfigError, match=r"swaps blocks\.0\.n1 for the fused rms_norm kernel.*computes something"):
-        apply_fused_kernels(model, entries, block_signatures(model))
+        apply_fused_kernels(model, entries)
     assert model.blocks[0].n1.forward == before       # left as it was
 
 
 def test_plan_entry_with_missing_children(reference_backend):
     model = _user_lm()
-    entries = [e.replace("up=b", "up=nope") for e in find_fusions(trace(model, seq_len=SEQ)).entries()]
+    entries = [dataclasses.replace(e, options=tuple((k, "nope" if k == "up" else v) for k, v in e.options))
+               for e in find_fusions(trace(model, seq_len=SEQ)).modules]
     with pytest.raises(ConfigError, match="needs children"):
-        apply_fused_kernels(model, entries, block_signatures(model))
+        apply_fused_kernels(model, entries)

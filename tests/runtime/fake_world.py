@@ -27,11 +27,11 @@ def local_state(model, plan, rank: int) -> dict:
 
 def predicted_optimizer_bytes(plan, pp_rank: int) -> float:
     """The cost model's optimizer state (fp32 master + Adam moments) on pipeline rank `pp_rank`."""
-    return plan.estimate["memory_by_stage"][pp_rank]["optimizer"] * 2**30
+    return plan.estimate.memory_by_stage[pp_rank]["optimizer"] * 2**30
 
 
 def optimizer_bytes_per_param(plan) -> int:
-    return 4 + 2 * (2 if plan.layout.get("optimizer_dtype", "fp32") == "bf16" else 4)
+    return 4 + 2 * (2 if plan.layout.optimizer_dtype == "bf16" else 4)
 
 
 def check(model_name: str, cluster, *, seq_len: int, global_batch: int, ranks=(0, -1), fixed=None,
@@ -45,7 +45,7 @@ def check(model_name: str, cluster, *, seq_len: int, global_batch: int, ranks=(0
         got = local_state(mp.models.build(model_name, device="meta"), plan, rank)
         runtime = got["params"] * optimizer_bytes_per_param(plan)
         predicted = predicted_optimizer_bytes(plan, got["pp_rank"])
-        out.append(dict(model=model_name, world=plan.world_size, layout=mp.Layout.from_dict(plan.layout).short(),
+        out.append(dict(model=model_name, world=plan.world_size, layout=plan.layout.short(),
                         rank=rank, runtime_gb=runtime / 1e9, predicted_gb=predicted / 1e9,
                         error=abs(runtime - predicted) / predicted))
     return out
@@ -107,7 +107,7 @@ def accepted(kind: str, cluster, *, seq_len: int, global_batch: int) -> dict:
         plan = mp.plan(build(kind, seq_len), cluster, seq_len=seq_len, global_batch=global_batch)
     except MeshplanError as e:        # nothing fits / nothing runs: a clean answer, not a contract break
         return {"status": "no plan", "why": str(e)[:200]}
-    layout = mp.Layout.from_dict(plan.layout).short()
+    layout = plan.layout.short()
     try:
         local_state(build(kind, seq_len), plan, 0)
     except Exception as e:  # noqa: BLE001 - any refusal or crash is a contract break

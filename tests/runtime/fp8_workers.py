@@ -101,7 +101,7 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
 def checkpoint_round_trip(rank: int, world: int, case: dict) -> dict:
     """Train a step under plan A, save (DCP), load under plan B (other precision and sharding):
     every weight and Adam moment must arrive unchanged."""
-    from meshplan.runtime import checkpoint as ckpt
+    from meshplan.train import checkpoint as ckpt
     from meshplan.runtime import parallelize
     out = {}
     for name, (a, b) in {"fp8_to_bf16": (case["fp8"], case["bf16"]),

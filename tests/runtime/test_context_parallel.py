@@ -39,7 +39,7 @@ CASES_4 = {
 def _plan(kind: str, world: int, fixed_items: tuple):
     """The planner's plan with the fixed layout (a fixed cp is searched even at short sequences)."""
     plan = numerics.plan_for(kind, world, fixed_items, SEQ, BATCH)
-    assert plan.layout["cp"] == dict(fixed_items)["cp"]
+    assert plan.layout.cp == dict(fixed_items)["cp"]
     return plan
 
 
@@ -49,7 +49,7 @@ def _cases(table: dict, world: int) -> dict:
 
 
 def _run(world: int, cases: dict) -> list[dict]:
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     return run_ranks(world, cp_workers.run_all, cases, timeout_s=240)
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.runtime import tokenizer
-from meshplan.runtime.data import BatchSampler, TokenDataset, _feistel, _round_keys, rank_slice, write_token_file
+from meshplan.train import tokenizer
+from meshplan.train.data import BatchSampler, TokenDataset, _feistel, _round_keys, rank_slice, write_token_file
 
 
 # ---- tokenizer ---------------------------------------------------------------------------
@@ -36,19 +36,19 @@ def test_tokenizer_eos_and_bad_ids():
 
 # ---- embedded corpus ---------------------------------------------------------------------
 def test_corpus_is_the_generators_output_and_small():
-    from meshplan.runtime.corpus.generate import generate
-    shipped = resources.files("meshplan.runtime.corpus").joinpath("corpus.txt").read_bytes()
+    from meshplan.train.corpus.generate import generate
+    shipped = resources.files("meshplan.train.corpus").joinpath("corpus.txt").read_bytes()
     assert shipped == generate().encode("ascii")
     assert 500_000 <= len(shipped) <= 2_000_000
     assert b"\x00" not in shipped                                           # NUL is the EOS token
-    readme = resources.files("meshplan.runtime.corpus").joinpath("README.md").read_text()
+    readme = resources.files("meshplan.train.corpus").joinpath("README.md").read_text()
     assert "Apache-2.0" in readme and "generate.py" in readme
 
 
 def test_corpus_facts_are_consistent():
     """Every 'X lives in Y' / 'X is a T' agrees with the cast table: the structure is learnable."""
-    from meshplan.runtime.corpus.generate import CAST
-    text = resources.files("meshplan.runtime.corpus").joinpath("corpus.txt").read_text()
+    from meshplan.train.corpus.generate import CAST
+    text = resources.files("meshplan.train.corpus").joinpath("corpus.txt").read_text()
     lives = re.findall(r"\b([A-Z][a-z]+) lives in ([A-Z][a-z]+(?: [A-Z][a-z]+)?)\.", text)
     trades = re.findall(r"\b([A-Z][a-z]+) the ([a-z]+) went", text)
     assert len(lives) > 100 and len(trades) > 500

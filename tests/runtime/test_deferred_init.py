@@ -8,7 +8,7 @@ import torch
 
 import deferred_workers
 import numerics
-from meshplan.runtime.spawn import run_ranks
+from meshplan.train.spawn import run_ranks
 
 SEQ, BATCH, SEED = 32, 8, 7
 
@@ -52,7 +52,7 @@ def test_model_larger_than_a_rank_trains_within_its_share(monkeypatch):
     params = sum(p.numel() for p in meta.parameters())
     plan = mp.plan(meta, Cluster(gpu="cpu", num_gpus=4, gpus_per_node=4), seq_len=seq, global_batch=batch,
                    fixed={"dp": 4, "zero": 3, "mbs": 1})
-    share = plan.estimate["peak_memory_gb"] * 1e9
+    share = plan.estimate.peak_memory_gb * 1e9
     full_state = 16 * params                      # fp32 weights, gradients, Adam m and v
     assert full_state > 2.5 * share, (full_state, share)
     warm_plan = mp.plan(mp.models.build("tiny-llama", seq_len=seq, device="meta"),

@@ -55,7 +55,7 @@ def _cases(table: dict, world: int) -> dict:
 
 
 def _run(world: int, cases: dict) -> dict:
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     results = run_ranks(world, ep_workers.run_cases, cases, timeout_s=240)
     return {name: [r[name] for r in results] for name in cases}
 

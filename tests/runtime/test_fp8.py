@@ -19,7 +19,7 @@ SEQ, BATCH = 32, 8
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     plan = lambda kind, **fixed: fp8_workers.fp8_plan(kind, 2, fixed, SEQ, BATCH)   # noqa: E731
     cases = {
         "tp2_sp": dict(model="tiny-llama", plan=plan("tiny-llama", tp=2, sp=True, dp=1, pp=1, mbs=2),

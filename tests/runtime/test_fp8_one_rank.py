@@ -95,7 +95,7 @@ def test_transformers_llama_swaps_exactly_the_planned_modules():
 def test_explicit_bf16_override_runs_no_fp8_and_says_so():
     pytest.importorskip("torchao")
     from meshplan.runtime import parallelize
-    from meshplan.runtime.cli_train import run_precision
+    from meshplan.cli.train import run_precision
     plan = _tiny_plan("fp8")
     kw = run_precision(plan, "bf16")
     assert kw == {"compute_dtype": torch.bfloat16, "fp8": False}
@@ -113,7 +113,7 @@ def test_missing_backend_fails_before_training_naming_the_package(monkeypatch, t
 
     from meshplan.runtime import fp8 as fp8_mod
     from meshplan.runtime import parallelize
-    from meshplan.runtime.cli_train import check_fp8_backend
+    from meshplan.cli.train import check_fp8_backend
     monkeypatch.setattr(fp8_mod, "backend_available", lambda name: False)
     plan = _tiny_plan("fp8")
     with pytest.raises(ConfigError, match=r"torchao package is not installed: pip install 'meshplan\[fp8\]'"):
@@ -130,7 +130,7 @@ def test_missing_backend_fails_before_training_naming_the_package(monkeypatch, t
 
 # ---- loss trajectories ----------------------------------------------------------------------------
 def _trajectory(plan, tmp_path, steps: int, seq_len: int) -> list[float]:
-    from meshplan.runtime.train import TrainConfig, train
+    from meshplan.train.loop import TrainConfig, train
     res = train(_tiny(seq_len), plan, TrainConfig(steps=steps, out_dir=str(tmp_path), resume=False, progress=False,
                                                   checkpoint_every=0))
     return [res.losses[k] for k in sorted(res.losses)]
@@ -175,9 +175,9 @@ def test_fp8_run_tracks_the_bf16_run(tmp_path, bf16_run):
 
 
 def test_bf16_adam_moments_track_fp32_moments(tmp_path, bf16_run):
-    from meshplan.runtime.optim import AdamWBF16Moments
+    from meshplan.train.optim import AdamWBF16Moments
     plan = _tiny_plan("bf16", TRAJ_SEQ, TRAJ_BATCH, optimizer_dtype="bf16")
-    assert plan.layout_obj.optimizer_dtype == "bf16"
+    assert plan.layout.optimizer_dtype == "bf16"
     _close(_trajectory(plan, tmp_path, TRAJ_STEPS, TRAJ_SEQ), bf16_run)
     assert json.loads((tmp_path / "precisions.json").read_text())["optimizer_dtype"] == "bf16"
     # the optimizer really keeps bf16 moments over fp32 master weights

@@ -13,7 +13,7 @@ import pytest
 
 from meshplan import cli
 from meshplan.errors import ConfigError
-from meshplan.runtime.launch import (SlurmJob, Target, launch_local, layout_from_plan, slurm_script, submit_slurm,
+from meshplan.train.launch import (SlurmJob, Target, launch_local, layout_from_plan, slurm_script, submit_slurm,
                                      target_spec, torchrun_command)
 
 PY = [sys.executable, "-m", "torch.distributed.run"]
@@ -105,12 +105,16 @@ def test_slurm_script_defaults_and_validation():
 
 
 def _write_plan(path, *, world_mesh, gpus_per_node, nodes):
-    from meshplan.ir.plan import Plan
+    import meshplan as mp
+    from meshplan.api import Plan
+    from meshplan.ir.layout import Layout
+    lay = Layout(**world_mesh)
+    est = mp.estimate("tiny-llama", mp.Cluster(gpu="h100-sxm", num_gpus=lay.world, gpus_per_node=gpus_per_node),
+                      lay, seq_len=128, global_batch=8)
     plan = Plan(model="tiny-llama", model_fingerprint="m", cluster={"name": "c", "gpus_per_node": gpus_per_node,
                                                                    "nodes": nodes},
-                cluster_fingerprint="c", seq_len=128, global_batch=8, precision="bf16", layout={}, mesh=world_mesh,
-                placements={}, stages=(), schedule="1f1b", micro_batch_size=1, num_microbatches=1,
-                recompute="none", fp8_modules=(), estimate={})
+                cluster_fingerprint="c", seq_len=128, global_batch=8, precision="bf16", layout=lay, mesh=world_mesh,
+                placements={}, stages=((),) * lay.pp, num_microbatches=1, estimate=est)
     plan.save(path)
     return path
 
@@ -201,7 +205,7 @@ def test_real_launch_two_ranks_all_reduce(tmp_path, capsys):
 def test_stop_kills_what_the_launcher_left_behind(tmp_path):
     import subprocess
     import time
-    from meshplan.runtime.launch import _stop
+    from meshplan.train.launch import _stop
     pidfile = tmp_path / "child.pid"
     # a launcher that dies on SIGTERM but leaves a child running, the case the group kill is for
     proc = subprocess.Popen(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], start_new_session=True)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.runtime.metrics import (MetricsLog, Progress, StepMetrics, format_progress, human_count, mfu,
+from meshplan.train.metrics import (MetricsLog, Progress, StepMetrics, format_progress, human_count, mfu,
                                       peak_memory_gb, read_metrics, reset_peak_memory)
-from meshplan.runtime.schedule import lr_at, set_lr, warmup_cosine
+from meshplan.train.lr_schedule import lr_at, set_lr, warmup_cosine
 
 
 def _m(step: int, **kw) -> StepMetrics:

@@ -33,7 +33,7 @@ def _plan(world: int, fixed_items: tuple):
 
 @pytest.fixture(scope="module")
 def world4():
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     cases = {name: dict(plan=_plan(4, tuple(sorted(f.items())))) for name, f in CASES_4.items()}
     results = run_ranks(4, moe_workers.run_cases, cases, timeout_s=240)
     return {name: [r[name] for r in results] for name in cases}

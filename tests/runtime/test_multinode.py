@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from meshplan.runtime.launch import target_spec, torchrun_command
+from meshplan.train.launch import target_spec, torchrun_command
 
 COMMON = ["--steps", "2", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
           "--checkpoint-every", "2"]

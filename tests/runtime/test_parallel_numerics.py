@@ -70,7 +70,7 @@ def _cases(table: dict, world: int) -> dict:
 
 
 def _run(world: int, cases: dict) -> dict:
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     results = run_ranks(world, numerics.run_cases, cases, timeout_s=240)
     return {name: [r[name] for r in results] for name in cases}
 
@@ -117,7 +117,7 @@ def test_two_ranks(world2, name):
 def test_fused_kernels_swapped_in(world2):
     """The plans list fused kernels and the runtime ran them (the equivalence above held)."""
     def kinds(name):
-        return {e.split()[0] for e in _plan(CASES_2[name][0], 2, tuple(sorted(CASES_2[name][1].items()))).fused_kernels}
+        return {e.kernel for e in _plan(CASES_2[name][0], 2, tuple(sorted(CASES_2[name][1].items()))).fused_kernels}
     assert kinds("hf_fsdp2") == {"rms_norm", "swiglu", "linear_cross_entropy"}
     assert kinds("hf_tp2_sp") == {"rms_norm", "swiglu"}          # vocab-parallel head: eager loss
     fsdp = world2["hf_fsdp2"][0]["fused"]

@@ -39,11 +39,11 @@ def test_runtime_pattern_placements_match_single_device():
 
     import numerics
     from meshplan.planner.build import placements_for
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     seq, batch = 32, 8
     plan = numerics.plan_for("tiny-llama", 2, (("sp", True), ("tp", 2)), seq, batch)
     prof = mp.profile(mp.models.build("tiny-llama", seq_len=seq, device="meta"), seq_len=seq)
-    role_based = placements_for(prof, plan.layout_obj)          # no cluster: the role path
+    role_based = placements_for(prof, plan.layout)          # no cluster: the role path
     assert any(v == "heads" for v in role_based.values()) and role_based != plan.placements
     case = dict(model="tiny-llama", seq_len=seq, global_batch=batch,
                 plan=dataclasses.replace(plan, placements=role_based))

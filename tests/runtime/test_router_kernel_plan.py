@@ -16,8 +16,8 @@ def test_router_kernel_planned_and_swapped():
     seq, batch = 32, 4
     model = mp.models.build("tiny-moe", seq_len=seq, device="meta")
     plan = mp.plan(model, mp.Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1), seq_len=seq, global_batch=batch)
-    routers = [e for e in plan.fused_kernels if e.startswith("moe_router ")]
-    assert routers and all(e.endswith(":feed_forward") for e in routers), plan.fused_kernels
+    routers = [e.module for e in plan.fused_kernels if e.kernel == "moe_router"]
+    assert routers and all(r.endswith(".feed_forward") for r in routers), plan.fused_kernels
     ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     losses = {}
     for fused in (False, True):

@@ -8,11 +8,13 @@ import pytest
 import meshplan as mp
 from meshplan.ir.layout import Layout
 from meshplan.errors import ConfigError
+from meshplan.ir.plan import FusedKernel
 from meshplan.runtime.fused import FASTER_THAN_EAGER, choose_kernels
 from meshplan.runtime.parallel import ddp_runs
 
-ENTRIES = ("rms_norm abc:attention_norm weight=weight eps=1e-05",
-           "swiglu abc:feed_forward gate=w1 up=w3 down=w2", "linear_cross_entropy output")
+ENTRIES = (FusedKernel(kernel="rms_norm", module="layers.0.attention_norm", options=(("weight", "weight"), ("eps", "1e-05"))),
+           FusedKernel(kernel="swiglu", module="layers.0.feed_forward", options=(("gate", "w1"), ("up", "w3"), ("down", "w2"))),
+           FusedKernel(kernel="linear_cross_entropy", module="output"))
 
 
 def test_named_schedule_is_kept_or_refused():
@@ -28,7 +30,7 @@ def test_planner_keeps_a_fixed_schedule():
     model = mp.models.build("tiny-llama", seq_len=64, device="meta")
     cluster = mp.Cluster.preset("local-cpu")
     plan = mp.plan(model, cluster, seq_len=64, global_batch=8, fixed={"pp": 2, "schedule": "1f1b"})
-    assert plan.schedule == "1f1b" and plan.layout_obj.vp == 1
+    assert plan.schedule == "1f1b" and plan.layout.vp == 1
     with pytest.raises(ConfigError, match="contradicts fixed vp"):
         mp.plan(model, cluster, seq_len=64, global_batch=8, fixed={"pp": 2, "vp": 2, "schedule": "1f1b"})
 
@@ -37,7 +39,7 @@ def test_search_offers_plain_ddp():
     model = mp.models.build("tiny-llama", seq_len=64, device="meta")
     plan = mp.plan(model, mp.Cluster.preset("local-cpu"), seq_len=64, global_batch=8,
                    fixed={"dp": 4, "zero": 0})
-    assert plan.layout_obj.zero == 0 and ddp_runs(plan.layout_obj)
+    assert plan.layout.zero == 0 and ddp_runs(plan.layout)
     assert not ddp_runs(Layout(tp=2, dp=2, zero=0)) and not ddp_runs(Layout(dp=4, zero=1))
 
 

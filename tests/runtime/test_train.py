@@ -34,7 +34,7 @@ def _plan(world: int, fixed: tuple):
 
 
 def _train(world, plan, out, **kw):
-    from meshplan.runtime.spawn import run_ranks
+    from meshplan.train.spawn import run_ranks
     case = dict(plan=plan, seq_len=SEQ, steps=STEPS, out=str(out), **kw)
     return run_ranks(world, train_workers.train_run, case, timeout_s=180)
 
@@ -150,7 +150,7 @@ def test_plan_for_another_world_size_is_refused(tmp_path):
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
     from meshplan.errors import ConfigError
-    from meshplan.runtime import checkpoint
+    from meshplan.train import checkpoint
     bad = tmp_path / "checkpoints" / "step_000004"
     bad.mkdir(parents=True)
     assert checkpoint.latest(tmp_path) is None          # no meta.json: never taken as complete

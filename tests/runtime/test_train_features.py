@@ -20,7 +20,7 @@ MOE = dict(layers=2, hidden=32, heads=2, kv_heads=1, ffn_hidden=64, moe_ffn_hidd
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    from meshplan.runtime.spawn import init_single_process_group
+    from meshplan.train.spawn import init_single_process_group
     if not init_single_process_group(60):
         pytest.skip("a process group is already initialised in this process")
     threads = torch.get_num_threads()
@@ -49,7 +49,7 @@ def _model(seed: int = 0, **options):
 
 def _train(out, *, steps: int, plan=None, options=None, **cfg):
     from meshplan.runtime.parallel import parallelize
-    from meshplan.runtime.train import TrainConfig, train
+    from meshplan.train.loop import TrainConfig, train
     options = options or {}
     plan = plan or _plan(**options)
     model = _model(**options)
@@ -60,7 +60,7 @@ def _train(out, *, steps: int, plan=None, options=None, **cfg):
 
 
 def _records(out):
-    from meshplan.runtime.metrics import read_metrics
+    from meshplan.train.metrics import read_metrics
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -86,7 +86,7 @@ def test_rampup_batches_must_split_into_micro_batches(tmp_path):
 
 
 def test_retention_keeps_newest_and_milestones_across_resume(tmp_path):
-    from meshplan.runtime import checkpoint
+    from meshplan.train import checkpoint
     _train(tmp_path, steps=7, checkpoint_every=1, keep_checkpoints=2, keep_every=3)
     names = lambda: sorted(p.name for p in (tmp_path / "checkpoints").iterdir())   # noqa: E731
     assert names() == ["step_000003", "step_000006", "step_000007"]
@@ -100,7 +100,7 @@ def test_retention_keeps_newest_and_milestones_across_resume(tmp_path):
 
 
 def test_wsd_schedule():
-    from meshplan.runtime.schedule import lr_at
+    from meshplan.train.lr_schedule import lr_at
     lr = [lr_at(s, base_lr=1.0, warmup=2, total=10, min_lr=0.1, style="wsd", decay_steps=4) for s in range(11)]
     assert lr[:2] == [0.5, 1.0] and lr[2:6] == [1.0] * 4
     assert lr[6] == pytest.approx(1.0) and lr[8] == pytest.approx(0.55) and lr[10] == pytest.approx(0.1)
@@ -112,7 +112,7 @@ def test_wsd_schedule():
 
 
 def test_moe_metrics_are_logged(tmp_path):
-    from meshplan.runtime.metrics import StepMetrics, format_progress
+    from meshplan.train.metrics import StepMetrics, format_progress
     _train(tmp_path, steps=2, options=dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_capacity_factor=1.0))
     rec = _records(tmp_path)[-1]
     assert rec["moe_imbalance"] >= 1.0 and rec["moe_aux_loss"] > 0 and rec["moe_z_loss"] > 0
@@ -128,7 +128,7 @@ def test_fine_tune_start_loads_only_weights(tmp_path):
     want = pm.full_state_dict()
     tuned, _ = _train(tmp_path / "ft", steps=2, init_from=str(tmp_path / "pre"))
     assert tuned.start_step == 0 and min(tuned.losses) == 1
-    from meshplan.runtime import checkpoint
+    from meshplan.train import checkpoint
     from meshplan.runtime.parallel import parallelize
     fresh = parallelize(_model(seed=5), _plan(), compute_dtype=None)
     checkpoint.load_weights(tmp_path / "pre", fresh)

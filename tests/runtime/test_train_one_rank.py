@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import ConfigError
-from meshplan.runtime import checkpoint
-from meshplan.runtime.checkpoint import Checkpointer, CheckpointWriteError
+from meshplan.train import checkpoint
+from meshplan.train.checkpoint import Checkpointer, CheckpointWriteError
 
 SEQ = 16
 
@@ -182,7 +182,7 @@ def test_every_mesh_group_gets_the_training_timeout():
     mesh here is a stand-in holding a real sub-group."""
     from types import SimpleNamespace
 
-    from meshplan.runtime.train import _bound_collectives, _group_timeout_s
+    from meshplan.train.loop import _bound_collectives, _group_timeout_s
     sub = dist.new_group([0], backend="gloo")
     assert _group_timeout_s(sub) == 1800
     pm = SimpleNamespace(mesh=SimpleNamespace(get_all_groups=lambda: [sub, sub]))

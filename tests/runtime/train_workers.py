@@ -9,7 +9,7 @@ import torch
 
 def train_run(rank: int, world: int, case: dict) -> dict:
     from meshplan.runtime.parallel import parallelize
-    from meshplan.runtime.train import TrainConfig, train
+    from meshplan.train.loop import TrainConfig, train
     import numerics
     torch.manual_seed(0)
     model = numerics.build_model("tiny-llama", seq_len=case["seq_len"])

@@ -1,53 +1,20 @@
-"""The `meshplan` command: thin over the Python API (parse, call, print)."""
+"""`meshplan estimate`, `plan`, `models`, `clusters`: the planning subcommands (thin over
+meshplan.estimate / meshplan.plan)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
+import time
 
-from meshplan.errors import MeshplanError
+import meshplan as mp
+from meshplan.cli.common import cluster_from_args, parse_layout
 
-# modules that add subcommands (train, launch, whatif, calibrate) with register(subparsers)
-_SUBCOMMAND_MODULES: tuple[str, ...] = ("meshplan.runtime.cli_train", "meshplan.runtime.cli_launch", "meshplan.reports.cli_whatif", "meshplan.reports.cli_calibrate")
-
-_LAYOUT_INT = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs")
-
-
-def _parse_layout(text: str) -> dict:
-    """'tp=8,pp=4,recompute=full' -> dict (ints where the key is a degree)."""
-    out: dict = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        if "=" not in part:
-            raise MeshplanError(f"layout item {part!r} is not key=value (e.g. --layout tp=8,pp=4,dp=2)")
-        k, v = (s.strip() for s in part.split("=", 1))
-        if k in _LAYOUT_INT:
-            try:
-                out[k] = int(v)
-            except ValueError:
-                raise MeshplanError(f"layout {k}={v!r}: must be an integer") from None
-        elif k in ("sp", "tp_comm_overlap", "flash_attention"):
-            out[k] = v.lower() in ("1", "true", "yes", "on")
-        elif k == "recompute" and v.isdigit():
-            out[k] = int(v)
-        else:
-            out[k] = v
-    return out
-
-
-def _cluster(args):
-    from meshplan.cluster import Cluster
-    if args.cluster.endswith(".json"):
-        return Cluster.load(args.cluster)
-    opts = {}
-    if args.nodes:
-        opts["nodes"] = args.nodes
-    return Cluster.preset(args.cluster, **opts)
+__all__ = ["register"]
 
 
 def cmd_estimate(args) -> int:
-    import meshplan as mp
-    cluster = _cluster(args)
-    layout = _parse_layout(args.layout)
+    cluster = cluster_from_args(args)
+    layout = parse_layout(args.layout)
     est = mp.estimate(args.model, cluster, layout, seq_len=args.seq_len, global_batch=args.global_batch,
                       precision=args.precision)
     if args.json:
@@ -58,17 +25,16 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    import meshplan as mp
-    cluster = _cluster(args)
-    fixed = _parse_layout(args.fix) if args.fix else None
-    t0 = __import__("time").perf_counter()
+    cluster = cluster_from_args(args)
+    fixed = parse_layout(args.fix) if args.fix else None
+    t0 = time.perf_counter()
     print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} ...", file=sys.stderr, flush=True)
     pl = mp.plan(args.model, cluster, seq_len=args.seq_len, global_batch=args.global_batch,
                  precision=args.precision, fixed=fixed, top_k=args.top_k,
                  allow_cross_domain=args.allow_cross_domain, fused_kernels=not args.no_fused_kernels,
                  for_runtime=not args.export)     # an exported plan runs on the target framework
     print(pl.explain())
-    print(f"(planned in {__import__('time').perf_counter() - t0:.1f} s)", file=sys.stderr)
+    print(f"(planned in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json:
         pl.save(args.json)
         print(f"plan written to {args.json}", file=sys.stderr)
@@ -101,9 +67,7 @@ def cmd_clusters(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meshplan", description="Auto-parallel planner for PyTorch training.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def register(sub) -> None:
     e = sub.add_parser("estimate", help="predict step time, throughput, MFU and memory of one layout")
     e.add_argument("--model", default="llama3-8b",
                    help="preset name (see `meshplan models`), path/to/file.py:factory, or a transformers config.json")
@@ -138,26 +102,3 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_models)
     c = sub.add_parser("clusters", help="list cluster presets and GPU ids")
     c.set_defaults(fn=cmd_clusters)
-    # Other subcommands live next to the code they drive; each module has register(subparsers).
-    import importlib
-    for mod in _SUBCOMMAND_MODULES:
-        importlib.import_module(mod).register(sub)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--"]:
-        # torchrun received `meshplan.cli -- train ...`: the `--` keeps its own parser away from
-        # our options (meshplan.runtime.launch.torchrun_command); it is not ours to parse
-        argv = argv[1:]
-    args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except MeshplanError as e:
-        print(f"meshplan: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,10 +2,10 @@
 
 Three sources, all opened with `TokenDataset.open(source)`:
 
-- ``None`` / ``"embedded"``: the ~1 MB corpus shipped in `meshplan.runtime.corpus` (default).
+- ``None`` / ``"embedded"``: the ~1 MB corpus shipped in `meshplan.train.corpus` (default).
 - a directory of text files (``*.txt``, ``*.md``, ``*.text``, searched recursively, hidden
   files skipped) or one such file: read as bytes, tokenised with the byte tokenizer
-  (`meshplan.runtime.tokenizer`), one `EOS_ID` after each file, and cached as uint16 tokens in
+  (`meshplan.train.tokenizer`), one `EOS_ID` after each file, and cached as uint16 tokens in
   ``<cache_dir>/<key>.bin`` with a manifest ``<key>.json``. The key hashes the directory and
   every file's size and mtime, so editing a file re-tokenises. The default cache dir is
   ``$MESHPLAN_CACHE/tokens`` (``~/.cache/meshplan/tokens``).
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -48,7 +47,8 @@ import numpy as np
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.runtime import tokenizer
+from meshplan.ir.rampup import BatchRampup
+from meshplan.train import tokenizer
 
 __all__ = [
     "TokenDataset", "BatchSampler", "BatchRampup", "rank_slice", "write_token_file", "default_cache_dir",
@@ -59,7 +59,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_FILE_FORMAT = "meshplan-tokens"
 SAMPLER_STATE_VERSION = 1
-_CORPUS_PACKAGE = "meshplan.runtime.corpus"
+_CORPUS_PACKAGE = "meshplan.train.corpus"
 _CORPUS_FILES = ("corpus.txt",)
 _MAX_SCAN_CHUNK = 1 << 24      # tokens per chunk when scanning a memory-mapped file for its max id
 
@@ -123,7 +123,7 @@ class TokenDataset:
 
     @classmethod
     def embedded(cls) -> TokenDataset:
-        """The built-in corpus (see meshplan/runtime/corpus/README.md), tokenised in memory."""
+        """The built-in corpus (see meshplan/train/corpus/README.md), tokenised in memory."""
         root = resources.files(_CORPUS_PACKAGE)
         parts = [tokenizer.encode_array(root.joinpath(name).read_bytes(), eos=True) for name in _CORPUS_FILES]
         return cls(np.concatenate(parts), vocab_size=tokenizer.VOCAB_SIZE, source="embedded corpus")
@@ -222,70 +222,6 @@ class TokenDataset:
 
 
 # ---- ramp-up -----------------------------------------------------------------------------
-class BatchRampup:
-    """Global batch size by step during a ramp-up (see the module docstring); `final` is the
-    plan's global batch. `multiple`: every batch must be a multiple of it (dp x micro-batch size)."""
-
-    def __init__(self, start: int, increment: int, samples: int, *, final: int, multiple: int = 1):
-        for name, value, low in (("start", start, 1), ("increment", increment, 1), ("samples", samples, 1),
-                                 ("final", final, 1), ("multiple", multiple, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"--rampup-batch-size {name} must be a whole number >= {low}, got {value!r}")
-        if start >= final:
-            raise ConfigError(f"--rampup-batch-size start {start} must be below the global batch {final}; "
-                              f"e.g. start={max(multiple, final // 4 // multiple * multiple)}")
-        if (final - start) % increment:
-            raise ConfigError(f"--rampup-batch-size: the global batch {final} minus start {start} is not a multiple "
-                              f"of the increment {increment}; use an increment dividing {final - start}")
-        for name, value in (("start", start), ("increment", increment)):
-            if value % multiple:
-                good = max(multiple, value // multiple * multiple)
-                raise ConfigError(
-                    f"--rampup-batch-size {name}={value} is not a multiple of dp x micro-batch size = {multiple}: "
-                    f"every batch of the ramp must split into whole micro-batches on every data-parallel "
-                    f"rank; use {name}={good}")
-        self.start, self.increment, self.samples, self.final = start, increment, samples, final
-        increments = (final - start) // increment
-        per_increment = samples / increments               # samples consumed per batch size
-        # phases[j] = (first step, consumed samples at it, batch size) for each batch size
-        self.phases: list[tuple[int, int, int]] = []
-        step, consumed = 0, 0
-        for j in range(increments):
-            size = start + j * increment
-            self.phases.append((step, consumed, size))
-            # Megatron: size = start + floor(consumed / per_increment) * increment
-            n = max(0, math.ceil(((j + 1) * per_increment - consumed) / size))   # steps at this size
-            step, consumed = step + n, consumed + n * size
-        self.phases.append((step, consumed, final))
-
-    def __repr__(self) -> str:
-        return f"BatchRampup(start={self.start}, increment={self.increment}, samples={self.samples}, final={self.final})"
-
-    def state(self) -> list[int]:
-        return [self.start, self.increment, self.samples, self.final]
-
-    @property
-    def end_step(self) -> int:
-        """The first step at the final global batch."""
-        return self.phases[-1][0]
-
-    def _phase(self, step: int) -> tuple[int, int, int]:
-        return next(p for p in reversed(self.phases) if p[0] <= step)
-
-    def batch_size(self, step: int) -> int:
-        return self._phase(step)[2]
-
-    def consumed(self, step: int) -> int:
-        """Samples read by the steps before `step`."""
-        first, consumed, size = self._phase(step)
-        return consumed + (step - first) * size
-
-    def steps_for(self, samples: int) -> int:
-        """Steps needed to consume `samples` samples."""
-        first, consumed, size = next(p for p in reversed(self.phases) if p[1] <= samples)
-        return first + -(-(samples - consumed) // size)
-
-
 # ---- sampler -----------------------------------------------------------------------------
 class BatchSampler:
     """Deterministic, resumable batches over a `TokenDataset` (see the module docstring).

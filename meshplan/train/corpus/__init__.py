@@ -1,4 +1,4 @@
 """The embedded training corpus: ``corpus.txt`` (about 1 MB of ASCII text written by
-`meshplan.runtime.corpus.generate`), the default data of ``meshplan train``. See README.md here
+`meshplan.train.corpus.generate`), the default data of ``meshplan train``. See README.md here
 for its origin and licence.
 """

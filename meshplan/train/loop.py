@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import ConfigError
-from meshplan.runtime import checkpoint as ckpt
-from meshplan.runtime.metrics import moe_metrics
-from meshplan.runtime.schedule import lr_at, set_lr
+from meshplan.train import checkpoint as ckpt
+from meshplan.train.metrics import moe_metrics
+from meshplan.train.lr_schedule import lr_at, set_lr
 
 __all__ = ["TrainConfig", "TrainResult", "RankHangError", "train"]
 
@@ -127,8 +127,8 @@ class TrainResult:
 
 def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset=None) -> TrainResult:
     """Train `model` as `plan` says, in an initialised process group. See the module docstring."""
-    from meshplan.runtime.data import TokenDataset
-    from meshplan.runtime.metrics import MetricsLog, Progress, StepMetrics, peak_memory_gb
+    from meshplan.train.data import TokenDataset
+    from meshplan.train.metrics import MetricsLog, Progress, StepMetrics, peak_memory_gb
     from meshplan.runtime.parallel import parallelize
     rank = dist.get_rank()
     out = Path(config.out_dir)
@@ -151,8 +151,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     sampler = dataset.sampler(global_batch=plan.global_batch, seq_len=plan.seq_len, seed=config.seed,
                               rampup=rampup)
     # Adam moments in the layout's optimizer_dtype (fp32, or bf16 with fp32 master weights: optim.py)
-    from meshplan.runtime.optim import build_optimizer
-    opt = build_optimizer(pm.parameters(), optimizer_dtype=plan.layout_obj.optimizer_dtype, lr=config.lr,
+    from meshplan.train.optim import build_optimizer
+    opt = build_optimizer(pm.parameters(), optimizer_dtype=plan.layout.optimizer_dtype, lr=config.lr,
                           betas=config.betas, weight_decay=config.weight_decay, device=pm.device)
     _report_precisions(pm, plan, out, rank)
     start = 0
@@ -170,8 +170,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
         torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
         if rank == 0:
             print(f"resumed from {last} (step {start})", flush=True)
-    predicted = plan.estimate.get("step_time_s")
-    est_mfu = plan.estimate.get("mfu")
+    predicted = plan.estimate.step_time_s
+    est_mfu = plan.estimate.mfu
     balancer = _balancer(pm)
     log = MetricsLog(out / "metrics.jsonl") if rank == 0 else None
     bar = Progress(total_steps=config.steps) if rank == 0 and config.progress else None
@@ -225,7 +225,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 sampler_state = {**sampler.state_dict(), "step": done}
                 checkpoints.save(done, pm, opt, {
                     "data": sampler_state, "rng": torch.get_rng_state().tolist(),
-                    "layout": plan.layout, "config": asdict(config)})
+                    "layout": plan.layout.to_dict(), "config": asdict(config)})
             if stopping:
                 break
         written = checkpoints.close()             # waits for a checkpoint still being written
@@ -247,8 +247,8 @@ def _rampup(plan, config: TrainConfig):
     not split into the plan's micro-batches on every data-parallel rank."""
     if config.rampup_batch_size is None:
         return None
-    from meshplan.runtime.data import BatchRampup
-    lay = plan.layout_obj
+    from meshplan.ir.rampup import BatchRampup
+    lay = plan.layout
     if plan.mesh.get("pp", 1) > 1:
         raise ConfigError(f"--rampup-batch-size with pipeline parallelism (pp={plan.mesh['pp']}) is not supported: "
                           "the pipeline schedule is built for the plan's micro-batch count; re-plan with "
@@ -259,7 +259,7 @@ def _rampup(plan, config: TrainConfig):
 
 def _set_microbatches(pm, balancer, batch: int) -> None:
     """Keep the plan's layout (micro-batch size), change the number of micro-batches."""
-    per_microbatch = pm.plan.mesh.get("dp", 1) * pm.plan.layout_obj.mbs
+    per_microbatch = pm.plan.mesh.get("dp", 1) * pm.plan.layout.mbs
     m = batch // per_microbatch
     pm.microbatches_override = None if m == pm.plan.num_microbatches else m
     if balancer is not None:
@@ -378,7 +378,7 @@ def _report_precisions(pm, plan, out: Path, rank: int) -> None:
         merged.update(part or {})
     if rank != 0 or not merged:
         return
-    lay = plan.layout_obj
+    lay = plan.layout
     print(f"precision (plan: {plan.precision}, {len(plan.fp8_modules)} FP8 modules; Adam moments "
           f"{lay.optimizer_dtype}):", flush=True)
     for line in precision_summary(merged):

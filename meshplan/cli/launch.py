@@ -54,9 +54,9 @@ def register(subparsers) -> None:
 
 def _sizes(args) -> tuple[int, int, str]:
     """(nodes, processes per node, a note saying where the numbers came from)."""
-    from meshplan.runtime.launch import layout_from_plan
+    from meshplan.train.launch import layout_from_plan
     if args.plan:
-        from meshplan.ir.plan import Plan
+        from meshplan.api import Plan
         if not Path(args.plan).is_file():
             raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
                               "`meshplan plan ... --json plan.json`")
@@ -69,7 +69,7 @@ def _sizes(args) -> tuple[int, int, str]:
 
 
 def cmd_launch(args) -> int:
-    from meshplan.runtime.launch import SlurmJob, launch_local, slurm_script, submit_slurm, target_spec, \
+    from meshplan.train.launch import SlurmJob, launch_local, slurm_script, submit_slurm, target_spec, \
         torchrun_command
     target = target_spec(args.command)
     nodes, per_node, source = _sizes(args)

@@ -4,7 +4,7 @@ Run by a user, it plans (or loads `--plan`), prints the plan's summary, writes i
 directory, and re-runs itself under torchrun with `--nproc` processes (`--max-restarts` restarts
 the whole job from the last checkpoint if a process dies). Each torchrun worker (`--worker`)
 builds the model with real weights (same seed on every rank), parallelises it with the plan and
-runs the training loop (meshplan.runtime.train).
+runs the training loop (meshplan.train.loop).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from meshplan.cli.common import parse_layout
 from meshplan.errors import ConfigError, MeshplanError
 
 DEFAULT_MODEL = "tiny-llama"
@@ -138,8 +139,7 @@ def _plan(args, world_size: int | None = None):
     --nnodes x --nproc processes. Planning is deterministic, so every node (and, under torchrun,
     every rank) that plans gets the same plan."""
     import meshplan as mp
-    from meshplan.cli import _parse_layout
-    from meshplan.ir.plan import Plan
+    from meshplan.api import Plan
     if args.plan:
         if not Path(args.plan).is_file():
             raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
@@ -156,7 +156,7 @@ def _plan(args, world_size: int | None = None):
         nnodes = max(1, world_size // nproc)
     cluster = _cluster(args.cluster, nproc, nnodes)
     model = _load(args, "meta")
-    fixed = _parse_layout(args.fix) if args.fix else {}
+    fixed = parse_layout(args.fix) if args.fix else {}
     if getattr(args, "optimizer_dtype", None):
         fixed["optimizer_dtype"] = args.optimizer_dtype
     return _with_options(mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
@@ -169,8 +169,8 @@ def _with_options(plan, args):
     import dataclasses
     check_fp8_backend(plan, args)
     want = getattr(args, "optimizer_dtype", None)
-    if want and plan.layout_obj.optimizer_dtype != want:
-        plan = dataclasses.replace(plan, layout={**plan.layout, "optimizer_dtype": want})
+    if want and plan.layout.optimizer_dtype != want:
+        plan = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, optimizer_dtype=want))
     return plan
 
 
@@ -219,8 +219,8 @@ def _load(args, device: str):
 
 
 def cmd_train(args) -> int:
-    from meshplan.runtime.launch import launch_local, under_torchrun, wait_for_endpoint
-    from meshplan.runtime.spawn import exit_worker
+    from meshplan.train.launch import launch_local, under_torchrun, wait_for_endpoint
+    from meshplan.train.spawn import exit_worker
     if args.worker:
         exit_worker(_worker(argparse.Namespace(**json.loads(Path(args.worker).read_text()))))
     if under_torchrun():
@@ -230,8 +230,8 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plan and args.nproc is None:
-        from meshplan.ir.plan import Plan
-        from meshplan.runtime.launch import layout_from_plan
+        from meshplan.api import Plan
+        from meshplan.train.launch import layout_from_plan
         if Path(args.plan).is_file():
             _, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
     where = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
@@ -300,9 +300,9 @@ def _worker(args, plan=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from meshplan.ir.plan import Plan
+    from meshplan.api import Plan
     from meshplan.runtime.parallel import parallelize
-    from meshplan.runtime.train import RankHangError, TrainConfig, train
+    from meshplan.train.loop import RankHangError, TrainConfig, train
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -5,7 +5,7 @@
         --price h100-sxm=2.5 --json w.json --markdown w.md --html w.html
 
 Prints the table (stdout); a progress line goes to stderr when it is a terminal (--progress /
---no-progress override). Bad values raise meshplan errors, which `meshplan.cli.main` prints.
+--no-progress override). Bad values raise meshplan errors, which `meshplan.cli.main()` prints.
 """
 
 from __future__ import annotations

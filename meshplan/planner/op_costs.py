@@ -1,7 +1,9 @@
-"""FLOPs of single aten ops from their fake/meta shapes, forward and backward.
+"""What one aten op is and costs, from its fake/meta shapes: its IR kind (`op_kind`), whether it
+aliases or writes its input, and its FLOPs forward and backward (`op_flops`).
 
-The tracer calls `op_flops` once per graph node. Shapes come from the node's fake value, so
-nothing here touches real memory.
+The tracer calls these once per graph node. Shapes come from the node's fake value, so nothing
+here touches real memory. The op families matched here are defined in `aten_ops`. (The cost
+model's FLOPs of whole layers are another thing: meshplan.cost_models.flops.)
 
 Conventions (shared with `meshplan.ir.profile`)
 - A multiply-add counts 2 FLOPs. Only matrix products and attention are counted; elementwise
@@ -29,16 +31,22 @@ from typing import Any
 import torch
 from torch.utils import flop_counter as _fc
 
+from meshplan.planner.aten_ops import (
+    ADDMM_OPS,
+    ALIAS_CANDIDATE_OPS,
+    ATTENTION_OPS,
+    COPY_OPS,
+    EMBEDDING_OPS,
+    LOSS_OPS,
+    MATMUL_OPS,
+    NORM_OPS,
+    REDUCTION_OPS,
+    VIEW_OPS,
+)
+
 __all__ = [
     "TensorSpec",
     "op_base",
-    "VIEW_OPS",
-    "NORM_OPS",
-    "REDUCTION_OPS",
-    "LOSS_OPS",
-    "EMBEDDING_OPS",
-    "DISPATCH_OPS",
-    "COPY_OPS",
     "op_flops",
     "op_kind",
     "aliases_input",
@@ -84,52 +92,6 @@ def op_base(target: Any) -> str:
     return _op_name(target) or getattr(target, "__name__", str(target))
 
 
-# Op families by schema name, for the tracer's op kinds (see profile.OP_KINDS).
-VIEW_OPS = frozenset({
-    "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::permute", "aten::transpose",
-    "aten::t", "aten::expand", "aten::expand_as", "aten::unsqueeze", "aten::squeeze",
-    "aten::slice", "aten::select", "aten::split", "aten::split_with_sizes", "aten::chunk",
-    "aten::unbind", "aten::alias", "aten::detach", "aten::flatten", "aten::unflatten",
-    "aten::movedim", "aten::as_strided", "aten::narrow", "aten::view_as", "aten::diagonal",
-    "aten::tensor_split", "aten::lift_fresh_copy", "aten::numpy_T", "aten::mT", "aten::swapaxes",
-    "aten::unfold", "aten::view_as_real", "aten::view_as_complex", "aten::_reshape_alias",
-})
-# Copies that move data without computing (their bytes count, their FLOPs do not).
-COPY_OPS = frozenset({
-    "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous", "aten::cat", "aten::stack",
-    "aten::copy", "aten::copy_", "aten::type_as", "aten::repeat", "aten::pad",
-    "aten::constant_pad_nd", "aten::roll", "aten::flip",
-})
-NORM_OPS = frozenset({
-    "aten::layer_norm", "aten::native_layer_norm", "aten::rms_norm", "aten::_fused_rms_norm",
-    "aten::group_norm", "aten::native_group_norm", "aten::batch_norm", "aten::native_batch_norm",
-    "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit_functional",
-    "aten::instance_norm",
-})
-REDUCTION_OPS = frozenset({
-    "aten::sum", "aten::mean", "aten::amax", "aten::amin", "aten::max", "aten::min",
-    "aten::var", "aten::var_mean", "aten::std", "aten::std_mean", "aten::norm",
-    "aten::linalg_vector_norm", "aten::logsumexp", "aten::cumsum", "aten::cumprod",
-    "aten::prod", "aten::argmax", "aten::argmin", "aten::softmax", "aten::_softmax",
-    "aten::_safe_softmax", "aten::log_softmax", "aten::_log_softmax", "aten::any", "aten::all",
-})
-LOSS_OPS = frozenset({
-    "aten::cross_entropy_loss", "aten::nll_loss", "aten::nll_loss_forward", "aten::nll_loss2d",
-    "aten::nll_loss_nd", "aten::mse_loss", "aten::binary_cross_entropy",
-    "aten::binary_cross_entropy_with_logits", "aten::kl_div", "aten::smooth_l1_loss",
-    "aten::l1_loss", "aten::huber_loss",
-})
-EMBEDDING_OPS = frozenset({"aten::embedding", "aten::embedding_bag", "aten::_embedding_bag"})
-# Ops that move tokens to and from experts when they depend on a router's top-k choice.
-DISPATCH_OPS = frozenset({
-    "aten::sort", "aten::argsort", "aten::histc", "aten::bincount", "aten::scatter",
-    "aten::scatter_add", "aten::scatter_reduce", "aten::index_add", "aten::index_select",
-    "aten::gather", "aten::index", "aten::index_put", "aten::index_put_", "aten::index_copy",
-    "aten::repeat_interleave", "aten::one_hot", "aten::masked_scatter", "aten::nonzero",
-    "aten::cumsum", "aten::masked_select",
-})
-
-
 def op_kind(target: Any, *, module_class: str = "", weighted: bool = False, aliases: bool = False) -> str:
     """The `profile.OP_KINDS` entry of one op, before the graph-level passes.
 
@@ -166,7 +128,7 @@ def op_kind(target: Any, *, module_class: str = "", weighted: bool = False, alia
 def aliases_input(target: Any, src: Any, out: Any) -> bool:
     """Casts to the same dtype and .contiguous()/.reshape() of a contiguous tensor move no data."""
     b = op_base(target)
-    if b not in ("aten::to", "aten::_to_copy", "aten::contiguous", "aten::type_as", "aten::reshape"):
+    if b not in ALIAS_CANDIDATE_OPS:
         return False
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return False
@@ -188,21 +150,6 @@ def _packet(target: Any) -> Any:
     return getattr(target, "overloadpacket", target)
 
 
-# Ops whose FLOPs are matrix products of their first two tensor arguments.
-_MATMUL_NAMES = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-    "aten::einsum", "aten::_scaled_mm", "aten::addbmm", "aten::mv", "aten::dot",
-})
-_ATTENTION_NAMES = frozenset({
-    "aten::scaled_dot_product_attention",
-    "aten::_scaled_dot_product_flash_attention",
-    "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_cudnn_attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "aten::_scaled_dot_product_attention_math",
-})
-
-
 def is_grouped_mm(target: Any) -> bool:
     """aten._grouped_mm, transformers::grouped_mm_fallback, meshplan::grouped_mm and the like."""
     name = _op_name(target)
@@ -210,11 +157,11 @@ def is_grouped_mm(target: Any) -> bool:
 
 
 def is_matmul_like(target: Any) -> bool:
-    return _op_name(target) in _MATMUL_NAMES or is_grouped_mm(target)
+    return _op_name(target) in MATMUL_OPS or is_grouped_mm(target)
 
 
 def is_attention_op(target: Any) -> bool:
-    return _op_name(target) in _ATTENTION_NAMES
+    return _op_name(target) in ATTENTION_OPS
 
 
 def _tensor_args(args: Sequence[Any]) -> list[TensorSpec]:
@@ -244,7 +191,7 @@ def contracted_dim(target: Any, args: Sequence[Any]) -> int:
     t = _tensor_args(args)
     if name == "aten::linear":
         return t[1].shape[-1]
-    if name in ("aten::addmm", "aten::baddbmm", "aten::addbmm"):
+    if name in ADDMM_OPS:
         return t[1].shape[-1]
     if name in ("aten::mm", "aten::bmm", "aten::matmul", "aten::_scaled_mm", "aten::mv", "aten::dot") \
             or is_grouped_mm(target):
@@ -314,7 +261,7 @@ def _grad_operands(target: Any, args: Sequence[Any]) -> int:
     name = _op_name(target)
     if name == "aten::einsum":
         operands = [o for o in (args[1] if len(args) > 1 else []) if isinstance(o, TensorSpec)]
-    elif name in ("aten::addmm", "aten::baddbmm", "aten::addbmm"):
+    elif name in ADDMM_OPS:
         operands = _tensor_args(args)[1:3]      # the added term is not a product operand
     else:
         operands = _tensor_args(args)[:2]

@@ -13,7 +13,7 @@ paragraph so that a tiny byte-level model has structure to learn at every scale:
 
 Regenerate (byte-identical, Python's `random.Random` is stable across versions) with:
 
-    python -m meshplan.runtime.corpus.generate > meshplan/runtime/corpus/corpus.txt
+    python -m meshplan.train.corpus.generate > meshplan/train/corpus/corpus.txt
 """
 
 from __future__ import annotations

@@ -1,0 +1,232 @@
+"""What one pipeline rank does for one micro-batch: its layers' forward/backward (+ recompute) time,
+per-dimension communication, parameters held and activations stored (cost_models.md §6, §9).
+
+`rank_work` composes `layer.layer_cost` over the layers the rank holds, plus the embedding on the
+first rank and the output layer + loss on the last; `estimate.estimate_profile` turns the ranks into
+a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.comm import collective_time
+from meshplan.cost_models.compute import elementwise_time, fp8_weight_cast_time, gemm_time, grad_accumulation_time
+from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
+from meshplan.ir.layout import Layout
+from meshplan.ir.profile import ModelProfile
+
+__all__ = ["RankWork", "LayerTable", "rank_layers", "layer_fp8_flags", "rank_work", "embedding_time",
+           "fused_loss", "head_times", "head_activation_bytes", "clear_layer_cache"]
+
+# Logits on the last stage at the loss: the bf16 logits kept for backward + one fp32 buffer
+# (softmax, reused for its gradient by fused cross-entropy kernels) (derived).
+_LOGIT_BYTES = K.BF16 + K.FP32
+_LAYER_CACHE: dict = {}
+_LAYER_CACHE_MAX = 200_000
+_DIMS = ("tp", "cp", "ep")
+
+
+def clear_layer_cache() -> None:
+    _LAYER_CACHE.clear()
+
+
+def embedding_time(profile: ModelProfile, cluster, tokens: float, sp_div: int) -> float:
+    """Forward seconds of the embedding lookup (memory-bound write of the hidden state); backward is 2x."""
+    return elementwise_time(2 * K.BF16 * profile.hidden * tokens / sp_div, cluster)
+
+
+def fused_loss(profile: ModelProfile, tp: int) -> bool:
+    """Whether the output layer + loss run as meshplan's fused linear + cross-entropy kernel: the
+    runtime swaps it in when the tracer matched it and the head is not split over TP."""
+    return tp == 1 and dict(profile.fusions).get("linear_cross_entropy", False)
+
+
+def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[float, float]:
+    """(output-layer GEMM, cross-entropy) forward seconds; the output layer stays BF16 (standard FP8
+    recipes). Backward is 2x the GEMM plus the same cross-entropy pass. Fused (fused_loss), the
+    cross-entropy passes save meshplan.kernels.fusion's bytes over the eager ones."""
+    g = gemm_time(tokens, profile.vocab / tp, profile.hidden, cluster)
+    logits = tokens * profile.vocab / tp
+    ce_bytes = 3 * _LOGIT_BYTES * logits
+    if fused_loss(profile, tp):
+        from meshplan.kernels.fusion import linear_cross_entropy_bytes_saved
+        ce_bytes = max(ce_bytes - linear_cross_entropy_bytes_saved(tokens=tokens, vocab=profile.vocab) / 2,
+                       0.0)
+    return g, elementwise_time(ce_bytes, cluster)
+
+
+def head_activation_bytes(profile: ModelProfile, tokens: float, tp: int) -> float:
+    """Bytes the output layer + loss hold for backward on the last stage, per micro-batch."""
+    if fused_loss(profile, tp):
+        from meshplan.kernels.fusion import linear_cross_entropy_memory_bytes
+        return linear_cross_entropy_memory_bytes(tokens=tokens, vocab=profile.vocab, hidden=profile.hidden)
+    return _LOGIT_BYTES * tokens * profile.vocab / tp
+
+
+def rank_layers(stage_layers, p: int) -> list[list[int]]:
+    """Layer indices each pipeline rank holds (virtual stage s lives on rank s % p)."""
+    out: list[list[int]] = [[] for _ in range(p)]
+    start = 0
+    for s, n in enumerate(stage_layers):
+        out[s % p].extend(range(start, start + n))
+        start += n
+    return out
+
+
+def layer_fp8_flags(profile: ModelProfile, fp8: bool, fp8_modules: frozenset | None) -> list[bool]:
+    """Which layers run their GEMMs in FP8: all of them under precision="fp8", unless an FP8 module
+    set is given (the FP8 placement ILP's choice), in which case a layer counts as FP8 when any of
+    its linears is in the set (layer granularity; the ILP excludes whole first/last blocks)."""
+    flags = [fp8] * profile.num_layers
+    if fp8 and fp8_modules is not None:
+        seen = {bi: 0 for bi in range(len(profile.blocks))}
+        for i, bi in enumerate(profile.layers):
+            inst = profile.blocks[bi].instances[seen[bi]] if profile.blocks[bi].instances else ""
+            seen[bi] += 1
+            flags[i] = any(mod.startswith(inst + ".") for mod in fp8_modules)
+    return flags
+
+
+class LayerTable:
+    """Memoised per-layer costs and activation bytes for one (profile, cluster, layout, shape).
+
+    A layer's cost depends only on its block and the layout fields the layer sees, so it is shared
+    (through a module-level cache) across every candidate of a search that differs in pp / vp / dp /
+    zero / schedule."""
+
+    def __init__(self, profile: ModelProfile, cluster, L: Layout, seq_len: int, ctxs: dict, layer_fp8: list[bool],
+                 unfused: frozenset):
+        self.profile, self.blocks, self.ctxs, self.layer_fp8 = profile, profile.layer_blocks(), ctxs, layer_fp8
+        self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
+                    L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused)
+        self._local: dict[tuple, Any] = {}
+        self._act: dict[tuple, float] = {}
+
+    def cost(self, i: int, policy: str):
+        lk = (self.profile.layers[i], policy, self.layer_fp8[i])
+        hit = self._local.get(lk)
+        if hit is None:
+            key = (self.key, lk)
+            hit = _LAYER_CACHE.get(key)
+            if hit is None:
+                if len(_LAYER_CACHE) > _LAYER_CACHE_MAX:
+                    _LAYER_CACHE.clear()
+                hit = _LAYER_CACHE[key] = layer_cost(self.blocks[i], self.ctxs[self.layer_fp8[i]], policy=policy)
+            self._local[lk] = hit
+        return hit
+
+    def act(self, i: int, policy: str) -> float:
+        lk = (self.profile.layers[i], policy, self.layer_fp8[i])
+        if lk not in self._act:
+            self._act[lk] = activation_bytes(self.blocks[i], self.ctxs[self.layer_fp8[i]], policy=policy)
+        return self._act[lk]
+
+
+@dataclass
+class RankWork:
+    """One pipeline rank, one micro-batch (all its chunks)."""
+
+    fb: float = 0.0                 # forward + backward (+ recompute) seconds, exposed comm included
+    wgrad: float = 0.0              # weight-gradient GEMMs inside the backward
+    cast: float = 0.0               # once-per-step FP8 weight cast
+    t_f: float = 0.0                # forward seconds (DP/FSDP gathers hide behind it)
+    t_b: float = 0.0                # backward + recompute seconds (reduce-scatters hide behind it)
+    dparams: float = 0.0            # dense parameters held (after TP)
+    eparams: float = 0.0            # expert parameters held (after EP x ETP)
+    act: float = 0.0                # activation bytes stored per micro-batch
+    largest_full: float = 0.0       # the largest fully recomputed layer's bytes, rebuilt in backward
+    layers: list[int] = field(default_factory=list)
+    parts: dict = field(default_factory=lambda: {"compute": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0})
+    comm: dict = field(default_factory=lambda: {k: 0.0 for k in _DIMS})
+
+
+def _policy_for(layout: Layout, index_in_rank: int) -> str:
+    rc = layout.recompute
+    if isinstance(rc, str):
+        return rc
+    return "full" if index_in_rank < rc else "none"
+
+
+def _fp8_weight_elements(b, layout: Layout) -> float:
+    """Weights of block `b` held by one GPU that run their GEMMs in FP8 (the router stays BF16)."""
+    n = 0.0
+    for li in b.linears:
+        if li.role == "router":
+            continue
+        div = layout.ep * layout.etp if li.role in ("expert_in", "expert_out") else layout.tp
+        n += li.in_features * li.out_features * li.count / div
+    return n
+
+
+def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float, float]:
+    """Accumulate the rank's transformer layers into `w`; returns (forward, backward + recompute)
+    seconds and the weights held that run in FP8."""
+    fwd = bwd = fp8_w = 0.0
+    for j, i in enumerate(w.layers):
+        b = table.blocks[i]
+        pol = _policy_for(L, j)
+        c = table.cost(i, pol)
+        fwd += c.fwd_s
+        bwd += c.bwd_s + c.recompute_s
+        w.wgrad += c.wgrad_s
+        w.parts["compute"] += c.compute_s
+        for k in _DIMS:
+            w.parts[k] += c.exposed_s[k]
+            w.comm[k] += c.comm_s[k]
+        w.act += table.act(i, pol)
+        if pol == "full":
+            w.largest_full = max(w.largest_full, table.act(i, "none"))
+        w.dparams += (b.params - b.expert_params) / L.tp
+        w.eparams += b.expert_params / (L.ep * L.etp)
+        if table.layer_fp8[i]:
+            fp8_w += _fp8_weight_elements(b, L)
+    return fwd, bwd, fp8_w
+
+
+def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int) -> tuple[float, float]:
+    """Embedding on rank 0, final norm + output layer + loss on the last rank; returns (fwd, bwd) seconds."""
+    L, cluster, T = ctx.layout, ctx.cluster, ctx.tokens
+    sp_div = L.tp if L.sp else 1
+    extra_f = extra_b = extra_tp = 0.0
+    if r == 0:
+        e = embedding_time(profile, cluster, T, sp_div)
+        extra_f, extra_b = e, 2 * e
+        w.dparams += profile.embedding_params / L.tp
+    if r == p - 1:
+        g, ce = head_times(profile, cluster, T, L.tp)
+        extra_f += g + ce
+        extra_b += 2 * g + ce
+        w.wgrad += g
+        head = profile.head_params if profile.head_params else \
+            (profile.embedding_params if profile.tied_embeddings and p > 1 else 0)
+        w.dparams += head / L.tp + profile.other_params / L.tp
+        if L.tp > 1:   # gather the sequence-parallel hidden state before the output layer
+            size = K.BF16 * T * profile.hidden
+            extra_tp = 2 * collective_time("all_gather" if L.sp else "all_reduce", size, ctx.tp, cluster)
+            w.parts["tp"] += extra_tp
+            w.comm["tp"] += extra_tp
+    w.parts["compute"] += extra_f + extra_b
+    return extra_f + extra_tp / 2, extra_b + extra_tp / 2
+
+
+def rank_work(profile: ModelProfile, table: LayerTable, ctx: Context, layers: list[int], r: int, p: int, *,
+              grad_accum_fusion: bool = True, grad_buffer_bytes: float = K.GRAD_BYTES) -> RankWork:
+    """Pipeline rank `r` of `p` holding `layers`, for one micro-batch."""
+    L = ctx.layout
+    w = RankWork(layers=list(layers))
+    fwd, bwd, fp8_w = _add_layers(w, table, L)
+    w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster)
+    ef, eb = _add_edges(w, profile, ctx, r, p)
+    # Without gradient-accumulation fusion every micro-batch's weight gradients are added into the
+    # gradient buffer by a separate pass (compute.grad_accumulation_time); ZeRO-3 accumulates only
+    # its shard after the reduce-scatter, which the FSDP collectives already stand for.
+    if not grad_accum_fusion and L.zero < 3:
+        acc = grad_accumulation_time(w.dparams + w.eparams, grad_buffer_bytes, ctx.cluster)
+        eb += acc
+        w.parts["compute"] += acc
+    w.t_f, w.t_b = fwd + ef, bwd + eb
+    w.fb = w.t_f + w.t_b
+    return w
