@@ -72,7 +72,7 @@ def collective(src: str, dst: str) -> str | None:
 
 
 def conversion_time(src: str, dst: str, nbytes: float, a: BlockAnalysis) -> float | None:
-    """Seconds of the collective turning `nbytes` held in `src` into `dst` (0 local, None impossible)."""
+    """Seconds to turn `nbytes` held in `src` into `dst` (0 when local, None when impossible)."""
     kind = collective(src, dst)
     if not kind:
         return kind if kind is None else 0.0
