@@ -5,13 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.errors import ConfigError
 from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
+from meshplan.planner.analytic import profile_from_config
+from meshplan.planner.build import _fp8_modules, build_plan
 from meshplan.planner.explain import explain as _explain
+from meshplan.planner.search import search
+from meshplan.planner.traits import model_traits
 from meshplan.reports import export as _export
 
 __all__ = ["Plan", "estimate", "plan", "profile", "resolve_cluster"]
@@ -55,11 +60,12 @@ def profile(model: Any, *, seq_len: int = TRACE_SEQ_LEN, **trace_kwargs) -> Mode
     if isinstance(model, ModelProfile):
         return model
     if isinstance(model, Mapping):
-        from meshplan.planner.analytic import profile_from_config
         return profile_from_config(model, seq_len=seq_len)
     if isinstance(model, str):
         model = load_model(model)
-    from meshplan.planner.trace import trace   # torch-heavy: only when a module must be traced
+    from meshplan.planner.trace import (
+        trace,  # torch-heavy: only when a module must be traced
+    )
     return trace(model, seq_len=min(seq_len, TRACE_SEQ_LEN), **trace_kwargs)
 
 
@@ -112,7 +118,6 @@ def load_model(spec: str, *, device: str = "meta", **config):
 
 
 def resolve_cluster(cluster: Any):
-    from meshplan.cluster import Cluster
     if isinstance(cluster, Cluster):
         return cluster
     if isinstance(cluster, str):
@@ -162,9 +167,6 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     fused_kernels: list the modules meshplan's fused kernels replace (Plan.fused_kernels; found
     from the traced graph) and cost them fused; False keeps every module eager and costs it so.
     """
-    from meshplan.planner.build import build_plan
-    from meshplan.planner.search import search
-    from meshplan.planner.traits import model_traits
     cl = resolve_cluster(cluster)
     precisions, run_as = _precisions(precision, cl)
     fixed = dict(fixed or {})
@@ -231,7 +233,6 @@ def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int):
     """An FP8 plan for a device without FP8 units (CPU): the BF16 plan's layout and prediction,
     with the FP8 placement ILP run as on a GPU whose FP8 rate is twice its BF16 rate (H100's
     ratio), so the module set is the planner's own choice (first/last block and head excluded)."""
-    from meshplan.planner.build import _fp8_modules
     gpu = dataclasses.replace(cl.gpu, fp8_tflops=2 * cl.gpu.bf16_tflops, fp8_gemm_efficiency=cl.gpu.gemm_efficiency)
     emu = dataclasses.replace(cl, gpu=gpu)
     mods = _fp8_modules(prof, emu, plan.layout, plan.estimate, seq_len, global_batch)

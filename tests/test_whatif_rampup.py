@@ -27,7 +27,7 @@ def test_rampup_lengthens_time_to_train_by_its_slower_steps():
     # the ramp costs at most what its steps would cost at full-batch step time, at least their share
     full_speed = ramp_tokens / a.tokens_per_s
     steps = sum(n - f for (f, _, _), (n, _, _) in zip(_phases(), _phases()[1:]))
-    assert full_speed <= ramp_s <= steps * est.step_time_s
+    assert full_speed <= ramp_s * (1 + 1e-12) and ramp_s <= steps * est.step_time_s   # equal when no fixed overhead
     assert b.days * 86400 == pytest.approx(ramp_s + (1e12 - ramp_tokens) / a.tokens_per_s, rel=1e-9)
     assert WhatIf.from_json(ramped.to_json()).rampup == (32, 32, 2_000_000)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import sys
 
+from meshplan.cost_models.calibrate import run_calibration, save_profile
+
 __all__ = ["register", "cmd_calibrate"]
 
 
 def cmd_calibrate(args) -> int:
-    from meshplan.cost_models.calibrate import run_calibration, save_profile
     cluster, cal = run_calibration(args.base, args.nproc, args.quick)
     save_profile(cluster, cal, args.out)
     print(cluster.describe())

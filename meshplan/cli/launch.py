@@ -13,7 +13,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from meshplan.api import Plan
 from meshplan.errors import ConfigError
+from meshplan.train.launch import layout_from_plan
 
 __all__ = ["register", "cmd_launch"]
 
@@ -54,9 +56,7 @@ def register(subparsers) -> None:
 
 def _sizes(args) -> tuple[int, int, str]:
     """(nodes, processes per node, a note saying where the numbers came from)."""
-    from meshplan.train.launch import layout_from_plan
     if args.plan:
-        from meshplan.api import Plan
         if not Path(args.plan).is_file():
             raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
                               "`meshplan plan ... --json plan.json`")
@@ -69,8 +69,14 @@ def _sizes(args) -> tuple[int, int, str]:
 
 
 def cmd_launch(args) -> int:
-    from meshplan.train.launch import SlurmJob, launch_local, slurm_script, submit_slurm, target_spec, \
-        torchrun_command
+    from meshplan.train.launch import (
+        SlurmJob,
+        launch_local,
+        slurm_script,
+        submit_slurm,
+        target_spec,
+        torchrun_command,
+    )
     target = target_spec(args.command)
     nodes, per_node, source = _sizes(args)
     if not args.slurm:

@@ -8,6 +8,9 @@ import time
 
 import meshplan as mp
 from meshplan.cli.common import cluster_from_args, parse_layout
+from meshplan.cluster import GPUS, Cluster
+from meshplan.reports.export import export_text
+from meshplan.reports.html import write_plan_report
 
 __all__ = ["register"]
 
@@ -39,11 +42,9 @@ def cmd_plan(args) -> int:
         pl.save(args.json)
         print(f"plan written to {args.json}", file=sys.stderr)
     if args.report:
-        from meshplan.reports.html import write_plan_report
         write_plan_report(pl, args.report)
         print(f"report written to {args.report}", file=sys.stderr)
     if args.export:
-        from meshplan.reports.export import export_text
         print(export_text(pl, args.export))
     return 0
 
@@ -58,7 +59,6 @@ def cmd_models(args) -> int:
 
 
 def cmd_clusters(args) -> int:
-    from meshplan.cluster import GPUS, Cluster
     print("presets:")
     for name in Cluster.presets():
         c = Cluster.preset(name)

@@ -15,8 +15,18 @@ import os
 import sys
 from pathlib import Path
 
+import meshplan as mp
+from meshplan.api import Plan, load_model
 from meshplan.cli.common import parse_layout
+from meshplan.cluster import Cluster
 from meshplan.errors import ConfigError, MeshplanError
+from meshplan.train.launch import (
+    launch_local,
+    layout_from_plan,
+    under_torchrun,
+    wait_for_endpoint,
+)
+from meshplan.train.spawn import exit_worker
 
 DEFAULT_MODEL = "tiny-llama"
 # Start-up (rendezvous, rank 0 tokenising the data while the others wait, model set-up) may take
@@ -118,7 +128,6 @@ def _moe_overrides(args) -> dict:
 
 
 def _cluster(name: str, nproc: int, nnodes: int = 1):
-    from meshplan.cluster import Cluster
     if name.endswith(".json"):
         cl = Cluster.load(name)
     elif name == "local-cpu":
@@ -138,8 +147,6 @@ def _plan(args, world_size: int | None = None):
     """The job's plan: --plan's (checked against the job's size), else a fresh plan for
     --nnodes x --nproc processes. Planning is deterministic, so every node (and, under torchrun,
     every rank) that plans gets the same plan."""
-    import meshplan as mp
-    from meshplan.api import Plan
     if args.plan:
         if not Path(args.plan).is_file():
             raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
@@ -208,7 +215,6 @@ def _save_atomic(path: Path, text: str) -> None:
 
 def _load(args, device: str):
     """The model: a preset is built at --seq-len; files and configs carry their own lengths."""
-    from meshplan.api import load_model
     preset = not args.model.endswith((".py", ".json")) and ".py:" not in args.model
     moe = _moe_overrides(args)
     if moe and not preset:
@@ -219,8 +225,6 @@ def _load(args, device: str):
 
 
 def cmd_train(args) -> int:
-    from meshplan.train.launch import launch_local, under_torchrun, wait_for_endpoint
-    from meshplan.train.spawn import exit_worker
     if args.worker:
         exit_worker(_worker(argparse.Namespace(**json.loads(Path(args.worker).read_text()))))
     if under_torchrun():
@@ -230,8 +234,6 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plan and args.nproc is None:
-        from meshplan.api import Plan
-        from meshplan.train.launch import layout_from_plan
         if Path(args.plan).is_file():
             _, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
     where = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
@@ -300,7 +302,6 @@ def _worker(args, plan=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from meshplan.api import Plan
     from meshplan.runtime.parallel import parallelize
     from meshplan.train.loop import RankHangError, TrainConfig, train
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

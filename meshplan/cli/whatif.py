@@ -15,12 +15,13 @@ import sys
 from pathlib import Path
 
 from meshplan.errors import ConfigError
+from meshplan.reports.html import write_whatif_report
+from meshplan.reports.whatif import DEFAULT_COUNTS, DEFAULT_GPUS, whatif
 
 __all__ = ["register", "cmd_whatif"]
 
 
 def register(subparsers) -> None:
-    from meshplan.reports.whatif import DEFAULT_COUNTS, DEFAULT_GPUS
     w = subparsers.add_parser(
         "whatif", help="compare time to train and cost over GPU types and counts",
         description="Plan the model on every (GPU type, GPU count) and report throughput, MFU, time to train, "
@@ -57,7 +58,6 @@ def _check_writable(path: str | None, flag: str) -> None:
 
 
 def cmd_whatif(args) -> int:
-    from meshplan.reports.whatif import whatif
     for path, flag in ((args.json, "--json"), (args.markdown, "--markdown"), (args.html, "--html")):
         _check_writable(path, flag)   # before a sweep that may take minutes
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -73,7 +73,6 @@ def cmd_whatif(args) -> int:
         Path(args.markdown).write_text(w.to_markdown(), encoding="utf-8")
         print(f"Markdown written to {args.markdown}", file=sys.stderr)
     if args.html:
-        from meshplan.reports.html import write_whatif_report
         write_whatif_report(w, args.html)
         print(f"HTML report written to {args.html}", file=sys.stderr)
     return 0

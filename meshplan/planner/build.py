@@ -6,15 +6,18 @@ from typing import Any, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
+from meshplan.cost_models.uncertainty import prefer_simpler
+from meshplan.errors import DoesNotFitError, LayoutError, MeshplanError
 from meshplan.ir.estimate import GB, Estimate
 from meshplan.ir.layout import Layout, check_layout
-from meshplan.errors import DoesNotFitError, LayoutError, MeshplanError
-from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
-from meshplan.planner.explain import why_lost
 from meshplan.ir.plan import FusedKernel, Plan, RunnerUp
 from meshplan.ir.profile import ModelProfile
+from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
+from meshplan.planner.explain import why_lost
 from meshplan.planner.fusions import find_fusions
+from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates
 from meshplan.planner.ilp_sharding import shard_profile
+from meshplan.planner.stages import refine_stages
 
 __all__ = ["build_plan", "placements_for", "stage_modules", "block_instances"]
 
@@ -159,7 +162,6 @@ def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], se
 
 def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, global_batch: int) -> tuple[str, ...]:
     """FP8 placement ILP: which linears gain from FP8 within the memory left on each stage."""
-    from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates
     cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
     budget = [best.capacity_gb - sum(s.values()) for s in best.memory_by_stage]
     choice = choose_fp8(cands, memory_budget_gb=budget)
@@ -186,7 +188,6 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     # the pipeline-stage ILP may move layers off the embedding / output stages; try it on the
     # leading candidates (unless the user fixed the split) and keep the fastest
     if not (fixed and "stage_layers" in fixed):
-        from meshplan.planner.stages import refine_stages
         head = [refine_stages(profile, cluster, e, seq_len=seq_len, global_batch=global_batch)
                 for e in result.ranked[:3]]
         result.ranked = sorted(head + result.ranked[3:], key=lambda e: e.step_time_s)
@@ -195,7 +196,6 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     # of the layout that the choice is theirs
     band_note = ""
     if prefer_simpler_layouts:
-        from meshplan.cost_models.uncertainty import prefer_simpler
         chosen, band_note = prefer_simpler(result.ranked)
         if chosen is not result.ranked[0]:
             result.ranked = [chosen] + [e for e in result.ranked if e is not chosen]

@@ -3,8 +3,8 @@ stage against capacity, the runner-ups and why each lost, and the bottleneck."""
 
 from __future__ import annotations
 
+from meshplan.cost_models.uncertainty import gain_band
 from meshplan.ir.estimate import Estimate
-from meshplan.ir.layout import Layout
 
 __all__ = ["explain", "why_lost"]
 
@@ -24,7 +24,6 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
     slower = loser.step_time_s / best.step_time_s - 1
     if slower < 0:
         # faster by the model, yet not chosen: its edge is inside the uncertainty band (prefer_simpler)
-        from meshplan.cost_models.uncertainty import gain_band
         gain, band, d = gain_band(loser, best)
         rests = ", ".join(f"{_NAMES.get(c, c)} {v * 1e3:.0f} ms" for c, v in sorted(d.items(), key=lambda kv: -kv[1])
                           if v > 1e-3 * loser.step_time_s)

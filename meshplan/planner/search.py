@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.ir.estimate import Estimate
-from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
 from meshplan.errors import ConfigError, MeshplanError
+from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.ir.profile import ModelProfile
-from meshplan.planner.traits import model_traits
 from meshplan.ir.support import runtime_limits
+from meshplan.planner.traits import model_traits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
 

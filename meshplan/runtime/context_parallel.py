@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from meshplan.errors import ConfigError, LayoutError
+from meshplan.models.transformer import Transformer
 
 __all__ = ["load_balanced_positions", "shard_sequence", "ring_attention", "RingAttentionMode",
            "apply_context_parallel", "check_sequence_length"]
@@ -353,7 +354,6 @@ def _permute_position_buffers(stage: nn.Module, positions: Tensor, seq_len: int,
 
 
 def _model_kind(stage: nn.Module) -> str:
-    from meshplan.models.transformer import Transformer
     if isinstance(stage, Transformer):
         return "meshplan"
     # a Hugging Face model means transformers is imported already (importing it costs seconds)

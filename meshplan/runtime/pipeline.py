@@ -206,8 +206,13 @@ def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):
     `scale_grads=False`: the loss function already divides by the global token count, so the
     accumulated gradients are those of the global-batch mean (see parallel.py).
     """
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
     multi = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble,
              "zbv": ScheduleZBVZeroBubble}
     single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}

@@ -28,7 +28,10 @@ _SAVE_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_red
 
 
 def _selective_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
     save = {getattr(torch.ops.aten, n).default for n in _SAVE_OPS if hasattr(torch.ops.aten, n)}
     save |= {getattr(torch.ops._c10d_functional, n).default for n in _SAVE_COLLECTIVES
              if hasattr(torch.ops._c10d_functional, n)}

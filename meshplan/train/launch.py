@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading

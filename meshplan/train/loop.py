@@ -40,9 +40,21 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import ConfigError
+from meshplan.ir.rampup import BatchRampup
+from meshplan.runtime.expert_parallel import MoEBalancer
+from meshplan.runtime.fp8 import precision_summary
+from meshplan.runtime.parallel import parallelize
 from meshplan.train import checkpoint as ckpt
-from meshplan.train.metrics import moe_metrics
+from meshplan.train.data import TokenDataset
 from meshplan.train.lr_schedule import lr_at, set_lr
+from meshplan.train.metrics import (
+    MetricsLog,
+    Progress,
+    StepMetrics,
+    moe_metrics,
+    peak_memory_gb,
+)
+from meshplan.train.optim import build_optimizer
 
 __all__ = ["TrainConfig", "TrainResult", "RankHangError", "train"]
 
@@ -127,9 +139,6 @@ class TrainResult:
 
 def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset=None) -> TrainResult:
     """Train `model` as `plan` says, in an initialised process group. See the module docstring."""
-    from meshplan.train.data import TokenDataset
-    from meshplan.train.metrics import MetricsLog, Progress, StepMetrics, peak_memory_gb
-    from meshplan.runtime.parallel import parallelize
     rank = dist.get_rank()
     out = Path(config.out_dir)
     if rank == 0:
@@ -151,7 +160,6 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     sampler = dataset.sampler(global_batch=plan.global_batch, seq_len=plan.seq_len, seed=config.seed,
                               rampup=rampup)
     # Adam moments in the layout's optimizer_dtype (fp32, or bf16 with fp32 master weights: optim.py)
-    from meshplan.train.optim import build_optimizer
     opt = build_optimizer(pm.parameters(), optimizer_dtype=plan.layout.optimizer_dtype, lr=config.lr,
                           betas=config.betas, weight_decay=config.weight_decay, device=pm.device)
     _report_precisions(pm, plan, out, rank)
@@ -247,7 +255,6 @@ def _rampup(plan, config: TrainConfig):
     not split into the plan's micro-batches on every data-parallel rank."""
     if config.rampup_batch_size is None:
         return None
-    from meshplan.ir.rampup import BatchRampup
     lay = plan.layout
     if plan.mesh.get("pp", 1) > 1:
         raise ConfigError(f"--rampup-batch-size with pipeline parallelism (pp={plan.mesh['pp']}) is not supported: "
@@ -268,7 +275,6 @@ def _set_microbatches(pm, balancer, batch: int) -> None:
 
 def _balancer(pm):
     """MoE load balancing over dp x cp and micro-batches when the model has routed layers (collective)."""
-    from meshplan.runtime.expert_parallel import MoEBalancer
     balancer = MoEBalancer(pm)
     return balancer if balancer.active else None
 
@@ -369,7 +375,6 @@ def _report_precisions(pm, plan, out: Path, rank: int) -> None:
     ranks gathered) to out/precisions.json: what runs, whatever the plan said (collective)."""
     import json
 
-    from meshplan.runtime.fp8 import precision_summary
     mine = dict(getattr(pm, "precisions", {}) or {})
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)

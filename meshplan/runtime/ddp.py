@@ -1,0 +1,64 @@
+"""Data parallelism without FSDP: plain DDP for zero=0 (`ddp_runs`), and autocast for mixed
+precision where no FSDP wrapper casts (`autocast_forward`). `data_parallel_mode` says which of
+FSDP2 (fsdp.py), DDP or nothing a plan runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ddp_runs", "data_parallel_mode", "wrap_ddp", "autocast_forward"]
+
+
+def ddp_runs(layout) -> bool:
+    """Whether the runtime runs this layout's data parallelism as plain DDP (zero=0): replicated
+    fp32 weights, one bucketed all-reduce of the gradients overlapped with backward. DDP keeps
+    plain tensors, so it runs without TP, PP, CP and EP; zero=0 with any of those runs through
+    FSDP2 as ZeRO-1 (less memory than planned, never more). The planner offers zero=0 only here."""
+    return layout.zero == 0 and layout.dp > 1 and layout.tp == 1 and layout.pp == 1 and layout.cp == 1 \
+        and layout.ep == 1
+
+
+def data_parallel_mode(plan) -> str:
+    """"ddp", "fsdp" or "none" (one data-parallel rank: no wrapper at all, not FSDP over a one-rank
+    mesh, whose hooks, copies and sharded optimizer cost ~30 ms a step on CPU for nothing)."""
+    lay = plan.layout
+    if plan.mesh.get("dp", 1) * plan.mesh.get("cp", 1) == 1:
+        return "none"
+    return "ddp" if ddp_runs(lay) else "fsdp"
+
+
+def _sum_allreduce_hook(group, bucket):
+    """DDP communication hook: SUM the bucket over the group (DDP's default averages; the loss is
+    already divided by the global token count, so the sum is the global-batch mean gradient)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_ddp(stage: nn.Module, group, device: torch.device) -> nn.Module:
+    with warnings.catch_warnings():     # broadcast_buffers=False: buffers are derived (rope tables), never synced
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DistributedDataParallel(stage, process_group=group, broadcast_buffers=False,
+                                      gradient_as_bucket_view=True,
+                                      device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    return ddp
+
+
+def autocast_forward(stage: nn.Module, dtype: torch.dtype, device_type: str) -> None:
+    """Mixed precision without FSDP: the stage's forward runs under autocast (bf16 matmuls, fp32
+    master weights, gradients and reductions), as a user writes it by hand. Only the forward:
+    backward ops follow the dtypes autocast chose for their forward ops."""
+    inner = stage.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+    stage.forward = forward
