@@ -158,7 +158,9 @@ def test_layout_json_round_trip(layout):
 def test_layout_defaults_and_normalisation():
     assert Layout(tp=2).sp is True and Layout(tp=1).sp is False
     assert Layout(pp=2, vp=2).schedule == "interleaved"
-    assert Layout(pp=2, schedule="zbv").vp == 2
+    assert Layout(pp=2, schedule="zbv").vp == 2          # unset vp takes the schedule's default
+    with pytest.raises(ConfigError, match="use vp=2"):
+        Layout(pp=2, vp=1, schedule="zbv")                # a value the caller set is never rewritten
     assert Layout(tp=2, cp=2, pp=2, dp=3).world == 24
     assert Layout(tp=2, dp=4, ep=4).edp == 2
 

@@ -173,3 +173,19 @@ def test_fp8_estimate_costs_only_the_chosen_fp8_layers():
     none = estimate_profile(LLAMA8B, cl, lay, seq_len=4096, global_batch=64, precision="fp8", fp8_modules=frozenset())
     assert full.step_time_s < some.step_time_s < none.step_time_s
     assert none.time_s["compute"] == pytest.approx(bf16.time_s["compute"], rel=1e-6)
+
+
+def test_sharding_ilp_failure_is_recorded_not_swallowed(monkeypatch):
+    """An ILP that fails leaves the Megatron pattern in the plan AND says so (issue #15: it used to
+    fall back silently)."""
+    from meshplan.errors import LayoutError
+    from meshplan.planner import build
+
+    def failing(*args, **kwargs):
+        raise LayoutError("no feasible sharding for this block")
+    monkeypatch.setattr(build, "shard_profile", failing)
+    model = mp.models.build("tiny-llama", seq_len=64, device="meta")
+    pl = plan(model, mp.Cluster.preset("local-cpu"), seq_len=64, global_batch=8, fixed={"tp": 2, "dp": 2})
+    assert "sharding ILP" in pl.search["placement_note"] and "no feasible sharding" in pl.search["placement_note"]
+    assert pl.placements["layers.0.attention.wq"] == "colwise" and pl.placements["layers.3.feed_forward.w2"] == "rowwise"
+    assert "placements follow the runtime's Megatron pattern" in pl.explain()

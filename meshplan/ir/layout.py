@@ -61,7 +61,7 @@ class Layout:
     ep: int = 1
     etp: int = 1
     pp: int = 1
-    vp: int = 1
+    vp: int | None = None    # None: 2 for schedule "zbv" (its V always holds two chunks), else 1
     dp: int = 1
     zero: int = 1            # 0 DDP, 1 distributed optimizer, 2 + sharded grads, 3 FSDP full shard
     mbs: int = 1
@@ -81,6 +81,12 @@ class Layout:
     attn_kernel: str = "flash"      # flash-attention implementation (ATTN_KERNELS)
 
     def __post_init__(self) -> None:
+        # unset choices take their defaults; a value the caller set is validated, never rewritten
+        if self.schedule is None:
+            # vp only means something for a schedule that has several chunks per rank
+            object.__setattr__(self, "schedule", "interleaved" if (self.vp or 1) > 1 else "1f1b")
+        if self.vp is None:
+            object.__setattr__(self, "vp", 2 if self.schedule == "zbv" else 1)
         for name in ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "mbs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -94,9 +100,6 @@ class Layout:
                                   "or a number of fully recomputed layers per stage")
         elif isinstance(self.recompute, bool) or not isinstance(self.recompute, int) or self.recompute < 0:
             raise ConfigError(f"layout recompute={self.recompute!r}: a layer count must be >= 0")
-        if self.schedule is None:
-            # vp only means something for a schedule that has several chunks per rank
-            object.__setattr__(self, "schedule", "interleaved" if self.vp > 1 else "1f1b")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"layout schedule={self.schedule!r}: use one of {SCHEDULES}")
         if self.vp > 1 and self.schedule not in ("interleaved", "zbv"):
@@ -106,10 +109,9 @@ class Layout:
                               "(or 'zbv', vp=2) for virtual stages")
         if self.schedule == "interleaved" and self.vp == 1:
             raise ConfigError("schedule 'interleaved' needs vp > 1 (virtual stages per pipeline rank)")
-        if self.schedule == "zbv" and self.vp not in (1, 2):
-            raise ConfigError("schedule 'zbv' places exactly 2 chunks per rank (vp=2)")
-        if self.schedule == "zbv":
-            object.__setattr__(self, "vp", 2)
+        if self.schedule == "zbv" and self.vp != 2:
+            raise ConfigError(f"schedule 'zbv' places exactly 2 chunks per rank: use vp=2 (or leave vp unset), "
+                              f"not vp={self.vp}")
         if self.sp is None:
             object.__setattr__(self, "sp", self.tp > 1)
         if isinstance(self.fsdp_shard, bool) or not isinstance(self.fsdp_shard, int) or self.fsdp_shard < 0:

@@ -105,4 +105,6 @@ def explain(plan) -> str:
         p("")
         p(f"Searched {s.get('meshes', 0)} meshes, {s.get('estimates', 0)} estimates "
           f"({s.get('pruned_memory', 0)} meshes pruned by memory) in {s.get('seconds', 0):.2f} s")
+        if s.get("placement_note"):
+            p(f"Note: {s['placement_note']}")
     return "\n".join(out)

@@ -152,6 +152,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     stats["pruned_divisibility"] += 1
                     continue
                 vps = [1] if pp == 1 or f.get("schedule") in SINGLE_CHUNK_SCHEDULES else \
+                    [2] if f.get("schedule") == "zbv" else \
                     [v for v in range(1, MAX_VP + 1) if L % (pp * v) == 0] or [1]
                 for vp in _opts("vp", f, vps):
                     scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])

@@ -1,0 +1,120 @@
+"""The house rules of docs/architecture.md, checked on the source (AST, no imports executed).
+
+Every `import` / `from ... import` of a meshplan module, at module level or inside a function,
+is an arrow from its package to another. The allowed arrows follow the data flow
+model -> profile -> costs -> search -> Plan -> runtime -> training; an arrow against it fails
+here with the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "meshplan"
+
+# package -> the meshplan packages it may import (besides itself). "meshplan" is the lazy
+# top-level namespace (meshplan/__init__.py), "api" the public entry points.
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "ir": {"errors"},
+    "cluster": {"errors"},
+    "kernels": {"errors"},
+    "models": {"errors", "kernels"},
+    "cost_models": {"errors", "ir", "cluster", "kernels"},
+    "planner": {"errors", "ir", "cluster", "kernels", "models", "cost_models"},
+    "export": {"errors", "ir", "models"},
+    "api": {"errors", "ir", "cluster", "kernels", "models", "cost_models", "planner", "export"},
+    "reports": {"errors", "ir", "cluster", "models", "cost_models", "planner", "export", "api", "meshplan"},
+    # the parallel engine reads the Plan types, never the planner or the cost model
+    "runtime": {"errors", "ir", "kernels", "models"},
+    "train": {"errors", "ir", "kernels", "models", "runtime"},
+    # the command line calls the public API and the applications built on it
+    "cli": {"errors", "ir", "cluster", "models", "api", "export", "reports", "runtime", "train", "meshplan",
+            "cost_models"},
+    "meshplan": {"errors", "ir", "cluster", "api"},    # __init__'s TYPE_CHECKING imports
+}
+MAX_LINES = 600
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "meshplan"
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """(line, imported meshplan module) for every import in the file."""
+    return _imports_in(path.read_text(), _module(path), path.name == "__init__.py")
+
+
+def _imports_in(source: str, module: str, is_pkg: bool):
+    tree = ast.parse(source)
+    here = module.split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "meshplan":
+                    yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here if is_pkg else here[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "meshplan":
+                continue
+            if target == "meshplan":    # `from meshplan import cluster` names submodules
+                for a in node.names:
+                    yield node.lineno, f"meshplan.{a.name}"
+            else:
+                yield node.lineno, target
+
+
+def _target_package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "meshplan"
+
+
+FILES = sorted(ROOT.rglob("*.py"))
+
+
+def test_every_package_has_a_rule():
+    packages = {_package(p) for p in FILES}
+    assert packages <= set(ALLOWED), f"packages without an import rule: {sorted(packages - set(ALLOWED))}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_follow_the_data_flow(path):
+    pkg = _package(path)
+    bad = []
+    for line, module in _imports(path):
+        target = _target_package(module)
+        if target in ("__version__",):
+            continue
+        if target != pkg and target not in ALLOWED[pkg]:
+            bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module} ({pkg} -> {target})")
+    assert not bad, "imports against docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_modules_stay_small():
+    big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p in FILES
+           if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not big, f"modules over {MAX_LINES} lines (split them along their jobs):\n" + "\n".join(big)
+
+
+def test_the_rule_checker_sees_violations():
+    """The checker itself: relative and absolute imports of the runtime from the planner are seen."""
+    src = ("from meshplan.runtime.parallel import parallelize\nimport meshplan.train.loop\n"
+           "def f():\n    from ..runtime import fsdp\n    from meshplan import runtime\n")
+    found = [m for _, m in _imports_in(src, "meshplan.planner.probe", False)]
+    assert found == ["meshplan.runtime.parallel", "meshplan.train.loop", "meshplan.runtime", "meshplan.runtime"]
+    assert all(_target_package(m) not in ALLOWED["planner"] for m in found)
