@@ -154,6 +154,15 @@ class Layout:
     def stages(self) -> int:
         return self.pp * self.vp
 
+    def recompute_policy(self, index_in_rank: int) -> str:
+        """"none" | "selective" | "full" for the `index_in_rank`-th layer a pipeline rank holds,
+        counted over all of its virtual stages in execution order. The cost model prices and the
+        runtime applies exactly this (an int N recomputes the first N layers of each rank)."""
+        rc = self.recompute
+        if isinstance(rc, str):
+            return rc
+        return "full" if index_in_rank < rc else "none"
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if d["stage_layers"] is not None:

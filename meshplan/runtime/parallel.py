@@ -227,6 +227,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     ddps: list[nn.Module] = []
     async_tp = False
     swaps: list = []
+    layers_before = 0       # layers of this pipeline rank in earlier virtual stages (recompute counts per rank)
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, plan.blocks)
         apply_tensor_parallel(stage, plan, mesh["tp"])                              # 2. TP / SP
@@ -243,7 +244,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             swaps.append(_fp8.apply_fp8(stage, plan.fp8_modules, backend=fp8_backend, recipe=fp8_recipe,
                                         device=device, tp=lay.tp,
                                         fsdp_float8_all_gather=use_fsdp and lay.zero == 3))
-        apply_recompute(stage, blocks, plan.recompute)                              # 3. recompute
+        apply_recompute(stage, blocks, lay, first_index=layers_before)             # 3. recompute
+        layers_before += len(blocks)
         if lay.tp_comm_overlap:                                                     # 3b. async TP
             async_tp = enable_async_tp(stage, blocks, mesh["tp"]) or async_tp
         if use_fsdp:                                                                # 4. FSDP / ZeRO

@@ -5,7 +5,9 @@
 - "selective": selective activation checkpointing: the outputs of matrix multiplies are saved
   and everything else (attention core, softmax, norms, activations) is recomputed, which is
   where Korthikanti et al. (2022) find most activation memory for the least recompute FLOPs.
-- N (int): full recompute of the first N blocks of each pipeline stage, none for the rest.
+- N (int): full recompute of the first N blocks a pipeline rank holds (over its virtual
+  stages, in execution order), none for the rest: `Layout.recompute_policy`, the same rule the
+  cost model prices.
 
 The block's `forward` is wrapped on the instance, so parameter FQNs do not change (checkpoint
 wrappers that add a module level would rename every parameter).
@@ -52,14 +54,14 @@ def _wrap(block: nn.Module, selective: bool) -> None:
     block.forward = forward
 
 
-def apply_recompute(stage: nn.Module, blocks: list[str], recompute: str | int) -> list[str]:
-    """Wrap the stage's blocks (FQNs in execution order); returns the FQNs wrapped."""
-    if recompute in ("none", 0, None):
-        return []
-    if isinstance(recompute, int):
-        chosen, selective = blocks[:recompute], False
-    else:
-        chosen, selective = list(blocks), recompute == "selective"
-    for fqn in chosen:
-        _wrap(stage.get_submodule(fqn), selective)
+def apply_recompute(stage: nn.Module, blocks: list[str], layout, first_index: int = 0) -> list[str]:
+    """Wrap the stage's blocks (FQNs in execution order) as `layout.recompute_policy` says;
+    `first_index`: how many layers this pipeline rank's earlier virtual stages hold. Returns the
+    FQNs wrapped."""
+    chosen = []
+    for k, fqn in enumerate(blocks):
+        policy = layout.recompute_policy(first_index + k)
+        if policy != "none":
+            _wrap(stage.get_submodule(fqn), policy == "selective")
+            chosen.append(fqn)
     return chosen

@@ -57,3 +57,17 @@ def test_fused_kernels_only_where_faster(monkeypatch):
     assert run == list(ENTRIES) and FASTER_THAN_EAGER[("cuda", "triton")] >= set(why)
     with pytest.raises(ConfigError):
         choose_kernels(ENTRIES, "cpu", "sometimes")
+
+
+def test_partial_recompute_counts_layers_per_pipeline_rank():
+    """recompute=N fully recomputes the first N layers a pipeline RANK holds, over its virtual
+    stages: the rule the cost model prices (Layout.recompute_policy); the runtime used to apply
+    N per virtual stage, recomputing N*vp layers."""
+    from meshplan.runtime.recompute import apply_recompute
+    model = mp.models.build("tiny-llama", seq_len=64, device="meta")
+    lay = Layout(pp=2, vp=2, recompute=1)          # 4 layers: rank 0 holds layers 0 and 2
+    assert [lay.recompute_policy(i) for i in range(2)] == ["full", "none"]
+    first = apply_recompute(model, ["layers.0"], lay, first_index=0)      # rank 0, chunk 0
+    second = apply_recompute(model, ["layers.2"], lay, first_index=1)     # rank 0, chunk 1
+    assert first == ["layers.0"] and second == []
+    assert apply_recompute(model, ["layers.2"], Layout(recompute="none")) == []
