@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
-    "GETITEM", "bare",
+    "GETITEM", "bare", "schema_of", "RMS_CHAIN_OPS",
     "CAST_OPS", "DROPOUT_OPS", "SOFTMAX_OPS", "LOG_SOFTMAX_OPS", "SWAP_OPS", "PERMUTE_OPS",
     "LAYER_NORM_OPS", "RMS_NORM_OPS", "GROUP_NORM_OPS", "SUM_OPS", "SDPA_OPS",
     "VIEW_OPS", "COPY_OPS", "NORM_OPS", "DIM_REDUCING_OPS", "REDUCTION_OPS", "LOSS_OPS",
@@ -30,6 +30,12 @@ GETITEM = "getitem"
 def bare(ops: Iterable[str]) -> frozenset[str]:
     """The names without their namespace ("aten::mul" -> "mul"; "getitem" stays)."""
     return frozenset(op.rpartition("::")[2] for op in ops)
+
+
+def schema_of(target: str) -> str:
+    """An IR target string's schema name ("aten.mul.Tensor" -> "aten::mul")."""
+    parts = target.split(".")
+    return f"{parts[0]}::{parts[1]}" if len(parts) >= 2 else target
 
 
 def _aten(*names: str) -> frozenset[str]:
@@ -133,3 +139,5 @@ SHARD_VIEW_OPS = PERMUTE_OPS | CAST_OPS | DROPOUT_OPS | {GETITEM} | _aten(
 # Along the last dim (the dim argument is not in the IR): never sharded there.
 ROW_OPS = SOFTMAX_OPS | LOG_SOFTMAX_OPS | _aten("cumsum", "cumprod", "sort", "argsort", "logcumsumexp")
 CONCAT_OPS = _aten("cat", "concat", "concatenate", "stack")
+# the non-view ops an eager (decomposed) RMSNorm is made of, casts included
+RMS_CHAIN_OPS = CAST_OPS | _aten("pow", "mean", "add", "rsqrt", "mul", "div", "sqrt", "reciprocal")

@@ -27,21 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.ir.plan import FusedKernel
+from meshplan.planner.aten_ops import RMS_CHAIN_OPS, RMS_NORM_OPS, schema_of
 from meshplan.ir.profile import BlockProfile, ModelProfile, OpInfo
 
 __all__ = ["FusionPlan", "find_fusions"]
 
-# non-view ops an eager RMSNorm is made of (the casts are views in the IR's kinds)
-_RMS_OPS = frozenset({"aten::pow", "aten::mean", "aten::add", "aten::rsqrt", "aten::mul", "aten::div",
-                      "aten::sqrt", "aten::reciprocal", "aten::_to_copy", "aten::to", "aten::type_as"})
 # what may follow the output layer's matmul before the model returns
 _AFTER_HEAD = frozenset({"view", "other"})
 
 
 def _base(o: OpInfo) -> str:
-    """'aten.mul.Tensor' -> 'aten::mul'."""
-    parts = o.target.split(".")
-    return f"{parts[0]}::{parts[1]}" if len(parts) >= 2 else o.target
+    return schema_of(o.target)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,9 +71,9 @@ def _match_rms_norm(ops: list[OpInfo]) -> tuple[bool, tuple[tuple[str, str], ...
         return None
     work = [o for o in ops if o.kind != "view"]
     bases = [_base(o) for o in work]
-    if bases == ["aten::rms_norm"]:
+    if len(bases) == 1 and bases[0] in RMS_NORM_OPS:
         return False, extra
-    if not set(bases) <= _RMS_OPS or "aten::mean" not in bases:
+    if not set(bases) <= RMS_CHAIN_OPS or "aten::mean" not in bases:
         return None
     if "aten::rsqrt" not in bases and not {"aten::sqrt", "aten::div"} <= set(bases):
         return None
