@@ -55,6 +55,8 @@ def register(sub) -> None:
                    help="FP8 linears: auto = Transformer Engine on CUDA when installed, else torchao")
     t.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "delayed"],
                    help="FP8 scaling: tensorwise (per-tensor current scaling), rowwise (torchao), delayed (TE)")
+    t.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile each transformer block: auto = on CUDA GPUs only (default: %(default)s)")
     t.add_argument("--optimizer-dtype", default=None, choices=["fp32", "bf16"],
                    help="Adam moments' dtype (master weights stay fp32); default: the plan's layout (fp32)")
     t.add_argument("--lr", type=float, default=3e-3)
@@ -326,7 +328,8 @@ def _worker(args, plan=None) -> int:
             model = _load(args, "cpu")          # other models: built whole, on every rank
         pm = parallelize(model, plan, **run_precision(plan, getattr(args, "precision", None)),
                          fp8_backend=getattr(args, "fp8_backend", "auto"),
-                         fp8_recipe=getattr(args, "fp8_recipe", "tensorwise"))
+                         fp8_recipe=getattr(args, "fp8_recipe", "tensorwise"),
+                         compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"))
         cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
                           data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                           keep_checkpoints=getattr(args, "keep", 2),

@@ -45,6 +45,7 @@ class ParallelModel:
     ddp: list = field(default_factory=list)  # DistributedDataParallel wrappers of `stages` (data_parallel "ddp")
     autocast_dtype: torch.dtype | None = None   # mixed precision by autocast where FSDP does not cast
     async_tp: bool = False                  # TP collectives overlapped with matmuls (tp_comm_overlap, CUDA)
+    compiled: list[str] = field(default_factory=list)   # blocks running torch.compile'd (runtime/compile.py)
     _step_loss_fn: object = None            # this step's normalised loss (the global token count changes)
     tied: list[tuple[str, ...]] = field(default_factory=list)       # tied parameter names, canonical first
     tied_shapes: list = field(default_factory=list)                 # per tied set: local grad shape if it spans stages

@@ -49,6 +49,7 @@ from meshplan.runtime import fp8 as _fp8
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import materialize as _mat
 from meshplan.runtime import pipeline as _pp
+from meshplan.runtime.compile import compile_blocks, compile_wanted
 from meshplan.runtime.ddp import (
     autocast_forward,
     data_parallel_mode,
@@ -150,7 +151,7 @@ def _owned_blocks(spec: _pp.StageSpec, blocks: tuple[str, ...]) -> list[str]:
 def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | str = "plan",
                 overlap: bool = True, loss_fn=None, fused_kernels: bool | str = "auto", fp8: bool = True,
                 fp8_backend: str = "auto", fp8_recipe: str = "tensorwise",
-                materialize: bool = True) -> ParallelModel:
+                materialize: bool = True, compile: bool | str = "auto") -> ParallelModel:
     """Apply `plan` to `model` inside an initialised default process group of the plan's size.
 
     `compute_dtype`: "plan" (default) takes the plan's precision (bf16 parameters and compute,
@@ -170,6 +171,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     `fp8_backend` ("auto": Transformer Engine on CUDA when installed, else torchao; "torchao", "te")
     and `fp8_recipe` ("tensorwise", "rowwise", "delayed"); False is the explicit override that runs
     the plan in `compute_dtype` instead. A missing backend fails here, before any collective.
+    `compile`: torch.compile each block (runtime/compile.py): "auto" on CUDA, True, or False.
     """
     if not dist.is_initialized():
         raise ConfigError("parallelize() needs an initialised process group: launch with torchrun "
@@ -227,6 +229,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     ddps: list[nn.Module] = []
     async_tp = False
     swaps: list = []
+    compile_on, compiled = compile_wanted(compile, device.type), []
     layers_before = 0       # layers of this pipeline rank in earlier virtual stages (recompute counts per rank)
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, plan.blocks)
@@ -248,6 +251,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         layers_before += len(blocks)
         if lay.tp_comm_overlap:                                                     # 3b. async TP
             async_tp = enable_async_tp(stage, blocks, mesh["tp"]) or async_tp
+        if compile_on and not async_tp:                                             # 3c. compile
+            compiled += compile_blocks(stage, blocks)          # (async TP compiled them already)
         if use_fsdp:                                                                # 4. FSDP / ZeRO
             units += _fsdp.apply_fsdp(stage, blocks, meshes.fsdp, zero=lay.zero,
                                       reshard_after_forward=lay.reshard_after_forward,
@@ -269,6 +274,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                        fused_modules=fused_modules, meshes=meshes, kernels=kernels, data_parallel=dp_mode,
                        ddp=ddps, autocast_dtype=None if use_fsdp else compute_dtype, async_tp=async_tp,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
+    pm.compiled = compiled
     pm.fp8 = _fp8.merge(swaps)
     pm.precisions = _fp8.module_precisions(stages, compute_dtype, pm.fp8)
     _fp8.log_precisions(pm.precisions, plan)

@@ -388,6 +388,8 @@ def _report_precisions(pm, plan, out: Path, rank: int) -> None:
           f"{lay.optimizer_dtype}):", flush=True)
     for line in precision_summary(merged):
         print(f"  {line}", flush=True)
+    compiled = getattr(pm, "compiled", [])
+    print(f"torch.compile: {f'{len(compiled)} blocks' if compiled else 'off (eager)'}", flush=True)
     (out / "precisions.json").write_text(json.dumps({"plan_precision": plan.precision,
                                                       "optimizer_dtype": lay.optimizer_dtype,
                                                       "modules": merged}, indent=1, sort_keys=True) + "\n")
