@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshplan.errors import ConfigError
 
@@ -412,9 +414,30 @@ def _load_checkpoint_weights(path: Path, pm) -> str:
     return str(path)
 
 
+def _safe_open():
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ConfigError("reading .safetensors files needs the safetensors package: pip install safetensors "
+                          "(it comes with transformers)") from None
+    return safe_open
+
+
+def read_local_slice(sf, key: str, t) -> torch.Tensor:
+    """This rank's part of `key` from an open safetensors file, for the model tensor `t` (a DTensor
+    or a plain replicated tensor): only the rows/columns the rank holds are read from disk, so no
+    rank ever holds a whole sharded tensor, let alone the whole model."""
+    if not isinstance(t, DTensor):
+        return sf.get_tensor(key)
+    shape = tuple(sf.get_slice(key).get_shape())
+    local_shape, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+    if 0 in local_shape:
+        return torch.empty(local_shape)
+    return sf.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+
+
 def _load_safetensors(files: list[Path], pm, source) -> str:
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    safe_open = _safe_open()
     model = pm.state_dict()
     params = {pm._canonical(n) for n, _ in pm.named_parameters()}
     found: dict[str, Path] = {}
@@ -431,15 +454,19 @@ def _load_safetensors(files: list[Path], pm, source) -> str:
     _check_weights(f"{source}", shapes if pp == 1 else {k: v for k, v in shapes.items() if k in here},
                    {k: v for k, v in here.items() if k in params}, only_here_ok=_tied_names(pm))
     state = dict(model)
-    for k, t in model.items():
-        if k not in found:
-            continue
-        with safe_open(str(found[k]), framework="pt") as sf:
-            full = sf.get_tensor(k)
-        local = t.to_local() if isinstance(t, DTensor) else t
-        full = full.to(dtype=local.dtype, device=local.device)
-        state[k] = (distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
-                    if isinstance(t, DTensor) else full)
+    by_file: dict[Path, list[str]] = {}
+    for k in model:
+        if k in found:
+            by_file.setdefault(found[k], []).append(k)
+    for f, keys in by_file.items():         # each file opened once (memory-mapped), read slice by slice
+        with safe_open(str(f), framework="pt") as sf:
+            for k in keys:
+                t = model[k]
+                local = t.to_local() if isinstance(t, DTensor) else t
+                part = read_local_slice(sf, k, t).to(dtype=local.dtype, device=local.device)
+                state[k] = (DTensor.from_local(part, t.device_mesh, t.placements, run_check=False,
+                                               shape=t.shape, stride=t.stride())
+                            if isinstance(t, DTensor) else part)
     pm.load_state_dict(state)
     return str(source)
 

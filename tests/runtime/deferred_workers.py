@@ -66,3 +66,57 @@ def big_model_run(rank: int, world: int, case: dict) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"losses": losses, "peak_rss": peak, "rss_at_start": before, "local_params": local,
             "marks": {k: (v - before) / 1e6 for k, v in marks.items()}}
+
+
+class _CountingFile:
+    """A safetensors file handle that counts the elements read through it."""
+
+    def __init__(self, sf, counter: dict):
+        self.sf, self.counter = sf, counter
+
+    def keys(self):
+        return self.sf.keys()
+
+    def get_tensor(self, key):
+        t = self.sf.get_tensor(key)
+        self.counter["elements"] += t.numel()
+        return t
+
+    def get_slice(self, key):
+        sl, counter = self.sf.get_slice(key), self.counter
+
+        class Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, idx):
+                t = sl[idx]
+                counter["elements"] += t.numel()
+                return t
+        return Slice()
+
+
+def safetensors_run(rank: int, world: int, case: dict) -> dict:
+    """Load a transformers-style safetensors directory into a sharded meta-initialised model,
+    counting the elements this rank reads from disk."""
+    import contextlib
+
+    from meshplan import models
+    from meshplan.runtime.parallel import parallelize
+    from meshplan.train import checkpoint
+    counter = {"elements": 0}
+    real = checkpoint._safe_open()
+
+    @contextlib.contextmanager
+    def counting_open(path, framework):
+        with real(path, framework=framework) as sf:
+            yield _CountingFile(sf, counter)
+    checkpoint._safe_open = lambda: counting_open
+    torch.manual_seed(case["seed"] + 1)           # other initial weights than the file's
+    meta = models.build(case["kind"], seq_len=case["seq_len"], device="meta")
+    pm = parallelize(meta, case["plan"], compute_dtype=None)
+    checkpoint.load_weights(case["dir"], pm)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
+    full = pm.full_state_dict()
+    return {"state": {k: v.cpu() for k, v in full.items()} if rank == 0 else None,
+            "read": counter["elements"], "local": local}

@@ -72,3 +72,23 @@ def test_model_larger_than_a_rank_trains_within_its_share(monkeypatch):
         assert grown <= 1.5 * share, f"rank {r}: peak RSS grew {grown / 1e6:.0f} MB, planned share {share / 1e6:.0f} MB"
     print(f"full state {full_state / 1e6:.0f} MB, planned share {share / 1e6:.0f} MB, peak RSS growth per rank "
           + ", ".join(f"{(o['peak_rss'] - o['rss_at_start']) / 1e6:.0f}" for o in res) + " MB")
+
+
+@pytest.mark.parametrize("fixed", [(("dp", 2), ("zero", 3)), (("tp", 2), ("sp", True))])
+def test_safetensors_load_reads_only_each_ranks_shards(tmp_path, fixed):
+    """A transformers-style safetensors directory loads into the sharded model slice by slice:
+    each rank reads from disk exactly the elements it holds (no rank holds a whole sharded
+    tensor, let alone the model), and the sharded model then equals the file."""
+    from safetensors.torch import save_file
+    src = deferred_workers.reference_model("tiny-llama", SEQ, SEED)
+    want = {k: v.contiguous() for k, v in src.state_dict().items()}
+    save_file(dict(list(want.items())[: len(want) // 2]), str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(dict(list(want.items())[len(want) // 2:]), str(tmp_path / "model-00002-of-00002.safetensors"))
+    plan = numerics.plan_for("tiny-llama", 2, fixed, SEQ, BATCH)
+    case = dict(kind="tiny-llama", plan=plan, seq_len=SEQ, batch=BATCH, seed=SEED, dir=str(tmp_path))
+    res = run_ranks(2, deferred_workers.safetensors_run, case, timeout_s=180)
+    total = sum(v.numel() for v in want.values())
+    for r in res:
+        assert r["read"] == r["local"] < 0.75 * total, (r, total)
+    for k, v in want.items():
+        torch.testing.assert_close(res[0]["state"][k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
