@@ -215,6 +215,16 @@ def _save_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _starts_on_meta(model, args) -> bool:
+    """Whether `model` is parallelised from the meta device (each rank allocates only its shards):
+    meshplan's models always (their initialisation replays exactly, runtime/materialize.py), and
+    transformers models when --init-from gives their weights (a fine-tuning start: the weights come
+    from the files, read slice by slice, so no rank builds the whole model). A transformers model
+    initialised from scratch is built whole on the CPU, so its initial weights are exactly
+    transformers' own."""
+    return hasattr(model, "init_module") or bool(getattr(args, "init_from", None) and hasattr(model, "_init_weights"))
+
+
 def _load(args, device: str):
     """The model: a preset is built at --seq-len; files and configs carry their own lengths."""
     preset = not args.model.endswith((".py", ".json")) and ".py:" not in args.model
@@ -324,7 +334,7 @@ def _worker(args, plan=None) -> int:
         # meshplan's models start on the meta device: parallelize allocates and initialises only
         # this rank's shards (runtime/materialize.py), so a model larger than one rank can start
         model = _load(args, "meta")
-        if not hasattr(model, "init_module"):
+        if not _starts_on_meta(model, args):
             model = _load(args, "cpu")          # other models: built whole, on every rank
         pm = parallelize(model, plan, **run_precision(plan, getattr(args, "precision", None)),
                          fp8_backend=getattr(args, "fp8_backend", "auto"),

@@ -113,7 +113,12 @@ def safetensors_run(rank: int, world: int, case: dict) -> dict:
             yield _CountingFile(sf, counter)
     checkpoint._safe_open = lambda: counting_open
     torch.manual_seed(case["seed"] + 1)           # other initial weights than the file's
-    meta = models.build(case["kind"], seq_len=case["seq_len"], device="meta")
+    if case["kind"].startswith("hf"):
+        import numerics
+        with torch.device("meta"):
+            meta = numerics.build_model(case["kind"], seq_len=case["seq_len"])
+    else:
+        meta = models.build(case["kind"], seq_len=case["seq_len"], device="meta")
     pm = parallelize(meta, case["plan"], compute_dtype=None)
     checkpoint.load_weights(case["dir"], pm)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())

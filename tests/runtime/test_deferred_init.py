@@ -74,18 +74,22 @@ def test_model_larger_than_a_rank_trains_within_its_share(monkeypatch):
           + ", ".join(f"{(o['peak_rss'] - o['rss_at_start']) / 1e6:.0f}" for o in res) + " MB")
 
 
-@pytest.mark.parametrize("fixed", [(("dp", 2), ("zero", 3)), (("tp", 2), ("sp", True))])
-def test_safetensors_load_reads_only_each_ranks_shards(tmp_path, fixed):
+@pytest.mark.parametrize("kind, fixed", [("tiny-llama", (("dp", 2), ("zero", 3))),
+                                         ("tiny-llama", (("tp", 2), ("sp", True))),
+                                         ("hf-llama", (("dp", 2), ("zero", 3)))])
+def test_safetensors_load_reads_only_each_ranks_shards(tmp_path, kind, fixed):
     """A transformers-style safetensors directory loads into the sharded model slice by slice:
     each rank reads from disk exactly the elements it holds (no rank holds a whole sharded
-    tensor, let alone the model), and the sharded model then equals the file."""
+    tensor, let alone the model), and the sharded model then equals the file. The transformers
+    model starts on the meta device (how `meshplan train --init-from` builds it)."""
     from safetensors.torch import save_file
-    src = deferred_workers.reference_model("tiny-llama", SEQ, SEED)
+    src = (numerics.build_model(kind, seq_len=SEQ) if kind.startswith("hf")
+           else deferred_workers.reference_model(kind, SEQ, SEED))
     want = {k: v.contiguous() for k, v in src.state_dict().items()}
     save_file(dict(list(want.items())[: len(want) // 2]), str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file(dict(list(want.items())[len(want) // 2:]), str(tmp_path / "model-00002-of-00002.safetensors"))
-    plan = numerics.plan_for("tiny-llama", 2, fixed, SEQ, BATCH)
-    case = dict(kind="tiny-llama", plan=plan, seq_len=SEQ, batch=BATCH, seed=SEED, dir=str(tmp_path))
+    plan = numerics.plan_for(kind, 2, fixed, SEQ, BATCH)
+    case = dict(kind=kind, plan=plan, seq_len=SEQ, batch=BATCH, seed=SEED, dir=str(tmp_path))
     res = run_ranks(2, deferred_workers.safetensors_run, case, timeout_s=180)
     total = sum(v.numel() for v in want.values())
     for r in res:
