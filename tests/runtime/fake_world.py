@@ -62,7 +62,8 @@ def hf_model(kind: str, *, device: str = "meta", seq_len: int = 4096):
         "hf-qwen2": lambda: tf.Qwen2Config(intermediate_size=384, num_key_value_heads=4, **common),
         "hf-mistral": lambda: tf.MistralConfig(intermediate_size=384, num_key_value_heads=4, **common),
         "hf-phi3": lambda: tf.Phi3Config(intermediate_size=384, num_key_value_heads=8, **common),
-        "hf-gpt2": lambda: tf.GPT2Config(vocab_size=512, n_embd=128, n_layer=4, n_head=8, n_positions=seq_len),
+        "hf-gpt2": lambda: tf.GPT2Config(vocab_size=512, n_embd=128, n_layer=4, n_head=8, n_positions=seq_len,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         "hf-mixtral": lambda: tf.MixtralConfig(intermediate_size=256, num_key_value_heads=4, num_local_experts=4,
                                                num_experts_per_tok=2, **common),
         "hf-qwen2-moe": lambda: tf.Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=128,
@@ -113,6 +114,32 @@ def accepted(kind: str, cluster, *, seq_len: int, global_batch: int) -> dict:
     except Exception as e:  # noqa: BLE001 - any refusal or crash is a contract break
         return {"status": "refused", "layout": layout, "why": f"{type(e).__name__}: {str(e)[:300]}"}
     return {"status": "accepted", "layout": layout}
+
+
+# ---- small plans run a real training step on gloo ---------------------------------------------
+
+def step_model(kind: str, seq_len: int):
+    """`kind` built on the CPU with seeded initial weights (the same on every rank and in the test)."""
+    import meshplan as mp
+    torch.manual_seed(0)
+    if kind.startswith("hf-"):
+        return hf_model(kind, device="cpu", seq_len=seq_len)
+    if kind == "my_model":
+        return user_model("cpu")
+    model = mp.models.build(kind, device="cpu", seq_len=seq_len)
+    model.init_weights()
+    return model
+
+
+def step_run(rank: int, world: int, cases: list) -> dict:
+    """One forward/backward of each (kind, plan, seq_len, x, y) case on this group; losses by kind."""
+    from meshplan.runtime.parallel import parallelize
+    out = {}
+    for kind, plan, seq_len, x, y in cases:
+        pm = parallelize(step_model(kind, seq_len), plan, compute_dtype=None, fused_kernels=False)
+        out[kind] = pm.forward_backward(x, y)
+        del pm
+    return out
 
 
 if __name__ == "__main__":      # the full matrix, one JSON line per case and a summary
