@@ -34,11 +34,42 @@ from _report import emit  # noqa: E402
 
 from meshplan.cost_models import constants as K  # noqa: E402
 from meshplan.cost_models.estimate import clear_caches  # noqa: E402
-from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, run_row, split_of  # noqa: E402
+from meshplan.cost_models import validation as V  # noqa: E402
+from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, split_of  # noqa: E402
 
 # Constants re-fitted by --fit, with the bounds they may take (physical ranges, not free knobs).
 FITTED = {"TRAINING_GEMM_EFF": (0.5, 1.0), "ATTN_FWD_EFF": (0.4, 0.95), "ATTN_BWD_EFF": (0.3, 0.95),
           "DP_OVERLAP_EFF": (0.1, 0.95), "FSDP_OVERLAP_EFF": (0.1, 0.95), "TP_OVERLAP_HIDDEN": (0.3, 0.95), "LAYER_OVERHEAD_S": (0.0, 2e-4)}
+
+
+def model_profile(cfg, *, traced: bool = True):
+    """Profile of a row's architecture: meshplan's model built on the meta device and traced (the
+    real path), or the analytic builder (fast, for what-if sweeps).
+
+    The published runs used their framework's fused kernels (Megatron/TE norm, SwiGLU, rotary; an
+    unfused loss), not meshplan's runtime swaps, so the traced profile's `fusions` are cleared: the
+    cost model then assumes that framework baseline, as for analytic profiles."""
+    if traced:
+        import dataclasses
+
+        from meshplan import models
+        from meshplan.api import profile
+        kw = {k: v for k, v in cfg.items() if k != "family"}
+        return dataclasses.replace(profile(models.build(cfg["family"], device="meta", **kw)), fusions=())
+    from meshplan.planner.analytic import profile_from_config
+    return profile_from_config(cfg)
+
+
+def model_config(row):
+    """The row's model config, with fields the row leaves empty filled from meshplan's presets."""
+    from meshplan.models import config as preset
+    return V.model_config(row, preset)
+
+
+def run_row(row, *, traced: bool = True, profiles: dict | None = None):
+    """meshplan.cost_models.validation.run_row with meshplan's model builders and presets."""
+    from meshplan.models import config as preset
+    return V.run_row(row, lambda cfg: model_profile(cfg, traced=traced), preset=preset, profiles=profiles)
 
 
 def evaluate(rows, traced, profiles):

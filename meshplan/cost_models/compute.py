@@ -9,7 +9,7 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
-           "grad_accumulation_time",
+           "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time",
            "cpu_thread_share", "cpu_speed", "cpu_op_overhead"]
 
 
@@ -54,15 +54,28 @@ def matmul_rate(cluster, fp8: bool) -> float:
     return gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency * K.TRAINING_GEMM_EFF
 
 
+def fp8_recipe_factor(recipe: str, cluster=None) -> float:
+    """Quantisation traffic of an FP8 recipe relative to tensorwise (constants.FP8_QUANT_BYTES);
+    raises where the GPU cannot run it (MXFP8 needs Blackwell's block-scaled tensor cores)."""
+    if recipe not in K.FP8_QUANT_BYTES:
+        raise ValueError(f"fp8 recipe {recipe!r}: use one of {K.FP8_RECIPES}")
+    if recipe == "mxfp8" and cluster is not None and cluster.gpu.id not in K.MXFP8_GPUS:
+        from meshplan.errors import ConfigError
+        raise ConfigError(f"fp8 recipe 'mxfp8' needs MX block-scaled tensor cores (Blackwell: "
+                          f"{', '.join(K.MXFP8_GPUS)}); {cluster.gpu.name} has none")
+    return K.FP8_QUANT_BYTES[recipe] / K.FP8_QUANT_BYTES["tensorwise"]
+
+
 def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count: float = 1.0,
-              weight_cast: bool = False) -> float:
+              weight_cast: bool = False, recipe: str = "tensorwise") -> float:
     """`count` GEMMs of (m x k) @ (k x n): max(compute, HBM traffic) plus a fixed per-kernel cost
     that makes small GEMMs inefficient (Calculon-style shape dependence).
 
     FP8 adds the quantisation of the (m x k) activation operand. The (k x n) weight's FP8 copy is
     made once per step and reused by every micro-batch (Transformer Engine casts a weight on the
     first micro-batch and caches it and its transpose; that cast is `fp8_weight_cast_time`), so it
-    is not charged here unless `weight_cast` (an operand that is not a cached weight)."""
+    is not charged here unless `weight_cast` (an operand that is not a cached weight). `recipe` scales
+    the quantisation traffic (fp8_recipe_factor)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     flops = 2.0 * m * n * k
@@ -75,7 +88,32 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     if fp8:   # quantise the inputs (fused cast + amax), memory-bound
         cast = m * k + (k * n if weight_cast else 0.0)
         extra = cast * K.FP8_CAST_BYTES_PER_ELEMENT / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+        if recipe != "tensorwise":
+            extra *= fp8_recipe_factor(recipe)
     return count * (max(t_compute, t_memory) + fixed + extra)
+
+
+def grouped_gemm_time(rows: float, n: float, k: float, cluster, *, groups: float, fp8: bool = False,
+                      recipe: str = "tensorwise") -> float:
+    """`groups` GEMMs of (rows x k) @ (k x n) run as ONE grouped kernel (torch._grouped_mm, which
+    meshplan's experts call; TE GroupedLinear / grouped_gemm under Megatron-Core --moe-grouped-gemm).
+    Each group's rows occupy whole GEMM_TILE_M-row tiles, so the math is that of the padded rows; the
+    HBM traffic, the FP8 input cast and the per-kernel fixed cost (launch, prologue, last wave) are
+    paid on the real rows and once per kernel, not once per expert as separate GEMMs would."""
+    if rows <= 0 or n <= 0 or k <= 0 or groups <= 0:
+        return 0.0
+    padded = -(-rows // K.GEMM_TILE_M) * K.GEMM_TILE_M if rows >= 1 else K.GEMM_TILE_M
+    elt = K.FP8 if fp8 else K.BF16
+    hbm = cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF
+    t_compute = 2.0 * padded * n * k / matmul_rate(cluster, fp8)
+    t_memory = ((rows * k + k * n) * elt + rows * n * K.BF16) / hbm
+    extra = 0.0
+    if fp8:
+        extra = rows * k * K.FP8_CAST_BYTES_PER_ELEMENT / hbm
+        if recipe != "tensorwise":
+            extra *= fp8_recipe_factor(recipe)
+    fixed = K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
+    return groups * (max(t_compute, t_memory) + extra) + fixed
 
 
 def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "flash") -> float:
@@ -106,12 +144,14 @@ def elementwise_time(nbytes: float, cluster) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
 
 
-def fp8_weight_cast_time(weight_elements: float, cluster) -> float:
+def fp8_weight_cast_time(weight_elements: float, cluster, recipe: str = "tensorwise") -> float:
     """Once-per-step FP8 cast of `weight_elements` weights: read bf16, write the FP8 copy and its
-    transpose (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T in FP8)."""
+    transpose (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T in FP8); other recipes
+    scale it by fp8_recipe_factor."""
     if weight_elements <= 0:
         return 0.0
-    return weight_elements * K.FP8_WEIGHT_CAST_BYTES / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+    t = weight_elements * K.FP8_WEIGHT_CAST_BYTES / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+    return t if recipe == "tensorwise" else t * fp8_recipe_factor(recipe)
 
 
 def grad_accumulation_time(params: float, buffer_bytes: float, cluster) -> float:

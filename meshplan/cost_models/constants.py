@@ -35,6 +35,12 @@ TRAINING_GEMM_EFF = 0.82                                                        
 # efficiency falling from 0.95 to 0.6 below ~1 GFLOP on A100). Modelled as a fixed time per GEMM.
 GEMM_FIXED_S = 12e-6                                                              # estimate
 
+# Row tile of the tensor-core GEMM kernels: CUTLASS's SM90 TMA warp-specialized GEMMs (and the grouped
+# GEMMs built on them: torch._grouped_mm, Megatron-Core --moe-grouped-gemm) tile the output 128 rows at
+# a time (TileShape 128 x {64,128,256} x 64), so a group of m rows costs ceil(m/128) row tiles of
+# math. Matters for MoE experts at small per-expert token counts.
+GEMM_TILE_M = 128                                                                   # derived
+
 # Flash-attention efficiency relative to the GPU's achieved dense GEMM rate (fwd; bwd slower).
 # FlashAttention-2 reaches ~50-73% of peak fwd on A100/H100 (Dao 2023, Tables); relative to
 # MAMF (~80% of peak) that is roughly 0.7-0.9 for the kernel alone; the fit lands lower (the
@@ -74,6 +80,33 @@ FP8_WEIGHT_CAST_BYTES = 4.0
 # Per-GEMM fixed cost is larger for FP8 (scaling-factor updates, extra kernels): estimate.
 FP8_GEMM_FIXED_S = 20e-6                                                          # estimate
 
+# FP8 scaling recipes: where the scale factors live, and so what quantising a tensor costs. A GEMM
+# operand is used by two GEMMs contracting over different axes (x by the forward over K and by the
+# weight-gradient GEMM over the tokens; the output gradient by dgrad and wgrad), so each tensor needs
+# an FP8 copy scaled along each axis. HBM bytes per element to make both (derived):
+# - "tensorwise": one scale for the whole tensor serves both layouts; Transformer Engine's fused
+#   cast-transpose reads bf16 once and writes FP8 and its FP8 transpose, the amax coming from the
+#   history of earlier steps (delayed scaling): 2 + 1 + 1 = 4. FP8_CAST_BYTES_PER_ELEMENT and
+#   FP8_WEIGHT_CAST_BYTES above are this recipe.
+# - "rowwise" (torchao Float8 rowwise; DeepSeek-style per-token scales): the forward copy is scaled
+#   per row (amax fused in the cast: read 2, write 1); the transposed copy's scales run down columns,
+#   which span every row, so they need their own amax pass and cast: read 2, then read 2 + write 1.
+#   2 + 1 + 2 + 2 + 1 = 8.
+# - "blockwise" (DeepSeek-V3 report arXiv 2412.19437 §3.3.2: 1x128 activation tiles, 128x128 weight
+#   blocks; TE Float8BlockScaling): tiles are local, so one pass writes both copies and their fp32
+#   scales: 2 + 1 + 1 + 2 * 4/128. The weight's 128x128 block scales serve W and W^T alike.
+# - "mxfp8" (OCP Microscaling v1.0: 32-element blocks, one E8M0 byte each; Blackwell tensor cores apply
+#   the block scales in the MMA): one pass, both copies: 2 + 1 + 1 + 2 * 1/32.
+# The GEMM math rate is the FP8 rate in every recipe: rowwise scales are applied in the epilogue (M*N
+# multiplies), blockwise partial sums are promoted to FP32 CUDA cores every 128 of K concurrently with
+# the next WGMMAs (DeepSeek-V3 §3.3.2, about MNK/128 FMAs against MNK tensor-core FMAs), MX scales in
+# hardware.
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+FP8_QUANT_BYTES = {"tensorwise": 4.0, "rowwise": 8.0, "blockwise": 4.0 + 2 * 4 / 128,
+                   "mxfp8": 4.0 + 2 / 32}                                           # derived
+# GPUs whose tensor cores take MX block scales (Blackwell, sm_100): meshplan.cluster ids
+MXFP8_GPUS = ("b200", "gb200")
+
 # ---- communication --------------------------------------------------------------------------
 # nccl-tests busbw factors (cost_models.md §7).
 # Bandwidth for small groups on an NVSwitch: ring busbw is flat from 2 to 8 GPUs (~370 GB/s on H100,
@@ -85,9 +118,13 @@ XGMI_EFF = 0.72                                                                 
 # Point-to-point send/recv achieves about the ring busbw fraction of line rate (~80%, nccl #1442).
 P2P_EFF = 0.80                                                                      # measured
 
-# Fraction of DP gradient reduce-scatter / parameter all-gather hidden behind backward/forward
-# compute when overlap is on (Megatron --overlap-grad-reduce / --overlap-param-gather, FSDP2
-# prefetch); low because NCCL kernels share SMs with compute (Calculon processor_usage 0.15).
+# Fraction of a rank's backward (forward) time that the DP gradient reduce-scatter / all-reduce
+# (parameter all-gather) can hide behind when overlap is on (Megatron --overlap-grad-reduce /
+# --overlap-param-gather, FSDP2 prefetch): exposed = max(0, t_comm - 0.95 * t_backward). 0.95 means
+# almost all of it hides; the 5% left stands for the SMs NCCL kernels take from compute (Calculon's
+# processor_usage 0.15 on NVLink, 0.02 on IB) and the last bucket, which starts only when the backward
+# ends. The fit puts it at the upper bound of its range (0.1-0.95): the published runs show no exposed
+# DP time beyond that.
 DP_OVERLAP_EFF = 0.95                                                               # fitted (at its upper bound)
 # The same for ZeRO-3 / FSDP, whose per-micro-batch all-gathers are prefetched one layer ahead
 # (FSDP2 prefetch, DeepSpeed stage-3 prefetch buckets): a different mechanism, fitted separately.

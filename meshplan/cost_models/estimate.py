@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
+from meshplan.cost_models.compute import fp8_recipe_factor
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
 from meshplan.cost_models.layer import Context, unfused_of
-from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes, zero3_working_bytes
+from meshplan.cost_models.memory import (deepep_buffer_bytes, grad_bytes, optimizer_bytes, state_bytes,
+                                         zero3_working_bytes)
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
 from meshplan.cost_models.ranks import (LayerTable, RankWork, clear_layer_cache, embedding_time, fused_loss,
                                         head_activation_bytes, head_times, layer_fp8_flags, rank_layers, rank_work)
@@ -153,6 +155,10 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         activ += head_activation_bytes(profile, tokens, L.tp)
     mem["activations"] = activ
     mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * (w.dparams + w.eparams) if fp8 else 0.0
+    if L.moe_dispatcher == "deepep" and L.ep > 1 and any(blocks[i].is_moe for i in w.layers):
+        # DeepEP's registered NVLink/RDMA buffers, one per process (memory.deepep_buffer_bytes); only
+        # present where DeepEP runs, so other layouts keep their categories
+        mem["comm_buffers"] = deepep_buffer_bytes(profile.hidden, L.ep)
     return {k: val / GB for k, val in mem.items()}
 
 
@@ -166,11 +172,12 @@ def _check_precision(precision: str, cluster) -> bool:
 
 
 def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int, fp8: bool,
-           fp8_modules: frozenset | None, grad_accum_fusion: bool) -> tuple[list[RankWork], Context]:
+           fp8_modules: frozenset | None, grad_accum_fusion: bool, recipe: str) -> tuple[list[RankWork], Context]:
     """Every pipeline rank's work for one micro-batch."""
     unfused = unfused_of(profile)
-    ctx = Context.build(cluster, L, seq_len, fp8, unfused)
-    ctxs = {True: ctx, False: ctx if not fp8 else Context.build(cluster, L, seq_len, False, unfused)}
+    ctx = Context.build(cluster, L, seq_len, fp8, unfused, fp8_recipe=recipe)
+    ctxs = {True: ctx, False: ctx if not fp8 else Context.build(cluster, L, seq_len, False, unfused,
+                                                                 fp8_recipe=recipe)}
     table = LayerTable(profile, cluster, L, seq_len, ctxs, layer_fp8_flags(profile, fp8, fp8_modules), unfused)
     layers = rank_layers(stage_layers, L.pp)
     return [rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
@@ -179,17 +186,24 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
 
 def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, global_batch: int,
                      precision: str = "bf16", fp8_modules: frozenset | None = None,
-                     grad_accum_fusion: bool = True) -> Estimate:
+                     grad_accum_fusion: bool | None = None, fp8_recipe: str | None = None) -> Estimate:
     """Score one layout. Pure: (profile, cluster, layout, shapes) -> Estimate.
 
-    grad_accum_fusion: the stack folds gradient accumulation into the weight-gradient GEMMs
-    (Megatron-LM since 2022, Megatron-Core, Transformer Engine); False charges a separate pass per
-    micro-batch (compute.grad_accumulation_time), as 2021 Megatron-LM and Megatron-DeepSpeed ran."""
+    grad_accum_fusion: whether the stack folds gradient accumulation into the weight-gradient GEMMs
+    (Megatron-LM since 2022, Megatron-Core, Transformer Engine: True); False charges a separate pass
+    per micro-batch (compute.grad_accumulation_time), as 2021 Megatron-LM and Megatron-DeepSpeed ran.
+    fp8_recipe: the FP8 scaling recipe (constants.FP8_RECIPES) of precision="fp8".
+    None (either): the layout's field of that name where Layout has one, else True / "tensorwise"."""
     L = Layout.coerce(layout)
+    if grad_accum_fusion is None:
+        grad_accum_fusion = bool(getattr(L, "grad_accum_fusion", True))
+    recipe = fp8_recipe or getattr(L, "fp8_recipe", None) or "tensorwise"
     fp8 = _check_precision(precision, cluster)
+    if fp8:
+        fp8_recipe_factor(recipe, cluster)         # unknown recipe, or MXFP8 without MX tensor cores
     stage_layers = check_layout(L, profile, cluster, seq_len=seq_len, global_batch=global_batch)
     m = global_batch // (L.dp * L.mbs)
-    ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion)
+    ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe)
     busy, bubble = pipeline_time(L.schedule, m, L.vp, [w.fb for w in ranks], [w.wgrad for w in ranks])
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)
     pp_exposed, pp_total = _pp_comm(profile, cluster, L, m, ctx.tokens)

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import Group, collective_time, dedup_all_to_all_time, dedup_copies, group, p2p_time
-from meshplan.cost_models.compute import (attention_time, cpu_op_overhead, elementwise_time, gemm_time, is_cpu,
-                                          matmul_rate)
+from meshplan.cost_models.compute import (attention_time, cpu_op_overhead, elementwise_time, gemm_time,
+                                          grouped_gemm_time, is_cpu, matmul_rate)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.ir.profile import BlockProfile
 
-__all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of"]
+__all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
+           "CP_COMM_TYPES", "cp_kv_gathered_bytes"]
 
 # Fusions whose fused form the per-layer baseline below already assumes (a norm is one read +
 # one write, silu*mul reads two and writes one, rotary reads and writes q and k once), as Megatron
@@ -47,14 +48,17 @@ class Context:
     etp: Group
     fp8_modules: frozenset = field(default_factory=frozenset)
     unfused: frozenset = field(default_factory=frozenset)   # LAYER_FUSIONS the model runs eagerly
+    fp8_recipe: str = "tensorwise"                           # constants.FP8_RECIPES
 
     @classmethod
-    def build(cls, cluster, layout, seq_len: int, fp8: bool, unfused: frozenset = frozenset()) -> "Context":
+    def build(cls, cluster, layout, seq_len: int, fp8: bool, unfused: frozenset = frozenset(),
+              fp8_recipe: str = "tensorwise") -> "Context":
         L = layout
         return cls(cluster=cluster, layout=L, seq_len=seq_len, fp8=fp8,
                    tokens=L.mbs * seq_len / L.cp,
                    tp=group(cluster, L.tp, 1), cp=group(cluster, L.cp, L.tp),
-                   ep=group(cluster, L.ep, L.etp), etp=group(cluster, L.etp, 1), unfused=unfused)
+                   ep=group(cluster, L.ep, L.etp), etp=group(cluster, L.etp, 1), unfused=unfused,
+                   fp8_recipe=fp8_recipe)
 
 
 def unfused_of(profile) -> frozenset:
@@ -71,10 +75,6 @@ class LayerCost:
     comm_s: dict             # dim -> total comm seconds (fwd + bwd [+ recompute])
     exposed_s: dict          # dim -> exposed comm seconds
     compute_s: float         # pure compute (fwd + bwd + recompute), no comm
-
-
-def _tp_div(c: Context) -> int:
-    return c.layout.tp
 
 
 def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
@@ -123,7 +123,8 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
             fs = b.shared_ffn_hidden
             moe += (K.BF16 * fs * (f_mult_store - 1) + K.BF16 * fs * half) / tp
         per_token += moe / sp_div                 # MoE tokens are the SP-sharded ones
-    return per_token * T + scores
+    kept_kv = cp_kv_gathered_bytes(b, c) if policy != "selective" else 0.0
+    return per_token * T + scores + kept_kv
 
 
 def _gemms(b: BlockProfile, c: Context) -> tuple[float, float]:
@@ -143,14 +144,15 @@ def _gemms(b: BlockProfile, c: Context) -> tuple[float, float]:
                 n = n / L.etp
             else:
                 k = k / L.etp
-            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=local)
+            t = grouped_gemm_time(rows, n, k, c.cluster, groups=local, fp8=fp8, recipe=c.fp8_recipe)
         else:
             n, k = li.out_features, li.in_features
             if li.role in _ROW:
                 k = k / tp
             else:
                 n = n / tp
-            t = gemm_time(T * li.tokens_per_token, n, k, c.cluster, fp8=fp8, count=li.count)
+            t = gemm_time(T * li.tokens_per_token, n, k, c.cluster, fp8=fp8, count=li.count,
+                          recipe=c.fp8_recipe)
         fwd += t
         wgrad += t
     return fwd, wgrad
@@ -231,22 +233,78 @@ def _ep_comm(b: BlockProfile, c: Context) -> float:
         collective_time("all_to_all", size, c.ep, c.cluster)
 
 
-def _cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float) -> tuple[float, float, float, float]:
-    """Ring attention: (fwd total, fwd exposed, bwd total, bwd exposed) seconds."""
+# Context-parallel attention implementations (Megatron-Core --cp-comm-type; Transformer Engine's
+# AttnFuncWithCPAndKVP2P / ...KVAllGather / ...QKVOA2A):
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def cp_comm_type(layout) -> str:
+    """The layout's CP attention implementation: its `cp_comm_type` field where Layout has one, else
+    "p2p" (the ring, Megatron-Core's default)."""
+    kind = getattr(layout, "cp_comm_type", "p2p") or "p2p"
+    if kind not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type {kind!r}: use one of {CP_COMM_TYPES}")
+    return kind
+
+
+def _cp_ring(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float) -> tuple[float, float, float, float]:
+    """Ring attention (Liu et al. 2023, arXiv 2310.01889; Megatron-Core cp_comm_type "p2p"): cp-1 steps,
+    each sending one K/V chunk to the next rank while attention runs on the chunk in hand; with the
+    load-balanced (zig-zag) split every step carries 1/cp of the rank's attention. A step's transfer
+    is exposed only where it outlasts that step's attention; backward sends K/V and dK/dV."""
     L = c.layout
-    if L.cp == 1 or not b.heads:
-        return 0.0, 0.0, 0.0, 0.0
     kv = 2 * K.BF16 * c.tokens * b.kv_dim / L.tp          # one chunk's K and V
-    cross = c.cp.domains > 1
-    step = p2p_time(kv, c.cluster, cross_domain=cross)
+    step = p2p_time(kv, c.cluster, cross_domain=c.cp.domains > 1)
     steps = L.cp - 1
-    fwd_total = steps * step
-    bwd_total = 2 * steps * step                          # KV again + dKV travelling back
     if not c.cluster.gpu.comm_overlap:                   # the ring's transfers cannot hide behind compute
         t_attn_fwd = t_attn_bwd = 0.0
     fwd_exp = steps * max(0.0, step - t_attn_fwd / L.cp)
     bwd_exp = steps * max(0.0, 2 * step - t_attn_bwd / L.cp)
-    return fwd_total, fwd_exp, bwd_total, bwd_exp
+    return steps * step, fwd_exp, 2 * steps * step, bwd_exp
+
+
+def _cp_all_gather(b: BlockProfile, c: Context) -> tuple[float, float, float, float]:
+    """All-gather CP as Llama 3 ran it (Dubey et al. 2024, arXiv 2407.21783, §3.3.2): all-gather the
+    full-sequence K and V, then attend with the local (load-balanced) Q chunk. The gather is not
+    overlapped ("the all-gather communication latency is exposed in the critical path"), which is
+    cheap with GQA: K/V are kv_heads/heads the size of Q. Backward reduce-scatters dK/dV (the
+    gather's transpose), also exposed; the gathered K/V are kept for it (activation_bytes)."""
+    kv_full = 2 * K.BF16 * c.tokens * c.layout.cp * b.kv_dim / c.layout.tp
+    ag = collective_time("all_gather", kv_full, c.cp, c.cluster)
+    rs = collective_time("reduce_scatter", kv_full, c.cp, c.cluster)
+    return ag, ag, rs, rs
+
+
+def _cp_a2a(b: BlockProfile, c: Context) -> tuple[float, float, float, float]:
+    """Ulysses-style CP (Jacobs et al. 2023, arXiv 2309.14509; Megatron-Core cp_comm_type "a2a"): an
+    all-to-all turns the sequence split of Q, K, V into a head split before attention and one turns
+    the output back after it; backward runs the same four on the gradients. Each all-to-all sends the
+    rank's local tensor, (cp-1)/cp of it off-GPU; none overlaps attention (it needs the whole input)."""
+    t_local = c.tokens / c.layout.tp
+    size = K.BF16 * t_local * (2 * b.q_dim + 2 * b.kv_dim)      # q + k + v in, attention output back
+    t = collective_time("all_to_all", size, c.cp, c.cluster)
+    return t, t, t, t
+
+
+def cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float,
+            kind: str | None = None) -> tuple[float, float, float, float]:
+    """Context-parallel attention communication of one layer: (fwd total, fwd exposed, bwd total,
+    bwd exposed) seconds. `kind` defaults to the layout's (cp_comm_type)."""
+    if c.layout.cp == 1 or not b.heads:
+        return 0.0, 0.0, 0.0, 0.0
+    kind = kind or cp_comm_type(c.layout)
+    if kind == "all_gather":
+        return _cp_all_gather(b, c)
+    if kind == "a2a":
+        return _cp_a2a(b, c)
+    return _cp_ring(b, c, t_attn_fwd, t_attn_bwd)
+
+
+def cp_kv_gathered_bytes(b: BlockProfile, c: Context) -> float:
+    """Activation bytes all-gather CP keeps beyond the local chunk: the other ranks' K and V."""
+    if c.layout.cp == 1 or not b.heads or cp_comm_type(c.layout) != "all_gather":
+        return 0.0
+    return 2 * K.BF16 * c.tokens * (c.layout.cp - 1) * b.kv_dim / c.layout.tp
 
 
 def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
@@ -272,7 +330,7 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     tp_one = _tp_comm(b, c)
     tp_hidden = K.TP_OVERLAP_HIDDEN if L.tp_comm_overlap and c.cluster.gpu.comm_overlap else 0.0
     ep_one = _ep_comm(b, c)
-    cp_f, cp_fx, cp_b, cp_bx = _cp_comm(b, c, a_fwd, a_bwd)
+    cp_f, cp_fx, cp_b, cp_bx = cp_comm(b, c, a_fwd, a_bwd)
 
     if policy == "full":
         recompute = compute_fwd + tp_one * (1 - tp_hidden) + ep_one + cp_fx

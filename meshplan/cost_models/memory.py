@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 
-__all__ = ["state_bytes", "grad_bytes", "optimizer_bytes", "zero3_working_bytes"]
+__all__ = ["state_bytes", "grad_bytes", "optimizer_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
 # master weights (always fp32) + Adam's two moments in the layout's optimizer_dtype
 _MASTER_BYTES = K.FP32
@@ -69,3 +69,45 @@ def zero3_working_bytes(layout, blocks, grad_elem_bytes: float) -> tuple[float, 
         return K.PARAM_BYTES * live, K.PARAM_BYTES * max(largest, K.DS_REDUCE_BUCKET)
     g = grad_elem_bytes if layout.fsdp_impl == "megatron" else K.PARAM_BYTES
     return 2 * K.PARAM_BYTES * big, g * big
+
+
+# ---- DeepEP dispatch/combine buffers --------------------------------------------------------------
+# deepseek-ai/DeepEP (legacy/high-throughput mode) at dd758ca: csrc/legacy/config.hpp
+# Config::get_nvl_buffer_size_hint / get_rdma_buffer_size_hint, with the per-EP-size configs of
+# deep_ep/buffers/legacy.py Buffer.get_dispatch_config / get_combine_config (num_max_nvl_chunked_recv_tokens,
+# num_max_rdma_chunked_send/recv_tokens) and Buffer.num_sms = 20 (Megatron-Core's historical
+# moe_deepep_num_sms default). Megatron-Core allocates one buffer of the larger of the dispatch and
+# combine hints (megatron/core/transformer/moe/fused_a2a.py get_buffer) with hidden_bytes =
+# hidden * max(element size, 2). SourceMeta is 2 ints (8 bytes), topk_idx_t int64, kNumMaxTopK =
+# kNumMaxScales = 128, 8 NVLink peers.
+_DEEPEP_NUM_SMS = 20
+_DEEPEP_NVL_PEERS = 8
+_DEEPEP_META = 8
+# num_ranks -> (nvl recv tokens, dispatch rdma send tokens, combine rdma send tokens, rdma recv tokens)
+_DEEPEP_CONFIGS = {2: (256, 6, 6, 128), 4: (256, 6, 6, 128), 8: (256, 6, 6, 128), 16: (288, 20, 12, 128),
+                   24: (288, 8, 8, 128), 32: (288, 8, 8, 128), 48: (288, 8, 8, 128), 64: (288, 8, 8, 128),
+                   96: (480, 12, 8, 128), 128: (560, 12, 8, 128), 144: (720, 12, 8, 128), 160: (720, 12, 8, 128)}
+
+
+def _align_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def deepep_buffer_bytes(hidden: int, ep: int) -> float:
+    """Bytes of the NVLink + RDMA buffers DeepEP's high-throughput kernels keep on every GPU of an EP
+    group of `ep` ranks (sizes above; EP sizes DeepEP has no config for take the next larger one)."""
+    if ep <= 1:
+        return 0.0
+    key = min((k for k in _DEEPEP_CONFIGS if k >= ep), default=max(_DEEPEP_CONFIGS))
+    nvl_recv, send_d, send_c, rdma_recv = _DEEPEP_CONFIGS[key]
+    hb = hidden * 2
+    channels = _DEEPEP_NUM_SMS // 2
+    nvl_ranks, rdma_ranks = min(ep, _DEEPEP_NVL_PEERS), max(ep // _DEEPEP_NVL_PEERS, 1)
+    per_token = hb + _DEEPEP_META + 128 * 8 + 128 * 4 + 128 * 4      # data, meta, topk idx/weights, scales
+    nvl = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4 + channels * nvl_ranks * nvl_recv * per_token
+    rdma = 0
+    if ep > _DEEPEP_NVL_PEERS:
+        recv = max(_align_up(rdma_recv, send_d), _align_up(rdma_recv, send_c))
+        rdma = channels * rdma_ranks * (_DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4 + \
+            channels * rdma_ranks * recv * (per_token + 16) * 2
+    return float(_align_up(nvl, 128) + _align_up(rdma, 128))

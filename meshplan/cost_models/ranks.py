@@ -101,7 +101,8 @@ class LayerTable:
                  unfused: frozenset):
         self.profile, self.blocks, self.ctxs, self.layer_fp8 = profile, profile.layer_blocks(), ctxs, layer_fp8
         self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
-                    L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused)
+                    L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused,
+                    getattr(L, "cp_comm_type", "p2p"), ctxs[True].fp8_recipe)
         self._local: dict[tuple, Any] = {}
         self._act: dict[tuple, float] = {}
 
@@ -143,13 +144,6 @@ class RankWork:
     comm: dict = field(default_factory=lambda: {k: 0.0 for k in _DIMS})
 
 
-def _policy_for(layout: Layout, index_in_rank: int) -> str:
-    rc = layout.recompute
-    if isinstance(rc, str):
-        return rc
-    return "full" if index_in_rank < rc else "none"
-
-
 def _fp8_weight_elements(b, layout: Layout) -> float:
     """Weights of block `b` held by one GPU that run their GEMMs in FP8 (the router stays BF16)."""
     n = 0.0
@@ -167,7 +161,7 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
     fwd = bwd = fp8_w = 0.0
     for j, i in enumerate(w.layers):
         b = table.blocks[i]
-        pol = _policy_for(L, j)
+        pol = L.recompute_policy(j)
         c = table.cost(i, pol)
         fwd += c.fwd_s
         bwd += c.bwd_s + c.recompute_s
@@ -218,7 +212,7 @@ def rank_work(profile: ModelProfile, table: LayerTable, ctx: Context, layers: li
     L = ctx.layout
     w = RankWork(layers=list(layers))
     fwd, bwd, fp8_w = _add_layers(w, table, L)
-    w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster)
+    w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster, ctx.fp8_recipe)
     ef, eb = _add_edges(w, profile, ctx, r, p)
     # Without gradient-accumulation fusion every micro-batch's weight gradients are added into the
     # gradient buffer by a separate pass (compute.grad_accumulation_time); ZeRO-3 accumulates only

@@ -26,8 +26,17 @@ Stack mechanisms, per source: MosaicML's MPT benchmarks ran llm-foundry's Triton
 NeMo 1.x performance recipes reduce gradients in bf16
 (distributed_fused_adam grad_sync_dtype: bf16); rows whose notes name DeepEP dispatch MoE tokens
 with node deduplication; "FSDP on" in the Megatron-MoE-ModelZoo is Megatron-FSDP; DeepSpeed's 2021
-ZeRO-3 gathers per sub-module, without flash attention and with full recompute (the only kind then).
+ZeRO-3 gathers per sub-module, without flash attention and with full recompute (the only kind then);
+2021 Megatron-LM (SC'21) and Megatron-DeepSpeed (MT-NLG, BLOOM) add every micro-batch's gradients into
+the gradient buffer in a separate pass (no gradient-accumulation fusion, `stack_options`); a precision
+cell naming an FP8 recipe ("fp8 (blockwise)") selects that recipe.
 Rows that give no layout at all (strong-scaling summaries, OPT) cannot be expressed and are skipped.
+
+Layering: this module sits with the cost model and imports only the model's own floor (meshplan.ir,
+meshplan.cluster, meshplan.errors). Building a row's model is the caller's: `run_row` takes the
+function that turns a model config into a ModelProfile (`profile_fn`) and the preset lookup that
+fills fields a row leaves empty (`preset`); benchmarks/validate_published.py passes meshplan's
+traced or analytic builders and meshplan.models.config.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
@@ -131,17 +140,19 @@ def _gpu(row: Row) -> str | None:
     return None
 
 
-def model_config(row: Row) -> dict[str, Any] | None:
-    """meshplan model config for the row (None when the architecture is not given)."""
+def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[str, Any] | None:
+    """meshplan model config for the row (None when the architecture is not given). `preset(name)`
+    returns a meshplan preset config (meshplan.models.config) whose fields fill what the row leaves
+    empty (head_dim, vocab, ...); without it those rows come back incomplete or None."""
     L, h, a = row.num("layers"), row.num("hidden"), row.num("heads")
     if not (L and h and a):
         return None
     fam = row.family
     name = row.get("model").lower()
-    preset = None
+    preset_name = None
     for frag, p in _PRESET_FILL:
         if frag in name:
-            preset = p
+            preset_name = p
     cfg: dict[str, Any] = {"layers": L, "hidden": h, "heads": a, "kv_heads": row.num("kv_heads") or a}
     gpt_style = fam in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "mtnlg", "mosaic") or \
         name.startswith(("gpt", "nemotron"))
@@ -162,9 +173,8 @@ def model_config(row: Row) -> dict[str, Any] | None:
     if row.num("moe_experts"):
         cfg.update(family="moe", experts=row.num("moe_experts"), topk=row.num("moe_topk"),
                    moe_ffn_hidden=row.num("moe_ffn"))
-    if preset:
-        from meshplan.models import config as preset_config
-        pc = preset_config(preset)
+    if preset_name and preset is not None:
+        pc = preset(preset_name)
         for key in ("head_dim", "vocab", "shared_experts", "dense_layers", "ffn_hidden", "kv_heads"):
             if not cfg.get(key) and getattr(pc, key, None):
                 cfg[key] = getattr(pc, key)
@@ -219,6 +229,17 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         mbs, vp = _SC21_TABLE1.get((cfg["layers"], cfg["hidden"], tp, pp), (mbs, vp))
     lay = dict(tp=tp, pp=pp, cp=cp, vp=vp, dp=dp, zero=zero, mbs=mbs, sp=sp, flash_attention=flash,
                tp_comm_overlap="--tp-comm-overlap" in notes or fam in ("nemo2407", "nemo-longseq"))
+    _add_stack_fields(lay, row, cfg)
+    if recompute:
+        lay["recompute"] = recompute
+    return lay
+
+
+def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> None:
+    """The layout fields that describe the row's software stack rather than its parallel degrees:
+    gradient dtype, attention kernel, ZeRO-3 flavour, uneven stage split, EP and its dispatcher."""
+    fam, notes = row.family, row.get("notes")
+    pp, vp = lay["pp"], lay["vp"]
     if fam in ("nemo2407", "nemo-longseq"):
         # NeMo 1.x performance recipes: distributed_fused_adam with grad_sync_dtype: bf16, whose
         # contiguous gradient buffer is then bf16 (NeMo-Framework-Launcher conf/training/gpt3/
@@ -228,7 +249,7 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         # the MPT benchmark yamls (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml at b2a43a147,
         # the commit that wrote the H100 tables) set attn_config.attn_impl: triton
         lay["attn_kernel"] = "triton"
-    if zero == 3:
+    if lay["zero"] == 3:
         if fam == "deepspeed-zero3":
             lay["fsdp_impl"] = "deepspeed"
         elif fam == "modelzoo":      # Megatron-Core's own FSDP (Megatron-FSDP)
@@ -242,9 +263,6 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         lay["etp"] = row.num("etp") or 1
         if "deepep" in notes.lower():
             lay["moe_dispatcher"] = "deepep"
-    if recompute:
-        lay["recompute"] = recompute
-    return lay
 
 
 # Stacks that add each micro-batch's weight gradients into the gradient buffer in a separate pass
@@ -259,8 +277,16 @@ _UNFUSED_GRAD_ACCUMULATION = ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero
 
 
 def stack_options(row: Row) -> dict[str, Any]:
-    """Keyword options of estimate_profile that describe the row's software stack (not its layout)."""
-    return {"grad_accum_fusion": row.family not in _UNFUSED_GRAD_ACCUMULATION}
+    """Keyword options of estimate_profile that describe the row's software stack (not its layout):
+    gradient-accumulation fusion, and the FP8 recipe where the precision column names one (an
+    unnamed FP8 recipe of these stacks is Transformer Engine's tensorwise delayed scaling)."""
+    opts: dict[str, Any] = {"grad_accum_fusion": row.family not in _UNFUSED_GRAD_ACCUMULATION}
+    prec = row.get("precision").lower()
+    for recipe in ("mxfp8", "blockwise", "rowwise"):
+        if "fp8" in prec and recipe in prec.replace("block-wise", "blockwise").replace("row-wise", "rowwise"):
+            opts["fp8_recipe"] = recipe
+            break
+    return opts
 
 
 # SC'21 Table 1 launch settings, keyed by (layers, hidden, tp, pp): (micro-batch, chunks per pipeline
@@ -310,17 +336,20 @@ def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: floa
     return tflops
 
 
-def run_row(row: Row, *, traced: bool = True, profiles: dict | None = None) -> RowResult:
-    """Estimate one row. `profiles` caches profiles by architecture across rows."""
+def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Callable[[str], Any] | None = None,
+            profiles: dict | None = None) -> RowResult:
+    """Estimate one row. `profile_fn(cfg)` builds the ModelProfile of a model config; `preset` fills
+    architecture fields from meshplan's presets (see model_config); `profiles` caches profiles by
+    architecture across rows."""
     from meshplan.cluster import Cluster
     from meshplan.cost_models.estimate import estimate_profile
+    from meshplan.errors import MeshplanError
     metric, value = row.get("metric"), row.get("value")
     res = RowResult(row=row, metric=metric, measured=float(value) if value else float("nan"))
-    gpu = _gpu(row)
-    n = row.num("num_gpus")
+    gpu, n = _gpu(row), row.num("num_gpus")
     s, B = row.num("seq"), row.num("gbs")
-    cfg = model_config(row)
-    if not gpu or not n or not s or not B:
+    cfg = model_config(row, preset)
+    if not (gpu and n and s and B):
         res.skipped = "GPU, GPU count, sequence length or global batch not given"
         return res
     if cfg is None:
@@ -333,14 +362,11 @@ def run_row(row: Row, *, traced: bool = True, profiles: dict | None = None) -> R
     precision = "fp8" if "fp8" in row.get("precision").lower() else "bf16"
     key = repr(sorted(cfg.items()))
     profiles = profiles if profiles is not None else {}
-    candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
-    last = None
     if key not in profiles:
-        profiles[key] = model_profile(cfg, traced=traced)
+        profiles[key] = profile_fn(cfg)
     prof = profiles[key]
-    gpn = 8 if n >= 8 else n
-    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=gpn)
-    from meshplan.errors import MeshplanError
+    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=8 if n >= 8 else n)
+    candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
     for cand in candidates:
         try:
             est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision,
@@ -348,28 +374,8 @@ def run_row(row: Row, *, traced: bool = True, profiles: dict | None = None) -> R
         except MeshplanError as e:
             res.skipped = f"layout rejected: {e}"
             return res
-        last = (est, prof, cand)
         if est.fits:
             break
-    est, prof, cand = last
     res.layout, res.estimate, res.fits = cand, est, est.fits
     res.predicted = _convert(row, est, prof, cfg, n, cluster.gpu.bf16_tflops)
     return res
-
-
-def model_profile(cfg: dict[str, Any], *, traced: bool = True):
-    """Profile of the row's architecture: meshplan's model built on the meta device and traced
-    (the real path), or the analytic builder (fast, for what-if sweeps).
-
-    The published runs used their framework's fused kernels (Megatron/TE norm, SwiGLU, rotary;
-    an unfused loss), not meshplan's runtime swaps, so the traced profile's `fusions` are
-    cleared: the cost model then assumes that framework baseline, as for analytic profiles."""
-    if traced:
-        import dataclasses
-
-        from meshplan import models
-        from meshplan.api import profile
-        kw = {k: v for k, v in cfg.items() if k != "family"}
-        return dataclasses.replace(profile(models.build(cfg["family"], device="meta", **kw)), fusions=())
-    from meshplan.planner.analytic import profile_from_config
-    return profile_from_config(cfg)
