@@ -34,7 +34,8 @@ _LAZY = {
     "parallelize": ("meshplan.runtime.parallel", "parallelize"),
     "ParallelModel": ("meshplan.runtime.parallel", "ParallelModel"),
 }
-_SUBMODULES = ("models", "cluster", "errors", "planner", "cost_models", "kernels", "runtime", "reports")
+_SUBMODULES = ("ir", "models", "cluster", "errors", "planner", "cost_models", "kernels", "export", "runtime", "train",
+               "reports")
 
 __all__ = sorted(list(_LAZY) + list(_SUBMODULES))
 

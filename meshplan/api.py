@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.errors import ConfigError
+from meshplan.errors import ConfigError, DoesNotFitError
 from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
@@ -17,7 +17,7 @@ from meshplan.planner.build import _fp8_modules, build_plan
 from meshplan.planner.explain import explain as _explain
 from meshplan.planner.search import search
 from meshplan.planner.traits import model_traits
-from meshplan.reports import export as _export
+import meshplan.export as _export
 
 __all__ = ["Plan", "estimate", "plan", "profile", "resolve_cluster"]
 
@@ -36,7 +36,7 @@ class Plan(ir_plan.Plan):
         """Why this layout: what limits it, the runner-ups and why each lost."""
         return _explain(self)
 
-    # ---- exports to other frameworks (meshplan/reports/export.py, docs/exports.md) ------
+    # ---- exports to other frameworks (meshplan/export/, docs/exports.md) ------
     def to_megatron_args(self, model=None) -> list[str]:
         """Megatron-LM flags; `model` (preset name, ModelConfig, ModelProfile) adds the shape flags."""
         return _export.to_megatron_args(self, model)
@@ -170,32 +170,35 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     cl = resolve_cluster(cluster)
     precisions, run_as = _precisions(precision, cl)
     fixed = dict(fixed or {})
-    optimizer_dtype = fixed.pop("optimizer_dtype", None)
     prof = profile(model, seq_len=seq_len)
     if not fused_kernels:
         prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))
-    res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions,
-                 fixed=fixed, allow_cross_domain=allow_cross_domain, for_runtime=for_runtime,
-                 traits=model_traits(prof, model if hasattr(model, "named_modules") else None))
-    out = build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fixed)
+    traits = model_traits(prof, model if hasattr(model, "named_modules") else None)
+
+    def run(fix: dict):
+        res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions, fixed=fix,
+                     allow_cross_domain=allow_cross_domain, for_runtime=for_runtime, traits=traits)
+        return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fix)
+
+    try:
+        out = run(fixed)
+    except DoesNotFitError as e:
+        if "optimizer_dtype" in fixed:
+            raise
+        # Adam moments in bf16 (fp32 master weights): 8 instead of 12 optimizer bytes per parameter;
+        # chosen only when nothing fits with fp32 moments, and said so (they change the numerics)
+        try:
+            out = run({**fixed, "optimizer_dtype": "bf16"})
+        except DoesNotFitError:
+            raise e from None
+        out = dataclasses.replace(out, search={**out.search, "optimizer_note": (
+            "Adam moments in bf16 (fp32 master weights): no layout fits with fp32 moments; "
+            "pass fixed={'optimizer_dtype': 'fp32'} to refuse")})
     if run_as == "fp8":
         out = _emulated_fp8_plan(prof, cl, out, seq_len=seq_len, global_batch=global_batch)
     elif run_as and run_as != out.precision:
         out = dataclasses.replace(out, precision=run_as)
-    if optimizer_dtype is not None:
-        out = _with_optimizer_dtype(prof, cl, out, optimizer_dtype, seq_len=seq_len, global_batch=global_batch)
     return Plan.of(out)
-
-
-def _with_optimizer_dtype(prof, cl, plan, dtype: str, *, seq_len: int, global_batch: int):
-    """fixed={"optimizer_dtype": "bf16"}: Adam moments in bf16 (fp32 master weights), the plan's
-    estimate recomputed for that layout."""
-    lay = dataclasses.replace(plan.layout, optimizer_dtype=dtype)     # validates the name
-    est = estimate_profile(prof, cl, lay, seq_len=seq_len, global_batch=global_batch,
-                           precision=plan.estimate.precision,
-                           fp8_modules=frozenset(plan.fp8_modules) if plan.estimate.precision == "fp8" else None)
-    return dataclasses.replace(plan, layout=lay, estimate=est,
-                               search={**plan.search, "fixed": {**plan.search.get("fixed", {}), "optimizer_dtype": dtype}})
 
 
 # precision names plan() and `meshplan train --precision` share

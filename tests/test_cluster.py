@@ -407,6 +407,19 @@ def test_import_is_light_and_fingerprint_is_stable_across_processes():
     assert out.stdout.strip() == Cluster.preset("dgx-h100", nodes=2).fingerprint()
 
 
+def test_package_modules_have_one_job_each():
+    """meshplan/cluster/ is split along its jobs: each module says what it owns and stays small,
+    and the package keeps every public name (plus the figures, e.g. mc.NCCL_PCIE_HOP_US)."""
+    pkg = Path(mc.__file__).parent
+    for path in sorted(pkg.glob("*.py")):
+        text = path.read_text()
+        assert text.lstrip().startswith('"""'), f"{path.name} has no docstring"
+        assert len(text.splitlines()) <= 400, f"{path.name} is over 400 lines"
+    for name in mc.__all__:
+        assert hasattr(mc, name), name
+    assert mc.PRESETS["dgx-h100"]().gpu is mc.GPUS["h100-sxm"]
+
+
 # ---- placement ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset, nodes, group, stride, expected", [
     ("dgx-h100", 16, 8, 1, (8, 1)),

@@ -1,4 +1,4 @@
-"""Plan exports to Megatron-LM, torchtitan, NeMo 2 and Megatron-Bridge (meshplan/reports/export.py).
+"""Plan exports to Megatron-LM, torchtitan, NeMo 2 and Megatron-Bridge (meshplan/export/).
 
 CI has none of the target frameworks, so the exported names are checked against name lists copied
 below from each target's source at the version named in the comment. Where a target's real parser
@@ -19,7 +19,7 @@ import meshplan as mp
 from meshplan import models
 from meshplan.errors import ConfigError, UnknownNameError
 from meshplan.api import Plan
-from meshplan.reports import export as ex
+import meshplan.export as ex
 
 # ---- reference names ------------------------------------------------------------------------------
 # Megatron-LM main d98e8a6 (2026-08-22): flags defined in megatron/training/arguments.py plus those
@@ -173,10 +173,31 @@ def test_megatron_fp8_moe_and_fsdp(plans):
 def test_megatron_rejects_zero_bubble_and_notes_gpipe(plans):
     d = plans["uneven"].to_dict()
     zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb")))
-    with pytest.raises(ConfigError, match="zero-bubble.*schedule='1f1b'"):
+    # Megatron-Core has no zero-bubble flag: say what it runs and what to re-plan with
+    with pytest.raises(ConfigError, match=r"zero-bubble.*1F1B.*interleaved 1F1B.*fixed=\{'schedule': '1f1b'\}"):
         zb.to_megatron_args()
+    for flavor, target in (("nemo", "NeMo 2"), ("megatron-bridge", "Megatron-Bridge")):
+        with pytest.raises(ConfigError, match=f"{target} has no zero-bubble.*InterleavedZeroBubble"):
+            zb.to_nemo(flavor=flavor)
     gp = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="gpipe")))
     assert any("GPipe" in n for n in ex.megatron_export(gp).notes)
+
+
+def test_layers_are_found_through_plan_blocks_not_names(plans):
+    """Stage sizes and the FP8 layer split come from plan.blocks, whatever the blocks are called
+    (a regex for names ending in an index found no layers in 'trunk.layer_3')."""
+    for name in ("fp8", "vp"):
+        pl = plans[name]
+        renamed = Plan.from_json(pl.to_json().replace('"layers.', '"trunk.layer_'))
+        assert renamed.blocks[0] == "trunk.layer_0"
+        a, b = ex.megatron_export(pl), ex.megatron_export(renamed)
+        assert (a.args, a.notes) == (b.args, b.notes), name
+        assert not any("could not be matched" in n for n in b.notes)
+    # without blocks (and without model=) the stage sizes cannot be read
+    d = plans["vp"].to_dict()
+    bare = Plan.from_dict(dict(d, model="my-own-model", blocks=[]))
+    with pytest.raises(ConfigError, match="plan.blocks"):
+        ex.megatron_export(bare)
 
 
 def test_megatron_text_is_a_shell_command(plans):
@@ -253,11 +274,32 @@ def test_torchtitan_fp8_and_zero(plans):
     assert cfg["parallelism"]["fsdp_reshard_after_forward"] == "never"      # ZeRO-1 -> FSDP, no reshard
 
 
+def test_torchtitan_runs_zb_h1_as_interleaved_zero_bubble(plans):
+    """The planner's frequent ZB-H1 ('zb', one stage per rank) maps to torch.distributed.pipelining's
+    InterleavedZeroBubble with one stage per rank; torchtitan refuses that schedule class with fewer
+    than 2 stages per rank when pipeline_parallel_layers_per_stage is set, so it is left out."""
+    for name in ("uneven", "moe"):
+        d = plans[name].to_dict()
+        zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb")))
+        exp = ex.torchtitan_export(zb)
+        par = exp.data["parallelism"]
+        assert par["pipeline_parallel_schedule"] == "InterleavedZeroBubble" in TITAN_SCHEDULES
+        assert "pipeline_parallel_layers_per_stage" not in par
+        assert len(par["module_fqns_per_model_part"]) == zb.layout.pp       # one stage per rank
+        assert any("ZB-H1" in n for n in exp.notes)
+        assert tomllib.loads(ex.export_text(zb, "torchtitan")) == exp.data
+    # torch's ScheduleInterleavedZeroBubble needs n_microbatches % max(1, n_microbatches // pp) == 0
+    d = plans["uneven"].to_dict()                      # pp=8, dp=1, mbs=2: 512 // 2 = 256 micro-batches
+    odd = Plan.from_dict(dict(d, global_batch=2 * 9 * 2, num_microbatches=18,
+                              layout=dict(d["layout"], schedule="zb")))     # 18 micro-batches: 18 % 2 == 0
+    assert ex.to_torchtitan(odd)["parallelism"]["pipeline_parallel_schedule"] == "InterleavedZeroBubble"
+    bad = Plan.from_dict(dict(d, global_batch=2 * 25, num_microbatches=25,
+                              layout=dict(d["layout"], schedule="zb")))     # 25 % 3 != 0
+    with pytest.raises(ConfigError, match="multiple of"):
+        bad.to_torchtitan()
+
+
 def test_torchtitan_rejects_what_it_cannot_run(plans):
-    d = plans["uneven"].to_dict()
-    zb = Plan.from_dict(dict(d, layout=dict(d["layout"], schedule="zb")))
-    with pytest.raises(ConfigError, match="schedule='zbv'"):
-        zb.to_torchtitan()
     m = plans["moe"].to_dict()
     bad = Plan.from_dict(dict(m, layout=dict(m["layout"], etp=4, tp=2)))
     with pytest.raises(ConfigError, match="etp=1 or etp=2"):
@@ -316,6 +358,16 @@ def test_cli_plan_export(plans, monkeypatch, capsys):
     out = capsys.readouterr().out
     cfg = tomllib.loads(out[out.index("# meshplan plan for"):])
     assert cfg["parallelism"]["tensor_parallel_degree"] == 8
+
+
+@pytest.mark.parametrize("fmt", ex.FORMATS)
+def test_cli_plan_export_reaches_every_format(plans, monkeypatch, capsys, fmt):
+    """`meshplan plan --export` offers every format export_text prints (megatron-bridge was missing)."""
+    from meshplan import cli
+    monkeypatch.setattr(mp, "plan", lambda *a, **k: plans["vp"])
+    assert cli.main(["plan", "--model", "llama3-70b", "--export", fmt]) == 0
+    out = capsys.readouterr().out
+    assert out[out.index("# meshplan plan for"):].rstrip("\n") == ex.export_text(plans["vp"], fmt)
 
 
 # ---- the targets' own parsers, where available --------------------------------------------------------

@@ -189,3 +189,20 @@ def test_sharding_ilp_failure_is_recorded_not_swallowed(monkeypatch):
     assert "sharding ILP" in pl.search["placement_note"] and "no feasible sharding" in pl.search["placement_note"]
     assert pl.placements["layers.0.attention.wq"] == "colwise" and pl.placements["layers.3.feed_forward.w2"] == "rowwise"
     assert "placements follow the runtime's Megatron pattern" in pl.explain()
+
+
+def test_planner_chooses_bf16_adam_moments_only_when_nothing_else_fits():
+    """~4.6B parameters on one H100: fp32 Adam state does not fit (18 bytes/param), bf16 moments do
+    (14); the planner falls back to them and says so. A fixed dtype is honoured either way."""
+    cl = mp.Cluster(gpu="h100-sxm", num_gpus=1, gpus_per_node=1)
+    big = dict(layers=16, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256)
+    pl = plan(big, cl, seq_len=1024, global_batch=4)
+    assert pl.layout.optimizer_dtype == "bf16" and pl.estimate.fits
+    assert "no layout fits with fp32 moments" in pl.search["optimizer_note"]
+    assert "Adam moments in bf16" in pl.explain()
+    with pytest.raises(DoesNotFitError):
+        plan(big, cl, seq_len=1024, global_batch=4, fixed={"optimizer_dtype": "fp32"})
+    small = dict(big, layers=8)          # fits with fp32 moments: they stay
+    assert plan(small, cl, seq_len=1024, global_batch=4).layout.optimizer_dtype == "fp32"
+    forced = plan(small, cl, seq_len=1024, global_batch=4, fixed={"optimizer_dtype": "bf16"})
+    assert forced.layout.optimizer_dtype == "bf16" and "optimizer_note" not in forced.search

@@ -9,7 +9,7 @@ import time
 import meshplan as mp
 from meshplan.cli.common import cluster_from_args, parse_layout
 from meshplan.cluster import GPUS, Cluster
-from meshplan.reports.export import export_text
+from meshplan.export import FORMATS as EXPORT_FORMATS, export_text
 from meshplan.reports.html import write_plan_report
 
 __all__ = ["register"]
@@ -95,8 +95,9 @@ def register(sub) -> None:
                    help="keep every module eager (no fused RMSNorm/SwiGLU/linear+CE) and cost it so")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     p.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
-    p.add_argument("--export", choices=["megatron", "torchtitan", "nemo"],
-                   help="print the plan as Megatron-LM flags, a torchtitan config or NeMo overrides")
+    p.add_argument("--export", choices=list(EXPORT_FORMATS),
+                   help="print the plan as Megatron-LM flags, a torchtitan config, NeMo 2 or Megatron-Bridge "
+                        "overrides")
     p.set_defaults(fn=cmd_plan)
     m = sub.add_parser("models", help="list model presets")
     m.set_defaults(fn=cmd_models)

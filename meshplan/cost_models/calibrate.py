@@ -11,7 +11,7 @@ Measurements (one `Calibration`, kept in the profile JSON next to the cluster):
   median over iterations of the slowest rank.
 
 How they map onto `Cluster` / `GPUSpec` fields (docs/exports.md, "calibrate"):
-- CPU (base local-cpu): the local-cpu preset's own convention (meshplan/cluster.py constants):
+- CPU (base local-cpu): the local-cpu preset's own convention (meshplan/cluster/constants.py):
   host rates divided by the process count. bf16_tflops / fp32_tflops = best matmul rate / nproc,
   gemm_efficiency = 1 (the rate *is* the achievable peak), hbm_tb_s = copy rate / nproc,
   scaleup_gb_s = the same in GB/s, scaleup_busbw_gb_s = measured all-reduce busbw at the largest size.

@@ -154,7 +154,7 @@ DS_PREFETCH_BUCKET = 5e8
 DS_REDUCE_BUCKET = 5e8
 
 # ---- CPU processes (local-cpu): compute a GPU-oriented model does not charge -------------------
-# Measured 2026-11-24 on the 2-core AMD EPYC VM of meshplan/cluster.py's local-cpu constants,
+# Measured 2026-11-24 on the 2-core AMD EPYC VM of meshplan/cluster/constants.py's local-cpu figures,
 # torch 2.13.0 CPU, ONE thread (torch.set_num_threads(1)), while other sessions shared the host: a
 # bf16 matmul ran at CPU_MICRO_MATMUL_GFLOPS_1T in the same minutes (96-102 GFLOP/s at the default
 # job's 512x128x{128,256,384} shapes, 80 at 2048^3; 188 on an idle host). The rates below are

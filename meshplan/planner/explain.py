@@ -77,6 +77,8 @@ def explain(plan) -> str:
         p(f"  uncertainty band +/-{est.uncertainty * 100:.1f}% ({lo:.3f}-{hi:.3f} s), from the validation error "
           f"of: " + ", ".join(f"{_NAMES.get(k, k)} {v * 1e3:.1f} ms" for v, k in worst)
           + (f"; less-validated regimes: {', '.join(flags)}" if flags else ""))
+    if plan.search and plan.search.get("optimizer_note"):
+        p(f"  {plan.search['optimizer_note']}")
     if plan.search and plan.search.get("band_choice"):
         p(f"  {plan.search['band_choice']}")
     if plan.search and plan.search.get("runtime_excluded_note"):

@@ -33,7 +33,10 @@ __all__ = ["SearchResult", "search", "FIXABLE"]
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "sp",
            "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward",
            # the software stack, not the planner's choice (kept as given, e.g. to score a published run)
-           "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher")
+           "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
+           # Adam moments in bf16 change the optimizer's numerics: the user's call (or plan()'s
+           # fallback when nothing fits with fp32 moments), never a silent speed choice
+           "optimizer_dtype")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MBS = 8
 # The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
@@ -87,7 +90,7 @@ def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
 
 
 def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
-                          zero: int, grad_dtype: str = "fp32") -> float:
+                          zero: int, grad_dtype: str = "fp32", optimizer_dtype: str = "fp32") -> float:
     """Weights + grads + optimizer of the most loaded pipeline rank, no activations (the
     bytes per parameter of cost_models.memory, for the gradient dtype the search prices)."""
     dense = sum((b.params - b.expert_params) * b.count for b in profile.blocks)
@@ -95,7 +98,7 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
     dense_gpu = (dense / pp + profile.embedding_params) / tp
     expert_gpu = expert / pp / ep
 
-    lay = Layout(grad_dtype=grad_dtype)
+    lay = Layout(grad_dtype=grad_dtype, optimizer_dtype=optimizer_dtype)
 
     def per_param(d: int) -> float:
         return sum(state_bytes(1.0, d, zero, grad_bytes=grad_bytes(lay), optimizer_bytes=optimizer_bytes(lay)).values())
@@ -169,7 +172,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
                         if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero,
-                                                f.get("grad_dtype", "fp32")) > \
+                                                f.get("grad_dtype", "fp32"), f.get("optimizer_dtype", "fp32")) > \
                                 cluster.usable_memory_gb:
                             stats["pruned_memory"] += 1
                             continue
@@ -178,7 +181,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             stage_layers = split_layers(L, pp * vp)
                         base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                     schedule=schedule, stage_layers=stage_layers)
-                        for k in ("sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype",
+                        for k in ("sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "optimizer_dtype",
                                   "fsdp_impl", "moe_dispatcher"):
                             if k in f:
                                 base[k] = f[k]

@@ -1,3 +1,3 @@
 """Reports built on the planner: what-if capacity sweeps (`whatif`), their terminal / Markdown /
-JSON / HTML renderings with inline SVG plots, single-plan HTML reports, and exports to other
-frameworks. Submodules are imported on use; importing this package costs nothing."""
+JSON / HTML renderings with inline SVG plots, and single-plan HTML reports (the exports to other
+frameworks are meshplan.export). Submodules are imported on use; importing this package costs nothing."""

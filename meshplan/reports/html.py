@@ -269,9 +269,3 @@ def whatif_html(w: WhatIf) -> str:
 
 def write_whatif_report(w: WhatIf, path: str | Path) -> None:
     Path(path).write_text(whatif_html(w), encoding="utf-8")
-
-
-def count_svgs(html_text: str) -> int:
-    """How many inline SVG plots a report holds (used by tests and the CLI's summary)."""
-    return html_text.count("<svg ")
-

@@ -200,7 +200,7 @@ def verdicts(rows: Sequence[WhatIfRow], marks: Mapping[str, Any], *, model: str,
              deadline_days: float | None, budget_usd: float | None, prices: Sequence[PriceSource]) -> list[str]:
     """The sentences a reader must see: what meets the deadline / budget, or that nothing does and
     the nearest options; models that fit nowhere; GPUs without a price."""
-    from meshplan.reports.whatif import by_cost, by_time
+    from meshplan.reports.whatif import by_cost, by_time   # whatif imports this module: at call time
     ok = [r for r in rows if r.ok]
     out: list[str] = []
     if not ok:

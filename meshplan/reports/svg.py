@@ -16,6 +16,8 @@ import math
 from html import escape
 from typing import Callable, Mapping, Sequence
 
+from meshplan.reports.render import fmt_si
+
 __all__ = ["line_plot", "scatter_plot", "stacked_bars", "hbar_stacked", "PALETTE", "nice_ticks", "log_ticks",
            "text_width"]
 
@@ -39,7 +41,6 @@ def _f(x: float) -> str:
 
 
 def _default_fmt(v: float) -> str:
-    from meshplan.reports.render import fmt_si
     return fmt_si(v)
 
 

@@ -23,10 +23,16 @@ from meshplan.errors import ConfigError
 __all__ = ["compile_wanted", "compile_blocks"]
 
 
-def compile_wanted(mode, device_type: str) -> bool:
-    """`mode`: "auto" (CUDA only), True or False."""
+# Zero-bubble schedules split each stage's backward into input- and weight-gradient passes over
+# the autograd graph; a compiled block's backward is one opaque node computing both (torchtitan
+# does not combine them either), so "auto" leaves those plans eager
+SPLIT_BACKWARD_SCHEDULES = ("zb", "zbv")
+
+
+def compile_wanted(mode, device_type: str, schedule: str = "1f1b", pp: int = 1) -> bool:
+    """`mode`: "auto" (CUDA only, not with a zero-bubble pipeline schedule), True or False."""
     if mode == "auto":
-        return device_type == "cuda"
+        return device_type == "cuda" and not (pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES)
     if isinstance(mode, bool):
         return mode
     raise ConfigError(f"compile={mode!r}: use 'auto' (compile on CUDA), True or False")

@@ -48,6 +48,7 @@ from meshplan.runtime import expert_parallel as _ep
 from meshplan.runtime import fp8 as _fp8
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import materialize as _mat
+from meshplan.runtime import moe_folding as _fold
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.compile import compile_blocks, compile_wanted
 from meshplan.runtime.ddp import (
@@ -57,7 +58,7 @@ from meshplan.runtime.ddp import (
     wrap_ddp,
 )
 from meshplan.runtime.fused import apply_fused_kernels, choose_kernels
-from meshplan.runtime.mesh import build_mesh
+from meshplan.runtime.mesh import build_mesh, folds_experts
 from meshplan.runtime.model import IGNORE_INDEX, ParallelModel
 from meshplan.runtime.recompute import apply_recompute
 from meshplan.runtime.tensor_parallel import apply_tensor_parallel, enable_async_tp
@@ -192,9 +193,11 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     _pp.check_stage_coverage(model, plan.stages)
     _pp.check_stage_entries(model, specs)
     tied = _tied_parameters(model)
-    expert_params = _ep.expert_labelled_params(plan.placements) if lay.ep > 1 else set()
-    if lay.ep > 1:      # refuse unsplittable experts before any collective
-        _ep.check_expert_parallel(model, lay.ep, expert_params)
+    folded = folds_experts(plan)         # experts on their own (edp, ep, etp) mesh (mesh.py)
+    expert_params = _ep.expert_labelled_params(plan.placements) if folded else set()
+    # refuse unsplittable experts before any collective
+    expert_fqns = _ep.check_expert_parallel(model, lay.ep, expert_params) if folded else []
+    tp_plan = _fold.tp_view(plan, expert_fqns)      # a MoE layer's router and experts are not TP's
     meshes = build_mesh(plan, device.type)
     mesh = meshes.root
     # deferred initialisation (runtime/materialize.py): an unsharded meta copy to replay the
@@ -229,11 +232,12 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     ddps: list[nn.Module] = []
     async_tp = False
     swaps: list = []
-    compile_on, compiled = compile_wanted(compile, device.type), []
+    compile_on, compiled = compile_wanted(compile, device.type, lay.schedule, lay.pp), []
+    expert_modules: list[list[str]] = []
     layers_before = 0       # layers of this pipeline rank in earlier virtual stages (recompute counts per rank)
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, plan.blocks)
-        apply_tensor_parallel(stage, plan, mesh["tp"])                              # 2. TP / SP
+        apply_tensor_parallel(stage, tp_plan, mesh["tp"])                           # 2. TP / SP
         _retie(stage, tied)
         if len(specs) > 1 and mesh["tp"].size() > 1 and plan.sequence_parallel:
             # the sequence-sharded residual stream crosses stages as local shards
@@ -241,8 +245,10 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         if plan.mesh.get("cp", 1) > 1:                                              # 2b. CP
             # before recompute wraps the blocks, so a block recomputed in backward runs the ring too
             _cp.apply_context_parallel(stage, group=mesh["cp"].get_group(), seq_len=plan.seq_len, blocks=blocks)
-        experts = (_ep.apply_expert_parallel(stage, meshes.ep, labelled=expert_params)   # 2c. EP
-                   if lay.ep > 1 else [])
+        experts = (_ep.apply_expert_parallel(stage, meshes.ep, labelled=expert_params,    # 2c. EP
+                                             expert_mesh=meshes.experts) if folded else [])
+        _fold.apply_moe_folding(stage, plan, mesh["tp"], experts=experts)         # (MoE on TP ranks' tokens)
+        expert_modules.append(experts)
         if run_fp8:                                                                 # 2d. FP8
             swaps.append(_fp8.apply_fp8(stage, plan.fp8_modules, backend=fp8_backend, recipe=fp8_recipe,
                                         device=device, tp=lay.tp,
@@ -275,6 +281,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                        ddp=ddps, autocast_dtype=None if use_fsdp else compute_dtype, async_tp=async_tp,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
     pm.compiled = compiled
+    pm.expert_modules = expert_modules
     pm.fp8 = _fp8.merge(swaps)
     pm.precisions = _fp8.module_precisions(stages, compute_dtype, pm.fp8)
     _fp8.log_precisions(pm.precisions, plan)

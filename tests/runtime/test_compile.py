@@ -42,5 +42,6 @@ def test_compiled_blocks_match_eager(recompute):
 def test_auto_compiles_on_cuda_only():
     assert compile_wanted("auto", "cuda") and not compile_wanted("auto", "cpu")
     assert compile_wanted(True, "cpu") and not compile_wanted(False, "cuda")
+    assert not compile_wanted("auto", "cuda", "zbv", pp=2) and compile_wanted("auto", "cuda", "1f1b", pp=2)
     with pytest.raises(ConfigError, match="compile='sometimes'"):
         compile_wanted("sometimes", "cpu")

@@ -1,0 +1,192 @@
+"""Megatron-LM export: `pretrain_gpt.py` flags for a Plan (`megatron_export`, `to_megatron_args`).
+
+Names checked against NVIDIA/Megatron-LM main d98e8a6 (2026-08-22, megatron-core 0.20.0 dev):
+megatron/training/arguments.py plus the dataclass-generated flags of TransformerConfig /
+ModelParallelConfig / TrainingConfig. Also the Megatron-Core rules NeMo 2 and Megatron-Bridge
+share (meshplan/export/nemo.py): schedules, recompute settings, the pipeline layout string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshplan.errors import ConfigError
+from meshplan.export.view import (
+    FP8_FORMAT, FP8_RECIPE, VERSIONS, Export, _check_precision, _fp8_notes, _uniform_middle, _View, _view,
+)
+
+__all__ = ["megatron_export", "to_megatron_args"]
+
+
+def _megatron_schedule(v: _View, target: str = "Megatron-LM") -> None:
+    """Megatron-Core runs 1F1B (vp = 1) and interleaved 1F1B (vp > 1) and has no zero-bubble flag:
+    a 'zb' / 'zbv' plan is refused with what the target runs and what to re-plan with."""
+    s = v.layout.schedule
+    if s in ("zb", "zbv"):
+        kind = "ZB-H1" if s == "zb" else "ZB-V"
+        raise ConfigError(
+            f"{target} has no zero-bubble pipeline schedule (plan schedule {s!r}, {kind}): Megatron-Core runs "
+            "1F1B (vp=1) and interleaved 1F1B (vp > 1) only. Re-plan with fixed={'schedule': '1f1b'} "
+            "(`meshplan plan --fix schedule=1f1b`; the same memory as ZB-H1, a larger bubble) or "
+            "fixed={'schedule': 'interleaved', 'vp': 2}, or export to torchtitan, which runs 'zb' as "
+            "InterleavedZeroBubble and 'zbv' as ZBVZeroBubble")
+    if s == "gpipe":
+        v.notes.append("schedule: Megatron-LM has no GPipe schedule; its 1F1B (same bubble, fewer micro-batches "
+                       "in flight) is used, so memory is at most the plan's")
+
+
+def _pipeline_layout_string(sl: tuple[int, ...]) -> str:
+    """Megatron's --pipeline-model-parallel-layout: stages in virtual-stage order, 'E' embedding,
+    't' a transformer layer, 'L' the loss (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    parts = []
+    for s, n in enumerate(sl):
+        body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
+        parts.append(("E" if s == 0 else "") + body + ("L" if s == len(sl) - 1 else ""))
+    return "|".join(parts)
+
+
+@dataclass(frozen=True)
+class _Recompute:
+    """Megatron-Core's recompute settings (TransformerConfig recompute_* fields)."""
+
+    granularity: str | None = None     # None | "selective" | "full"
+    method: str | None = None          # None | "uniform" | "block"
+    num_layers: int | None = None
+    modules: tuple[str, ...] = ()
+
+    def flags(self) -> list[str]:
+        out: list[str] = []
+        if self.granularity:
+            out += ["--recompute-granularity", self.granularity]
+        if self.method:
+            out += ["--recompute-method", self.method, "--recompute-num-layers", str(self.num_layers)]
+        if self.modules:
+            out += ["--recompute-modules", *self.modules]
+        return out
+
+
+def _megatron_recompute(v: _View, rc: Any) -> _Recompute:
+    lay = v.layout
+    if rc == "none" or rc == 0:
+        return _Recompute()
+    if rc == "selective":
+        mods = ("core_attn",) + (("moe_act",) if v.shape is not None and v.shape.experts else ())
+        if v.shape is None or v.shape.experts == 0 or v.shape.dense_layers:
+            v.notes.append("recompute: meshplan's selective policy also recomputes the dense MLP activation; "
+                           "Megatron's nearest (recompute modules core_attn) keeps it, using a little more memory")
+        return _Recompute(granularity="selective", modules=mods)
+    if rc == "full" or (isinstance(rc, int) and rc >= v.layers_per_rank):
+        return _Recompute(granularity="full", method="uniform", num_layers=1)
+    # N fully recomputed layers per pipeline rank. Megatron's "block" method recomputes the first
+    # N layers of every model chunk (each virtual stage), so N is split over the vp chunks.
+    per_chunk = -(-rc // lay.vp)
+    if per_chunk * lay.vp != rc:
+        v.notes.append(f"recompute: {rc} layers per pipeline rank do not split over vp={lay.vp} chunks; "
+                       f"{per_chunk} per chunk ({per_chunk * lay.vp} per rank) are recomputed")
+    return _Recompute(granularity="full", method="block", num_layers=per_chunk)
+
+
+def _megatron_dp(v: _View) -> list[str]:
+    lay = v.layout
+    out: list[str] = []
+    if lay.zero == 0:
+        return ["--overlap-grad-reduce"] if lay.dp * lay.cp > 1 else []
+    if lay.zero == 1:
+        out += ["--use-distributed-optimizer"]
+    else:
+        strategy = "optim_grads_params" if lay.zero == 3 and lay.reshard_after_forward else "optim_grads"
+        if lay.zero == 3 and not lay.reshard_after_forward:
+            v.notes.append("ZeRO-3 keeping gathered weights after forward is exported as Megatron-FSDP "
+                           "'optim_grads' (ZeRO-2): the same weight memory, less all-gather traffic")
+        # Megatron-FSDP checkpoints only in its fsdp_dtensor format (validate_args asserts it)
+        out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+                "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+        if lay.fsdp_shard:
+            v.notes.append(f"HSDP (fsdp_shard={lay.fsdp_shard}): Megatron-FSDP's hybrid mode is set up through "
+                           "its outer-DP process-group options, not a single flag; exported as full sharding "
+                           "over all data-parallel ranks (less memory, more traffic than planned)")
+    if lay.dp * lay.cp > 1:
+        # the step-time prediction assumes DP communication overlapped with compute (constants.py)
+        out += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    return out
+
+
+def _megatron_model(v: _View, seq_len: int) -> list[str]:
+    s = v.shape
+    if s is None:
+        return []
+    out = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--ffn-hidden-size", str(s.ffn_hidden),
+           "--num-attention-heads", str(s.heads)]
+    if s.kv_heads != s.heads:
+        out += ["--group-query-attention", "--num-query-groups", str(s.kv_heads)]
+    if s.head_dim * s.heads != s.hidden:
+        out += ["--kv-channels", str(s.head_dim)]
+    out += ["--max-position-embeddings", str(seq_len), "--vocab-size", str(s.vocab),
+            "--normalization", "RMSNorm" if s.norm == "rmsnorm" else "LayerNorm"]
+    if s.gated:
+        out.append("--swiglu")
+    if s.rope:
+        out += ["--position-embedding-type", "rope", "--rotary-base", str(int(s.rope_theta))]
+    if not s.bias:
+        out.append("--disable-bias-linear")
+    if not s.tied:
+        out.append("--untie-embeddings-and-output-weights")
+    if s.experts:
+        out += ["--num-experts", str(s.experts), "--moe-router-topk", str(s.topk),
+                "--moe-ffn-hidden-size", str(s.moe_ffn_hidden), "--moe-grouped-gemm"]
+        if s.shared_ffn_hidden:
+            out += ["--moe-shared-expert-intermediate-size", str(s.shared_ffn_hidden)]
+        if s.dense_layers:
+            out += ["--moe-layer-freq", f"([0]*{s.dense_layers}+[1]*{s.layers - s.dense_layers})"]
+        if s.sigmoid_router:
+            out += ["--moe-router-score-function", "sigmoid"]
+    return out
+
+
+def megatron_export(plan: Any, model: Any = None) -> Export:
+    """Megatron-LM `pretrain_gpt.py` flags for the plan, with notes on approximations."""
+    _check_precision(plan, "Megatron-LM", ("bf16", "fp16", "fp8"))
+    v = _view(plan, model)
+    lay = v.layout
+    _megatron_schedule(v)
+    a: list[str] = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp),
+                    "--context-parallel-size", str(lay.cp)]
+    if lay.ep > 1 or lay.etp > 1 or (v.shape is not None and v.shape.experts):
+        a += ["--expert-model-parallel-size", str(lay.ep), "--expert-tensor-parallel-size", str(lay.etp)]
+    if lay.pp > 1:
+        sl = v.stage_layers
+        if v.even:
+            if lay.vp > 1:
+                a += ["--num-layers-per-virtual-pipeline-stage", str(sl[0])]
+        elif lay.vp == 1 and _uniform_middle(sl):
+            a += ["--decoder-first-pipeline-num-layers", str(sl[0]), "--decoder-last-pipeline-num-layers", str(sl[-1])]
+        else:
+            a += ["--pipeline-model-parallel-layout", _pipeline_layout_string(sl)]
+    if lay.tp > 1 and lay.sp:
+        a.append("--sequence-parallel")
+    if lay.tp_comm_overlap:
+        a.append("--tp-comm-overlap")
+    a += _megatron_dp(v)
+    a += _megatron_recompute(v, lay.recompute).flags()
+    a += ["--micro-batch-size", str(lay.mbs), "--global-batch-size", str(plan.global_batch),
+          "--seq-length", str(plan.seq_len)]
+    a.append("--fp16" if plan.precision == "fp16" else "--bf16")
+    if plan.precision == "fp8":
+        a += ["--fp8-format", FP8_FORMAT, "--fp8-recipe", FP8_RECIPE]
+        lead, tail = _fp8_notes(plan, v, "Megatron-LM")
+        if lead or tail:
+            a += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(lead),
+                  "--num-layers-at-end-in-bf16", str(tail)]
+    a += _megatron_model(v, plan.seq_len)
+    env = {}
+    if (lay.tp > 1 or lay.cp > 1) and lay.zero < 2:
+        # validate_args requires it with TP/CP before Blackwell (kernel ordering for comm overlap);
+        # Megatron-FSDP wants it unset, and only warns when combined with TP/CP
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return Export(fmt="megatron", version=VERSIONS["megatron"], args=tuple(a), env=env, notes=tuple(v.notes))
+
+
+def to_megatron_args(plan: Any, model: Any = None) -> list[str]:
+    """Megatron-LM flags, e.g. ['--tensor-model-parallel-size', '8', ...]; see `megatron_export`."""
+    return list(megatron_export(plan, model).args)
