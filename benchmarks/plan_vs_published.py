@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from meshplan.api import plan  # noqa: E402
 from meshplan.cluster import Cluster  # noqa: E402
-from meshplan.cost_models.estimate import estimate_profile  # noqa: E402
 from meshplan.ir.layout import Layout  # noqa: E402
 from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows  # noqa: E402
 from validate_published import model_config, run_row  # noqa: E402
@@ -38,7 +37,8 @@ from meshplan.planner.explain import why_lost  # noqa: E402
 FIX_KEYS = ("tp", "cp", "pp", "vp", "dp", "ep", "etp", "zero", "mbs", "recompute", "schedule", "sp",
             "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward")
 # the run's software stack: kept in both the fixed and the free plan (not the planner's choice)
-STACK_KEYS = ("flash_attention", "tp_comm_overlap", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher")
+STACK_KEYS = ("flash_attention", "tp_comm_overlap", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
+              "grad_accum_fusion", "fp8_recipe", "cp_comm_type")
 
 
 def main(argv=None) -> int:
@@ -71,10 +71,7 @@ def main(argv=None) -> int:
         prof = profiles[repr(sorted(cfg.items()))]
         cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=min(8, n))
         precision = res.estimate.precision
-        # The validation scores a row with its stack's estimate options (V.stack_options, e.g. no
-        # gradient-accumulation fusion in 2021 Megatron); plan() takes only a layout, so the published
-        # layout is re-scored here without them and both plans are compared on the same footing.
-        pub = estimate_profile(prof, cluster, lay, seq_len=s, global_batch=B, precision=precision)
+        pub = res.estimate       # the published layout with its stack's conventions (V.stack_options)
         seen_src.add(r.family)
         full = Layout.from_dict(lay).to_dict()
         # what the software stack could do is not the planner's choice: keep it as published

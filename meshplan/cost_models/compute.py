@@ -7,6 +7,7 @@ All functions are pure: (shapes, dtype, cluster) -> seconds.
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
+from meshplan.ir.layout import FP8_RECIPES
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
            "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time",
@@ -58,7 +59,7 @@ def fp8_recipe_factor(recipe: str, cluster=None) -> float:
     """Quantisation traffic of an FP8 recipe relative to tensorwise (constants.FP8_QUANT_BYTES);
     raises where the GPU cannot run it (MXFP8 needs Blackwell's block-scaled tensor cores)."""
     if recipe not in K.FP8_QUANT_BYTES:
-        raise ValueError(f"fp8 recipe {recipe!r}: use one of {K.FP8_RECIPES}")
+        raise ValueError(f"fp8 recipe {recipe!r}: use one of {FP8_RECIPES}")
     if recipe == "mxfp8" and cluster is not None and cluster.gpu.id not in K.MXFP8_GPUS:
         from meshplan.errors import ConfigError
         raise ConfigError(f"fp8 recipe 'mxfp8' needs MX block-scaled tensor cores (Blackwell: "

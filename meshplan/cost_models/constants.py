@@ -80,7 +80,7 @@ FP8_WEIGHT_CAST_BYTES = 4.0
 # Per-GEMM fixed cost is larger for FP8 (scaling-factor updates, extra kernels): estimate.
 FP8_GEMM_FIXED_S = 20e-6                                                          # estimate
 
-# FP8 scaling recipes: where the scale factors live, and so what quantising a tensor costs. A GEMM
+# FP8 scaling recipes (Layout.fp8_recipe, meshplan/ir/layout.py): where the scale factors live, and so what quantising a tensor costs. A GEMM
 # operand is used by two GEMMs contracting over different axes (x by the forward over K and by the
 # weight-gradient GEMM over the tokens; the output gradient by dgrad and wgrad), so each tensor needs
 # an FP8 copy scaled along each axis. HBM bytes per element to make both (derived):
@@ -101,7 +101,6 @@ FP8_GEMM_FIXED_S = 20e-6                                                        
 # multiplies), blockwise partial sums are promoted to FP32 CUDA cores every 128 of K concurrently with
 # the next WGMMAs (DeepSeek-V3 §3.3.2, about MNK/128 FMAs against MNK tensor-core FMAs), MX scales in
 # hardware.
-FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 FP8_QUANT_BYTES = {"tensorwise": 4.0, "rowwise": 8.0, "blockwise": 4.0 + 2 * 4 / 128,
                    "mxfp8": 4.0 + 2 / 32}                                           # derived
 # GPUs whose tensor cores take MX block scales (Blackwell, sm_100): meshplan.cluster ids

@@ -196,8 +196,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     None (either): the layout's field of that name where Layout has one, else True / "tensorwise"."""
     L = Layout.coerce(layout)
     if grad_accum_fusion is None:
-        grad_accum_fusion = bool(getattr(L, "grad_accum_fusion", True))
-    recipe = fp8_recipe or getattr(L, "fp8_recipe", None) or "tensorwise"
+        grad_accum_fusion = L.grad_accum_fusion
+    recipe = fp8_recipe or L.fp8_recipe
     fp8 = _check_precision(precision, cluster)
     if fp8:
         fp8_recipe_factor(recipe, cluster)         # unknown recipe, or MXFP8 without MX tensor cores

@@ -18,7 +18,7 @@ from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.ir.profile import BlockProfile
 
 __all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
-           "CP_COMM_TYPES", "cp_kv_gathered_bytes"]
+           "cp_kv_gathered_bytes"]
 
 # Fusions whose fused form the per-layer baseline below already assumes (a norm is one read +
 # one write, silu*mul reads two and writes one, rotary reads and writes q and k once), as Megatron
@@ -233,18 +233,10 @@ def _ep_comm(b: BlockProfile, c: Context) -> float:
         collective_time("all_to_all", size, c.ep, c.cluster)
 
 
-# Context-parallel attention implementations (Megatron-Core --cp-comm-type; Transformer Engine's
-# AttnFuncWithCPAndKVP2P / ...KVAllGather / ...QKVOA2A):
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-
-
 def cp_comm_type(layout) -> str:
-    """The layout's CP attention implementation: its `cp_comm_type` field where Layout has one, else
-    "p2p" (the ring, Megatron-Core's default)."""
-    kind = getattr(layout, "cp_comm_type", "p2p") or "p2p"
-    if kind not in CP_COMM_TYPES:
-        raise ValueError(f"cp_comm_type {kind!r}: use one of {CP_COMM_TYPES}")
-    return kind
+    """The layout's CP attention implementation (Layout.cp_comm_type; Megatron-Core --cp-comm-type,
+    Transformer Engine's AttnFuncWithCPAndKVP2P / ...KVAllGather / ...QKVOA2A)."""
+    return layout.cp_comm_type
 
 
 def _cp_ring(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float) -> tuple[float, float, float, float]:

@@ -277,7 +277,7 @@ _UNFUSED_GRAD_ACCUMULATION = ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero
 
 
 def stack_options(row: Row) -> dict[str, Any]:
-    """Keyword options of estimate_profile that describe the row's software stack (not its layout):
+    """Layout fields that describe the row's software stack rather than its parallel layout:
     gradient-accumulation fusion, and the FP8 recipe where the precision column names one (an
     unnamed FP8 recipe of these stacks is Transformer Engine's tensorwise delayed scaling)."""
     opts: dict[str, Any] = {"grad_accum_fusion": row.family not in _UNFUSED_GRAD_ACCUMULATION}
@@ -366,11 +366,11 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
         profiles[key] = profile_fn(cfg)
     prof = profiles[key]
     cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=8 if n >= 8 else n)
+    lay = {**lay, **stack_options(row)}     # the software stack's conventions are layout fields
     candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
     for cand in candidates:
         try:
-            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision,
-                                   **stack_options(row))
+            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision)
         except MeshplanError as e:
             res.skipped = f"layout rejected: {e}"
             return res

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from meshplan.errors import ConfigError, LayoutError
 
 __all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "OPTIMIZER_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
-           "divisors"]
+           "FP8_RECIPES", "CP_COMM_TYPES", "divisors"]
 
 # Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
 # (Qi et al., ICLR'24): 1F1B memory, about a third of its bubble; "zbv" is ZB-V (zero bubble,
@@ -48,6 +48,15 @@ FSDP_IMPLS = ("fsdp2", "megatron", "deepspeed")
 # kernel (flash-attn 2, cuDNN / Transformer Engine fused attention, PyTorch SDPA's flash backend);
 # "triton" is the Triton port of FlashAttention (llm-foundry attn_impl: triton). Speeds in constants.
 ATTN_KERNELS = ("flash", "triton")
+# FP8 scaling recipes (precision "fp8"; cost_models/constants.py prices each): "tensorwise" one scale
+# per tensor (TE current/delayed scaling, torchao tensorwise), "rowwise" per-row scales (torchao),
+# "blockwise" 1x128 / 128x128 tiles (DeepSeek-V3, TE Float8BlockScaling), "mxfp8" 32-element blocks
+# (OCP MX, Blackwell tensor cores).
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+# Context-parallel attention (Megatron-Core --cp-comm-type): "p2p" the ring of K/V blocks overlapped
+# with attention (meshplan's runtime), "all_gather" K/V gathered before attention (as Llama 3 ran
+# it), "a2a" heads exchanged for sequence (Ulysses).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def divisors(n: int) -> list[int]:
@@ -79,6 +88,11 @@ class Layout:
     moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
     fsdp_impl: str = "fsdp2"        # zero=3 implementation (FSDP_IMPLS)
     attn_kernel: str = "flash"      # flash-attention implementation (ATTN_KERNELS)
+    fp8_recipe: str = "tensorwise"  # FP8 scaling recipe (FP8_RECIPES), for precision "fp8"
+    cp_comm_type: str = "p2p"       # context-parallel attention implementation (CP_COMM_TYPES)
+    # False: the stack adds each micro-batch's gradients into the fp32 buffer in a separate pass
+    # (Megatron-LM before 2022-02, commit 83b1e42f30 "gradient accumulation fusion"; MT-NLG, BLOOM)
+    grad_accum_fusion: bool = True
 
     def __post_init__(self) -> None:
         # unset choices take their defaults; a value the caller set is validated, never rewritten
@@ -120,7 +134,8 @@ class Layout:
             raise ConfigError(f"fsdp_shard={self.fsdp_shard} (HSDP) needs zero=3, not zero={self.zero}")
         for name, known in (("grad_dtype", GRAD_DTYPES), ("optimizer_dtype", OPTIMIZER_DTYPES),
                             ("moe_dispatcher", MOE_DISPATCHERS),
-                            ("fsdp_impl", FSDP_IMPLS), ("attn_kernel", ATTN_KERNELS)):
+                            ("fsdp_impl", FSDP_IMPLS), ("attn_kernel", ATTN_KERNELS),
+                            ("fp8_recipe", FP8_RECIPES), ("cp_comm_type", CP_COMM_TYPES)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"layout {name}={getattr(self, name)!r}: use one of {known}")
         if self.fsdp_impl != "fsdp2" and self.zero != 3:
@@ -207,6 +222,12 @@ class Layout:
             parts.append(self.moe_dispatcher)
         if self.attn_kernel != "flash" and self.flash_attention:
             parts.append(f"{self.attn_kernel}-attn")
+        if self.fp8_recipe != "tensorwise":
+            parts.append(f"fp8-{self.fp8_recipe}")
+        if self.cp_comm_type != "p2p" and self.cp > 1:
+            parts.append(f"cp-{self.cp_comm_type}")
+        if not self.grad_accum_fusion:
+            parts.append("unfused-grad-accum")
         parts += [f"z{self.zero}", f"mbs{self.mbs}", f"rc={self.recompute}", self.schedule]
         return " ".join(parts)
 

@@ -30,13 +30,14 @@ from meshplan.planner.traits import model_traits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
-FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "sp",
-           "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward",
-           # the software stack, not the planner's choice (kept as given, e.g. to score a published run)
-           "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
-           # Adam moments in bf16 change the optimizer's numerics: the user's call (or plan()'s
-           # fallback when nothing fits with fp32 moments), never a silent speed choice
-           "optimizer_dtype")
+# execution choices a user may fix that the search otherwise leaves at their defaults: the software
+# stack (kept as given, e.g. to score a published run on its own framework's conventions) and the
+# Adam moments' dtype (bf16 changes the optimizer's numerics: the user's call, or plan()'s fallback
+# when nothing fits with fp32 moments; never a silent speed choice)
+PASSED_THROUGH = ("sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl",
+                  "moe_dispatcher", "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype")
+FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
+           "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MBS = 8
 # The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
@@ -181,10 +182,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             stage_layers = split_layers(L, pp * vp)
                         base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                     schedule=schedule, stage_layers=stage_layers)
-                        for k in ("sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "optimizer_dtype",
-                                  "fsdp_impl", "moe_dispatcher"):
-                            if k in f:
-                                base[k] = f[k]
+                        base.update({k: f[k] for k in PASSED_THROUGH if k in f})
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
                             cand = dict(base, **variant)
                             limits = runtime_limits(cand, traits) if for_runtime else []
