@@ -11,6 +11,19 @@ import pytest
 
 from meshplan.cost_models import validation as V
 
+
+def _bench():
+    """benchmarks/validate_published.py: the validation with meshplan's model builders and presets."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_published.py"
+    spec = importlib.util.spec_from_file_location("validate_published_conventions", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+VP = _bench()
+
 pytestmark = pytest.mark.skipif(not Path(V.DEFAULT_CSV).exists(), reason="shared/data/published_runs.csv not present")
 
 
@@ -20,7 +33,7 @@ def rows():
 
 
 def _eq3(res: V.RowResult) -> float:
-    cfg = V.model_config(res.row)
+    cfg = VP.model_config(res.row)
     n = res.row.num("num_gpus")
     return V._megatron_eq3(cfg, res.estimate.seq_len, res.estimate.global_batch) / res.estimate.step_time_s / n / 1e12
 
@@ -32,7 +45,7 @@ def test_eq3_sources_are_converted_with_eq3(rows, row_id):
     so a DeepSpeed ZeRO-3 row must not be converted with model FLOPs (that made it look 25% better)."""
     row = next(r for r in rows if r.id == row_id)
     assert row.family in V.EQ3_FAMILIES
-    res = V.run_row(row, traced=False)
+    res = VP.run_row(row, traced=False)
     assert res.predicted is not None
     assert math.isclose(res.predicted, _eq3(res), rel_tol=1e-9)
     # Eq. 3 counts the recompute forward: it exceeds model TFLOP/s by about a third under full recompute
@@ -53,20 +66,20 @@ def test_mosaic_architecture_matches_the_stated_parameter_count(rows):
     seen = set()
     for r in mosaic:
         stated = int(re.search(r"NumParams (\d+)", r.get("notes")).group(1))
-        cfg = V.model_config(r)
+        cfg = VP.model_config(r)
         assert cfg["position"] == "learned" and cfg["bias"] is True and cfg["tie_embeddings"] is True
         assert cfg["seq_len"] == r.num("seq")
         key = repr(sorted(cfg.items()))
         if key in seen:
             continue
         seen.add(key)
-        assert V.model_profile(cfg, traced=False).total_params == stated, r.id
+        assert VP.model_profile(cfg, traced=False).total_params == stated, r.id
 
 
 def test_mosaic_mfu_uses_mosaic_formula(rows):
     row = next(r for r in rows if r.id == "mosaic-mpt30b-h100bf16-s8192-g8-mb1")
-    res = V.run_row(row, traced=False)
-    cfg = V.model_config(row)
+    res = VP.run_row(row, traced=False)
+    cfg = VP.model_config(row)
     s, B, n = 8192, 168, 8
     per_seq = 3 * (2 * 30019254272 * s + 4 * cfg["layers"] * cfg["hidden"] * s * s)
     expect = per_seq * B / res.estimate.step_time_s / n / 989e12 * 100
