@@ -6,7 +6,9 @@ All functions are pure: (shapes, dtype, cluster) -> seconds.
 
 from __future__ import annotations
 
+from meshplan.cluster import CPU_HOST_BF16_TFLOPS
 from meshplan.cost_models import constants as K
+from meshplan.errors import ConfigError
 from meshplan.ir.layout import FP8_RECIPES
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
@@ -23,7 +25,6 @@ def is_cpu(cluster) -> bool:
 def cpu_thread_share(cluster) -> float:
     """Fraction of one core each process gets: local-cpu's matmul rate is the host's (all cores)
     divided among the processes, so processes x rate / host rate recovers the host's cores."""
-    from meshplan.cluster import CPU_HOST_BF16_TFLOPS
     return min(1.0, K.CPU_HOST_CORES * cluster.gpu.bf16_tflops / CPU_HOST_BF16_TFLOPS)
 
 
@@ -61,7 +62,6 @@ def fp8_recipe_factor(recipe: str, cluster=None) -> float:
     if recipe not in K.FP8_QUANT_BYTES:
         raise ValueError(f"fp8 recipe {recipe!r}: use one of {FP8_RECIPES}")
     if recipe == "mxfp8" and cluster is not None and cluster.gpu.id not in K.MXFP8_GPUS:
-        from meshplan.errors import ConfigError
         raise ConfigError(f"fp8 recipe 'mxfp8' needs MX block-scaled tensor cores (Blackwell: "
                           f"{', '.join(K.MXFP8_GPUS)}); {cluster.gpu.name} has none")
     return K.FP8_QUANT_BYTES[recipe] / K.FP8_QUANT_BYTES["tensorwise"]

@@ -13,11 +13,26 @@ from meshplan.cost_models.comm import collective_time, group, p2p_time
 from meshplan.cost_models.compute import fp8_recipe_factor
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
 from meshplan.cost_models.layer import Context, unfused_of
-from meshplan.cost_models.memory import (deepep_buffer_bytes, grad_bytes, optimizer_bytes, state_bytes,
-                                         zero3_working_bytes)
+from meshplan.cost_models.memory import (
+    deepep_buffer_bytes,
+    grad_bytes,
+    optimizer_bytes,
+    state_bytes,
+    zero3_working_bytes,
+)
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
-from meshplan.cost_models.ranks import (LayerTable, RankWork, clear_layer_cache, embedding_time, fused_loss,
-                                        head_activation_bytes, head_times, layer_fp8_flags, rank_layers, rank_work)
+from meshplan.cost_models.ranks import (
+    LayerTable,
+    RankWork,
+    clear_layer_cache,
+    embedding_time,
+    fused_loss,
+    head_activation_bytes,
+    head_times,
+    layer_fp8_flags,
+    rank_layers,
+    rank_work,
+)
 from meshplan.cost_models.uncertainty import regime_of, step_uncertainty
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate

@@ -11,11 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.comm import Group, collective_time, dedup_all_to_all_time, dedup_copies, group, p2p_time
-from meshplan.cost_models.compute import (attention_time, cpu_op_overhead, elementwise_time, gemm_time,
-                                          grouped_gemm_time, is_cpu, matmul_rate)
+from meshplan.cost_models.comm import (
+    Group,
+    collective_time,
+    dedup_all_to_all_time,
+    dedup_copies,
+    group,
+    p2p_time,
+)
+from meshplan.cost_models.compute import (
+    attention_time,
+    cpu_op_overhead,
+    elementwise_time,
+    gemm_time,
+    grouped_gemm_time,
+    is_cpu,
+    matmul_rate,
+)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.ir.profile import BlockProfile
+from meshplan.kernels import fusion as FU  # pure Python, no torch
 
 __all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
            "cp_kv_gathered_bytes"]
@@ -183,7 +198,6 @@ def _unfused_bytes(b: BlockProfile, c: Context) -> float:
     """Extra HBM bytes (forward + backward) of the fusions in c.unfused (meshplan.kernels.fusion)."""
     if not c.unfused:
         return 0.0
-    from meshplan.kernels import fusion as FU     # pure Python, no torch
     L, T = c.layout, c.tokens
     extra = 0.0
     if "rms_norm" in c.unfused and b.norm == "rmsnorm":    # the two pre-norms of the block

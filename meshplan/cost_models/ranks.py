@@ -13,10 +13,19 @@ from typing import Any
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time
-from meshplan.cost_models.compute import elementwise_time, fp8_weight_cast_time, gemm_time, grad_accumulation_time
+from meshplan.cost_models.compute import (
+    elementwise_time,
+    fp8_weight_cast_time,
+    gemm_time,
+    grad_accumulation_time,
+)
 from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
+from meshplan.kernels.fusion import (
+    linear_cross_entropy_bytes_saved,
+    linear_cross_entropy_memory_bytes,
+)
 
 __all__ = ["RankWork", "LayerTable", "rank_layers", "layer_fp8_flags", "rank_work", "embedding_time",
            "fused_loss", "head_times", "head_activation_bytes", "clear_layer_cache"]
@@ -52,7 +61,6 @@ def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[
     logits = tokens * profile.vocab / tp
     ce_bytes = 3 * _LOGIT_BYTES * logits
     if fused_loss(profile, tp):
-        from meshplan.kernels.fusion import linear_cross_entropy_bytes_saved
         ce_bytes = max(ce_bytes - linear_cross_entropy_bytes_saved(tokens=tokens, vocab=profile.vocab) / 2,
                        0.0)
     return g, elementwise_time(ce_bytes, cluster)
@@ -61,7 +69,6 @@ def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[
 def head_activation_bytes(profile: ModelProfile, tokens: float, tp: int) -> float:
     """Bytes the output layer + loss hold for backward on the last stage, per micro-batch."""
     if fused_loss(profile, tp):
-        from meshplan.kernels.fusion import linear_cross_entropy_memory_bytes
         return linear_cross_entropy_memory_bytes(tokens=tokens, vocab=profile.vocab, hidden=profile.hidden)
     return _LOGIT_BYTES * tokens * profile.vocab / tp
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from meshplan.ir.layout import Layout
+
 __all__ = ["step_uncertainty", "gain_band", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR"]
 
 # ---- validated mechanisms (leave-one-source-out, validate_published-2026-11-24) --------------
@@ -187,7 +189,6 @@ def prefer_simpler(ranked: list, *, max_candidates: int = 64):
     _, _, diff = gain_band(best, pick)
     edge = ", ".join(f"{k} {d * 1e3:+.0f} ms" for k, d in sorted(diff.items(), key=lambda kv: -kv[1])
                      if d > 1e-3 * best.step_time_s)
-    from meshplan.ir.layout import Layout
     note = (f"chose the simpler {Layout.from_dict(pick.layout).short()} over the fastest "
             f"{Layout.from_dict(best.layout).short()}: its predicted gain {gain * 100:.1f}% is inside the "
             f"band {band * 100:.1f}% of what the model can tell apart (the edge rests on: {edge or 'nothing'})")

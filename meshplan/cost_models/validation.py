@@ -48,6 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from meshplan.cluster import Cluster
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.cost_models.flops import model_flops_per_step
+from meshplan.errors import MeshplanError
+from meshplan.ir.layout import split_layers
+
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
 DEFAULT_CSV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "published_runs.csv"
@@ -256,7 +262,6 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
             lay["fsdp_impl"] = "megatron"
     if cfg["layers"] % (pp * vp):
         # the run split layers unevenly (e.g. BLOOM: 70 layers + 2 embedding stages on pp=12)
-        from meshplan.ir.layout import split_layers
         lay["stage_layers"] = split_layers(cfg["layers"], pp * vp)
     if cfg.get("experts"):
         lay["ep"] = row.num("ep") or 1
@@ -314,7 +319,6 @@ def _megatron_eq3(cfg: dict[str, Any], s: int, B: int) -> float:
 
 def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: float) -> float:
     """The prediction in the row's metric and FLOP convention."""
-    from meshplan.cost_models.flops import model_flops_per_step
     metric = row.get("metric")
     s, B = est.seq_len, est.global_batch
     t = est.step_time_s
@@ -341,9 +345,6 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     """Estimate one row. `profile_fn(cfg)` builds the ModelProfile of a model config; `preset` fills
     architecture fields from meshplan's presets (see model_config); `profiles` caches profiles by
     architecture across rows."""
-    from meshplan.cluster import Cluster
-    from meshplan.cost_models.estimate import estimate_profile
-    from meshplan.errors import MeshplanError
     metric, value = row.get("metric"), row.get("value")
     res = RowResult(row=row, metric=metric, measured=float(value) if value else float("nan"))
     gpu, n = _gpu(row), row.num("num_gpus")

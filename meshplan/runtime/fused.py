@@ -32,6 +32,9 @@ from torch import nn
 
 from meshplan.errors import ConfigError
 from meshplan.ir.plan import FusedKernel
+from meshplan.kernels import backend, fused_linear_cross_entropy, rms_norm, swiglu
+from meshplan.models.moe import kernel_route
+from meshplan.runtime.pipeline import _PassThrough, _ZeroEmbedding
 
 __all__ = ["apply_fused_kernels", "apply_router_kernel", "FusedHead", "Swapped", "choose_kernels", "FASTER_THAN_EAGER"]
 
@@ -63,7 +66,6 @@ class FusedHead:
 
     def loss(self, hidden: torch.Tensor, target: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
         """Summed cross entropy of hidden @ weight.T against target (the default loss's contract)."""
-        from meshplan.kernels import fused_linear_cross_entropy
         w = self.module.weight
         if _is_dtensor(w):
             raise ConfigError(f"{self.fqn}.weight is still sharded when the loss runs; plan with "
@@ -100,7 +102,6 @@ def _on_local(fn, *tensors):
 
 
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    from meshplan.kernels import rms_norm
     eps, w = self._meshplan_eps, getattr(self, self._meshplan_weight)
     if _is_dtensor(w):
         from torch.distributed.tensor import Partial
@@ -111,7 +112,6 @@ def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
-    from meshplan.kernels import swiglu
     gate, up, down = self._meshplan_swiglu
     g, u = getattr(self, gate)(x), getattr(self, up)(x)
     return getattr(self, down)(_on_local(swiglu, g, u))
@@ -160,7 +160,6 @@ def _swap(fqn: str, module: nn.Module, new_forward, width: int, kernel: str) -> 
 
 def _module(stage: nn.Module, fqn: str) -> nn.Module | None:
     """The stage's real (not stubbed) module `fqn`, or None where another pipeline stage holds it."""
-    from meshplan.runtime.pipeline import _PassThrough, _ZeroEmbedding
     try:
         m = stage.get_submodule(fqn)
     except AttributeError:
@@ -221,7 +220,6 @@ def choose_kernels(entries: Iterable[FusedKernel], device_type: str, mode) -> tu
     `mode`: True swaps every entry (correctness tests), False none, "auto" only the kernels whose
     backend here beats eager (FASTER_THAN_EAGER). Returns (entries to swap, {kernel: decision}).
     """
-    from meshplan.kernels import backend
     entries = list(entries)
     kinds = list(dict.fromkeys(e.kernel for e in entries))
     if mode is False or not entries:
@@ -242,7 +240,6 @@ def apply_router_kernel(stage: nn.Module, modules: Iterable[str] | None = None) 
     with the fused router kernel (meshplan.kernels.moe_route: top-k, softmax/sigmoid, expert
     bias, summed probabilities for the aux loss), after checking it picks the same experts with
     the same weights as the eager router on a random input. Returns the swapped FQNs."""
-    from meshplan.models.moe import kernel_route
     names = None if modules is None else set(modules)
     swapped = []
     for fqn, m in stage.named_modules():
