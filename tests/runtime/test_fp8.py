@@ -3,7 +3,7 @@
 One spawned group of 2 ranks runs every case (starting ranks costs seconds): FP8 under TP2 with
 sequence parallelism and under FSDP2 (ZeRO-3) with FP8 all-gather, each against the same FP8 model on one process (tolerances in
 fp8_workers.py), and DCP checkpoints moved between an FP8 plan and a BF16 plan in both
-directions. (A transformers Llama's swapped set: test_fp8_one_rank.py, no spawning.)
+directions, and FP8 under PP2 (each stage swaps its own modules). (A transformers Llama's swapped set: test_fp8_one_rank.py, no spawning.)
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def world2(tmp_path_factory):
                        seq_len=SEQ, global_batch=BATCH),
         "fsdp2_fp8_allgather": dict(model="tiny-llama", plan=plan("tiny-llama", dp=2, tp=1, pp=1, zero=3, mbs=4),
                                     seq_len=SEQ, global_batch=BATCH),
+        "pp2": dict(model="tiny-llama", plan=plan("tiny-llama", pp=2, dp=1, tp=1, mbs=2, schedule="1f1b"),
+                    seq_len=SEQ, global_batch=BATCH),
         "checkpoint": dict(kind="checkpoint", model="tiny-llama", seq_len=SEQ, global_batch=BATCH,
                            dir=str(tmp_path_factory.mktemp("ckpt")),
                            fp8=plan("tiny-llama", dp=2, tp=1, pp=1, zero=3, mbs=4),
@@ -54,6 +56,18 @@ def test_fp8_sharded_equals_one_process(world2, name):
     fp8 = {m for m, p in r["precisions"].items() if p.startswith("fp8")}
     assert fp8 == set(plan.fp8_modules)
     assert all(p == "fp32" for m, p in r["precisions"].items() if m not in fp8)
+
+
+def test_fp8_pipeline_stages_each_swap_their_own_modules(world2):
+    """PP2: each pipeline rank swaps the plan's FP8 modules it holds, together exactly the plan's
+    set, and the pipelined FP8 step equals the FP8 model on one process (checked in the worker)."""
+    results, cases = world2
+    _ok(results["pp2"])
+    plan = cases["pp2"]["plan"]
+    assert plan.precision == "fp8" and plan.fp8_modules
+    held = [set(r["swapped"]) for r in results["pp2"]]
+    assert held[0] and held[1] and not held[0] & held[1]
+    assert held[0] | held[1] == set(plan.fp8_modules)
 
 
 def test_fsdp_all_gathers_fp8_weights(world2):
