@@ -32,7 +32,7 @@ from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.ir.profile import BlockProfile
 from meshplan.kernels import fusion as FU  # pure Python, no torch
 
-__all__ = ["Context", "LayerCost", "layer_cost", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
+__all__ = ["Context", "LayerCost", "layer_cost", "gemm_shape", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
            "cp_kv_gathered_bytes"]
 
 # Fusions whose fused form the per-layer baseline below already assumes (a norm is one read +
@@ -142,32 +142,41 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     return per_token * T + scores + kept_kv
 
 
+def gemm_shape(li, c: Context) -> tuple[float, float, float, float, float]:
+    """(rows, n, k, count, parameters on this GPU) of one linear's GEMM on one GPU: the router over
+    the TP group's tokens, routed experts as `count` local experts of balanced rows each (EP x ETP),
+    the rest split over TP by output (column-parallel) or input (row-parallel) features."""
+    L, T = c.layout, c.tokens
+    n, k = li.out_features, li.in_features
+    if li.role == "router":
+        return T / L.tp, n, k, 1.0, li.params / L.tp
+    if li.role in ("expert_in", "expert_out"):
+        local = max(1.0, li.count / L.ep)                       # experts held by this GPU
+        rows = (T / L.tp) * L.ep * L.etp * li.tokens_per_token   # tokens per local expert (balanced)
+        if li.role == "expert_in":
+            n = n / L.etp
+        else:
+            k = k / L.etp
+        return rows, n, k, local, li.params / (L.ep * L.etp)
+    if li.role in _ROW:
+        k = k / L.tp
+    else:
+        n = n / L.tp
+    return T * li.tokens_per_token, n, k, float(li.count), li.params / L.tp
+
+
 def _gemms(b: BlockProfile, c: Context) -> tuple[float, float]:
     """(forward seconds, weight-grad seconds) of the layer's GEMMs on one GPU."""
-    L, T = c.layout, c.tokens
-    tp = L.tp
     fwd = wgrad = 0.0
     for li in b.linears:
         fp8 = c.fp8 and li.role != "router"
+        rows, n, k, count, _ = gemm_shape(li, c)
         if li.role == "router":
-            t = gemm_time(T / tp, li.out_features, li.in_features, c.cluster)
+            t = gemm_time(rows, n, k, c.cluster)
         elif li.role in ("expert_in", "expert_out"):
-            local = max(1.0, li.count / L.ep)                       # experts held by this GPU
-            rows = (T / tp) * L.ep * L.etp * li.tokens_per_token     # tokens per local expert (balanced)
-            n, k = li.out_features, li.in_features
-            if li.role == "expert_in":
-                n = n / L.etp
-            else:
-                k = k / L.etp
-            t = grouped_gemm_time(rows, n, k, c.cluster, groups=local, fp8=fp8, recipe=c.fp8_recipe)
+            t = grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe)
         else:
-            n, k = li.out_features, li.in_features
-            if li.role in _ROW:
-                k = k / tp
-            else:
-                n = n / tp
-            t = gemm_time(T * li.tokens_per_token, n, k, c.cluster, fp8=fp8, count=li.count,
-                          recipe=c.fp8_recipe)
+            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe)
         fwd += t
         wgrad += t
     return fwd, wgrad

@@ -57,7 +57,7 @@ import pulp
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
 from meshplan.ir.estimate import GB
-from meshplan.cost_models.layer import Context, unfused_of
+from meshplan.cost_models.layer import Context, gemm_shape, unfused_of
 from meshplan.ir.layout import Layout, split_layers
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
@@ -166,27 +166,6 @@ def _stored_input(role: str, b, c: Context, policy: str) -> tuple[str, float]:
     return ("", 0.0)   # "other": its saved input is unknown, count no saving
 
 
-def _gemm_shape(li, c: Context) -> tuple[float, float, float, float, float]:
-    """(rows, n, k, count, params on this GPU) as cost_models.layer._gemms shapes them."""
-    L, T = c.layout, c.tokens
-    n, k = li.out_features, li.in_features
-    if li.role == "router":
-        return T / L.tp, n, k, 1.0, li.params / L.tp
-    if li.role in ("expert_in", "expert_out"):
-        local = max(1.0, li.count / L.ep)
-        rows = (T / L.tp) * L.ep * L.etp * li.tokens_per_token
-        if li.role == "expert_in":
-            n = n / L.etp
-        else:
-            k = k / L.etp
-        return rows, n, k, local, li.params / (L.ep * L.etp)
-    if li.role in ("attn_out", "mlp_out", "shared_out"):
-        k = k / L.tp
-    else:
-        n = n / L.tp
-    return T * li.tokens_per_token, n, k, float(li.count), li.params / L.tp
-
-
 def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int | None = None) -> list[Fp8Candidate]:
     """One candidate per linear of every layer instance, plus the output layer.
 
@@ -240,7 +219,7 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
         for li in b.linears:
             key = (bi, li.name)
             if key not in timing:
-                rows, n, k, count, params = _gemm_shape(li, c)
+                rows, n, k, count, params = gemm_shape(li, c)
                 tb = gemm_time(rows, n, k, cluster, fp8=False, count=count)
                 tf = gemm_time(rows, n, k, cluster, fp8=True, count=count)
                 ok_dims = (n % FP8_DIM_MULTIPLE == 0 and k % FP8_DIM_MULTIPLE == 0)
