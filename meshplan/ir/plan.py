@@ -45,6 +45,10 @@ PLACEMENTS = (
     "vocab_parallel",  # nn.Embedding split over the vocabulary
     "seq_split",       # output cut to this rank's sequence shard (learned positions under SP)
     "expert",          # routed-expert weights, split over the expert-parallel group
+    # packed projections (one linear computing several side by side): each rank holds its slice
+    # of every part, not a contiguous block of rows (meshplan.runtime.packed_projections)
+    "colwise_qkv",     # fused Q|K|V linear: each rank holds its heads' rows of q, of k and of v
+    "colwise_gate_up", # fused SwiGLU gate|up linear: each rank holds its slice of gate and of up
 )
 FUSED_KERNELS = ("rms_norm", "swiglu", "linear_cross_entropy", "moe_router")
 

@@ -17,6 +17,7 @@ from meshplan.planner.explain import why_lost
 from meshplan.planner.fusions import find_fusions
 from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates
 from meshplan.planner.ilp_sharding import shard_profile
+from meshplan.planner.traits import packing
 from meshplan.planner.stages import refine_stages
 
 __all__ = ["build_plan", "placements_for", "stage_modules", "block_instances"]
@@ -68,7 +69,8 @@ def _ilp_placements(profile: ModelProfile, layout: Layout, cluster, seq_len: int
             return None
         attention = tuple(k for k in bs.placements if k not in {li.name for li in b.linears}
                           and any(o.kind == "attention" and o.module.endswith("." + k) for o in b.ops))
-        why = block_placement_limits(bs.placements, {li.name: li.role for li in b.linears}, attention)
+        why = block_placement_limits(bs.placements, {li.name: li.role for li in b.linears}, attention,
+                                     packed={li.name: lab for li in b.linears if (lab := packing(b, li))})
         if why:
             # the ILP found a dataflow the runtime does not run: keep the runtime's pattern (the
             # estimate priced the layout, not the ILP's placements, so it still holds)
@@ -80,10 +82,11 @@ def _ilp_placements(profile: ModelProfile, layout: Layout, cluster, seq_len: int
 
 def _role_placements(b, layout: Layout) -> dict[str, str]:
     """Megatron's pattern by the linears' data-flow roles (roles come from the traced graph or
-    the config, never from class names)."""
+    the config, never from class names). A packed projection (fused QKV, fused gate/up) is
+    column-parallel per part (meshplan.planner.traits.packing)."""
     out: dict[str, str] = {}
     for li in b.linears:
-        out[li.name] = TP_ROLE_PLACEMENT.get(li.role, "replicate") if layout.tp > 1 \
+        out[li.name] = (packing(b, li) or TP_ROLE_PLACEMENT.get(li.role, "replicate")) if layout.tp > 1 \
             else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
     if layout.tp > 1 and b.ops and b.instances:
         inst = b.instances[0]

@@ -62,11 +62,12 @@ from meshplan.ir.layout import Layout, split_layers
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.solver import has_solution, proved_optimal, resolve_solver, solve
+from meshplan.planner.traits import packing
 
 __all__ = ["Fp8Candidate", "Fp8Choice", "fp8_candidates", "choose_fp8", "DEFAULT_EXCLUSIONS"]
 
 DEFAULT_EXCLUSIONS = ("router", "output layer", "first block", "last block", "dims not multiples of 16",
-                      "too small to gain")
+                      "too small to gain", "packed projection under TP")
 # FP8 GEMM kernels need both GEMM dimensions of the weight to be multiples of 16 (Transformer
 # Engine's assert_dim_for_fp8_exec; cuBLASLt FP8 layout rules; torchao float8 checks the same).
 FP8_DIM_MULTIPLE = 16
@@ -229,7 +230,11 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
             cast = fp8_weight_cast_time(params, cluster)
             group, per_token = _stored_input(li.role, b, c, policy)
             saved_gb = 0.5 * per_token * c.tokens * flight[r] / GB    # FP8 stores 1 byte instead of 2
-            reason = ("router" if li.role == "router" else "first block" if i == 0 else
+            # a packed QKV / gate-up projection under TP runs its own per-part forward
+            # (runtime/packed_projections.py), which an FP8 linear would replace
+            reason = ("router" if li.role == "router" else
+                      "packed projection under TP" if L.tp > 1 and packing(b, li) else
+                      "first block" if i == 0 else
                       "last block" if i == nl - 1 else "dims not multiples of 16" if not ok_dims else
                       "too small to gain" if tf * passes + cast >= tb * passes else None)
             out.append(Fp8Candidate(module=f"{inst}.{li.name}", bf16_time_s=tb * passes, fp8_time_s=tf * passes + cast,

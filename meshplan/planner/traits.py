@@ -5,7 +5,19 @@ from __future__ import annotations
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.support import ModelTraits
 
-__all__ = ["model_traits"]
+__all__ = ["model_traits", "packing"]
+
+
+def packing(block, linear) -> str | None:
+    """The packed-projection label of one linear of a traced block, or None: "colwise_qkv" for a
+    weight whose rows hold Q, K and V heads together (q_dim + 2 kv_dim outputs), "colwise_gate_up"
+    for one holding a gated MLP's gate and up projections (2 x ffn_hidden outputs)."""
+    if linear.role == "attn_qkv" and block.heads and linear.out_features == block.q_dim + 2 * block.kv_dim \
+            and sum(li.role == "attn_qkv" for li in block.linears) == 1:
+        return "colwise_qkv"
+    if linear.role == "mlp_in" and block.gated and block.ffn_hidden and linear.out_features == 2 * block.ffn_hidden:
+        return "colwise_gate_up"
+    return None
 
 
 def _cp_positions(module) -> bool:
@@ -33,21 +45,33 @@ def _ep_experts(module) -> bool:
     return any(isinstance(m, GroupedExperts) for m in module.modules())
 
 
+def _partly_fused_qkv(block) -> bool:
+    """Q, K and V come from two linears (e.g. q separate, k|v fused), or from one whose width is
+    not q + 2 kv (a packing the runtime does not split per part), or from a fused one read by an
+    attention that runs in the block's own forward (no attention sub-module: the runtime can
+    neither find its head counts nor make them local)."""
+    qkv = [li for li in block.linears if li.role == "attn_qkv"]
+    if not block.heads or not qkv:
+        return False
+    if len(qkv) == 2 or (len(qkv) == 1 and packing(block, qkv[0]) is None):
+        return True
+    inst = block.instances[0] if block.instances else ""
+    return len(qkv) == 1 and bool(inst) and any(o.kind == "attention" and o.module == inst for o in block.ops)
+
+
 def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
     """`module`: the nn.Module the profile was traced from, when there is one."""
     blocks = profile.layer_blocks()
-    fused_qkv = fused_gate_up = False
+    fused_qkv = fused_gate_up = partly_fused_qkv = False
     sdpa_causal = True
     for b in blocks:
         for lin in b.linears:
-            # one weight whose rows hold Q and K/V heads together (q_dim + 2 kv_dim, or 3 q_dim)
-            if lin.role == "attn_qkv" and b.heads and lin.out_features > b.q_dim:
-                fused_qkv = True
-            if lin.role == "mlp_in" and b.gated and b.ffn_hidden and lin.out_features == 2 * b.ffn_hidden:
-                fused_gate_up = True
+            fused_qkv = fused_qkv or packing(b, lin) == "colwise_qkv"
+            fused_gate_up = fused_gate_up or packing(b, lin) == "colwise_gate_up"
+        partly_fused_qkv = partly_fused_qkv or _partly_fused_qkv(b)
         if b.heads and b.ops:     # analytic profiles (from a config, no graph) are meshplan's SDPA models
             sdpa = [o for o in b.ops if o.kind == "attention" and "scaled_dot_product" in o.target]
             sdpa_causal = sdpa_causal and bool(sdpa) and b.causal
     return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
-                       sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
+                       partly_fused_qkv=partly_fused_qkv, sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
                        ep_experts=_ep_experts(module), layers=profile.num_layers)

@@ -18,6 +18,14 @@ Labels and what they become (tp = size of the "tp" mesh axis):
 | heads          | attention  | local head counts: integer head-count attributes divided by tp          |
 | vocab_parallel | Embedding  | RowwiseParallel over the vocabulary; output Shard(1) when SP            |
 | seq_split      | any        | output cut to this rank's sequence shard (learned positions under SP)  |
+| colwise_qkv    | Linear     | fused q|k|v: each rank holds its heads' rows of q, of k and of v        |
+| colwise_gate_up| Linear     | fused gate|up: each rank holds its slice of gate and of up             |
+
+Packed projections and transposed-weight linears (transformers' GPT-2 Conv1D, colwise /
+rowwise / packed) are sharded by meshplan.runtime.packed_projections (see there for how the
+shards are laid out). An attention module labelled "heads" also gets a local copy of its
+`config` (transformers' Phi-3 slices its fused QKV output by `config.num_attention_heads`), and
+its split widths (`split_size`, GPT-2) divided by tp.
 
 Without SP, activations between styles are plain local tensors. With SP, the residual stream
 (embedding output, row-parallel outputs, sequence-parallel norm outputs) stays a DTensor sharded
@@ -51,13 +59,19 @@ __all__ = ["apply_tensor_parallel", "HEAD_COUNT_ATTRS", "enable_async_tp"]
 # attribute names user attention modules keep head counts in (local-shape handling for "heads")
 HEAD_COUNT_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_key_value_heads",
                     "n_head", "n_local_heads", "n_local_kv_heads", "num_attention_heads", "heads", "kv_heads")
-_SUPPORTED = ("colwise", "rowwise", "sequence", "replicate", "heads", "vocab_parallel", "seq_split")
+_SUPPORTED = ("colwise", "rowwise", "sequence", "replicate", "heads", "vocab_parallel", "seq_split",
+              "colwise_qkv", "colwise_gate_up")
+_COLWISE = ("colwise", "colwise_qkv", "colwise_gate_up")
 
 
 def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_after: bool = False):
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
     linear_or_emb = isinstance(module, (nn.Linear, nn.Embedding))
     if label in ("colwise", "rowwise", "vocab_parallel") and not linear_or_emb:
         raise LayoutError(f"module {fqn!r} is a {type(module).__name__}; the plan shards it {label}, which "
@@ -128,7 +142,7 @@ def _colwise_parents(placements: dict[str, str], blocks: tuple[str, ...], module
     linears hang directly off the block (no such sub-module) keeps the per-linear gather."""
     parents: set[str] = set()
     for fqn, label in placements.items():
-        if label != "colwise":
+        if label not in _COLWISE:
             continue
         parent = fqn.rpartition(".")[0]
         if parent and parent not in blocks and _block_of(parent, blocks) and parent in modules \
@@ -139,6 +153,30 @@ def _colwise_parents(placements: dict[str, str], blocks: tuple[str, ...], module
 
 def _block_of(fqn: str, blocks: tuple[str, ...]) -> str | None:
     return next((b for b in blocks if fqn.startswith(b + ".")), None)
+
+
+def _local_styles(placements: dict[str, str], blocks: tuple[str, ...], modules: dict, sequence: bool) -> dict:
+    """The styles of meshplan.runtime.packed_projections: packed projections, and Conv1D
+    (transposed-weight) linears labelled colwise / rowwise inside the blocks."""
+    from meshplan.runtime.packed_projections import (PACKED_LABELS, ColwiseLocal, RowwiseConv1D, is_conv1d,
+                                                     packed_parts)
+    out: dict = {}
+    for fqn, label in placements.items():
+        mod = modules.get(fqn)
+        if mod is None or type(mod).__name__ in ("_PassThrough", "_ZeroEmbedding"):
+            continue
+        conv = is_conv1d(mod)
+        if label in PACKED_LABELS:
+            if not (isinstance(mod, nn.Linear) or conv):
+                raise LayoutError(f"module {fqn!r} is a {type(mod).__name__}; the plan shards it {label}, "
+                                  "which the runtime supports for linears only")
+            attention = _attention_of(fqn, placements, blocks)
+            out[fqn] = ColwiseLocal(packed_parts(label, mod, fqn, modules.get(attention) if attention else None))
+        elif conv and label == "colwise" and _block_of(fqn, blocks):
+            out[fqn] = ColwiseLocal()
+        elif conv and label == "rowwise":
+            out[fqn] = RowwiseConv1D(sequence)
+    return out
 
 
 def _head(sequence: bool):
@@ -159,13 +197,47 @@ def _split_sequence_output(tp_mesh):
 
 
 def _localise_heads(module: nn.Module, fqn: str, tp: int) -> None:
-    for attr in HEAD_COUNT_ATTRS:
-        v = module.__dict__.get(attr)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            if v % tp:
-                raise LayoutError(f"{fqn}.{attr} = {v} heads cannot be split over tp={tp}; use a tp that "
-                                  f"divides {v}")
-            setattr(module, attr, v // tp)
+    import copy
+
+    from meshplan.runtime.packed_projections import localise_widths
+
+    def local_counts(holder, where: str) -> dict[str, int]:
+        out = {}
+        for attr in HEAD_COUNT_ATTRS:
+            v = holder.__dict__.get(attr)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                if v % tp:
+                    raise LayoutError(f"{where}.{attr} = {v} heads cannot be split over tp={tp}; use a tp that "
+                                      f"divides {v}")
+                out[attr] = v // tp
+        return out
+
+    for attr, v in local_counts(module, fqn).items():
+        setattr(module, attr, v)
+    config = module.__dict__.get("config")
+    if config is not None and not isinstance(config, (int, str, nn.Module)):
+        counts = local_counts(config, f"{fqn}.config")
+        if counts:
+            # a copy: the model (and the other layers) keep the global config
+            local = copy.copy(config)
+            for attr, v in counts.items():
+                setattr(local, attr, v)
+            module.config = local
+    localise_widths(module, fqn, tp)
+
+
+def _attention_of(fqn: str, placements: dict[str, str], blocks: tuple[str, ...]) -> str | None:
+    """The attention module (label "heads") that reads linear `fqn`: its nearest labelled
+    ancestor, else the only one in its block."""
+    heads = [m for m, label in placements.items() if label == "heads"]
+    up = fqn
+    while "." in up:
+        up = up.rpartition(".")[0]
+        if up in heads:
+            return up
+    block = _block_of(fqn, blocks)
+    mine = [m for m in heads if block and _block_of(m, blocks) == block]
+    return mine[0] if len(mine) == 1 else None
 
 
 def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
@@ -183,12 +255,15 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
         raise LayoutError(f"placements {unknown} are not supported by the runtime yet (it runs "
                           f"{list(_SUPPORTED)}); re-plan with ep=1 or for a dense model")
     parents = _colwise_parents(placements, blocks, modules)
+    local_styles = _local_styles(placements, blocks, modules, sequence)   # before head counts go local
     styles: dict = {}
     for fqn, label in placements.items():
         mod = modules.get(fqn)
         if mod is None or type(mod).__name__ in ("_PassThrough", "_ZeroEmbedding"):
             continue                # owned by another pipeline stage
         block = _block_of(fqn, blocks)
+        if fqn in local_styles:
+            continue
         if label == "heads":
             _localise_heads(mod, fqn, tp)
         elif label == "seq_split":
@@ -203,6 +278,8 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
                 styles[fqn] = style
     if styles:
         parallelize_module(stage, tp_mesh, styles)
+    for fqn, style in local_styles.items():
+        style.apply(modules[fqn], tp_mesh)
     for fqn in sorted(parents):
         modules[fqn].register_forward_pre_hook(_gather_once(tp_mesh, sequence), with_kwargs=True)
 
