@@ -16,19 +16,25 @@ from meshplan.ir.support import ModelTraits, runtime_limits
 def test_layout_rules():
     assert runtime_limits({"tp": 2, "dp": 2}) == []
     assert runtime_limits({"ep": 2, "dp": 4}) == []
-    for bad in ({"ep": 2, "tp": 2}, {"ep": 2, "cp": 2}, {"ep": 2, "etp": 2}):
-        (why,) = runtime_limits(bad)
-        assert "MoE parallel folding" in why
-    (why,) = runtime_limits({"ep": 2, "dp": 4, "zero": 3, "fsdp_shard": 2})
-    assert "HSDP" in why
+    # MoE parallel folding: experts on their own EP x ETP x EDP groups over the dense ranks
+    for folded in ({"ep": 2, "tp": 2}, {"ep": 2, "cp": 2}, {"ep": 2, "etp": 2, "dp": 4}, {"etp": 2, "tp": 2}):
+        assert runtime_limits(folded) == []
+    (why,) = runtime_limits({"etp": 2, "dp": 2, "zero": 0})
+    assert "DDP" in why
+    # experts fully sharded over edp while the dense weights run HSDP (what the cost model prices)
+    assert runtime_limits({"ep": 2, "dp": 4, "zero": 3, "fsdp_shard": 2}) == []
 
 
 def test_model_rules():
-    t = ModelTraits(moe=True, fused_qkv=True, fused_gate_up=True, sdpa_causal=False, layers=2)
+    t = ModelTraits(moe=True, fused_qkv=True, fused_gate_up=True, sdpa_causal=False, ep_experts=False, layers=2)
     assert runtime_limits({"tp": 1, "cp": 1}, t) == []
     text = " ".join(runtime_limits({"tp": 2, "cp": 2, "pp": 2, "vp": 2}, t))
-    for part in ("MoE model", "fused QKV", "gate/up", "scaled_dot_product_attention", "4 pipeline stages for 2"):
+    for part in ("MoE model", "scaled_dot_product_attention", "4 pipeline stages for 2"):
         assert part in text
+    # packed projections run under TP (meshplan.runtime.packed_projections); other packings do not
+    assert runtime_limits({"tp": 2}, ModelTraits(fused_qkv=True, fused_gate_up=True, layers=2)) == []
+    (why,) = runtime_limits({"tp": 2}, ModelTraits(partly_fused_qkv=True, layers=2))
+    assert "fused K|V" in why
 
 
 def test_traits_from_traced_models():
@@ -42,6 +48,14 @@ def test_traits_from_traced_models():
     with torch.device("meta"):
         fused = mp.profile(mod.build(), seq_len=64)
     assert model_traits(fused).fused_qkv
+    # its attention runs in the block's own forward (splitting the fused output by the block
+    # input's width): TP is refused; the planner would label the fused QKV per head
+    assert model_traits(fused).partly_fused_qkv
+    assert "no attention sub-module" in runtime_limits({"tp": 2}, model_traits(fused))[0]
+    from meshplan.ir.layout import Layout
+    from meshplan.planner.build import placements_for
+    labels = placements_for(fused, Layout(tp=2))
+    assert labels["blocks.0.qkv"] == "colwise_qkv" and labels["blocks.0.up"] == "colwise"
 
 
 def test_planner_never_returns_what_the_runtime_refuses():
@@ -50,11 +64,12 @@ def test_planner_never_returns_what_the_runtime_refuses():
     plan = mp.plan(model, cl, seq_len=4096, global_batch=64)
     traits = model_traits(mp.profile(model, seq_len=4096))
     assert runtime_limits(plan.layout, traits) == []
-    assert plan.search["runtime_excluded"] > 0
+    # (MoE parallel folding runs every layout the search scores for tiny-moe here: nothing excluded)
     for r in plan.runner_ups:
         assert runtime_limits(r.layout, traits) == []
-    with pytest.raises(LayoutError, match="no layout the runtime can run.*MoE parallel folding"):
-        mp.plan(model, cl, seq_len=4096, global_batch=64, fixed={"ep": 2, "tp": 2})
+    with pytest.raises(LayoutError, match="no layout the runtime can run.*DDP"):
+        mp.plan(model, cl, seq_len=4096, global_batch=64,
+                fixed={"etp": 2, "ep": 1, "dp": 8, "tp": 1, "cp": 1, "pp": 1, "zero": 0})
 
 
 def test_explain_names_an_excluded_faster_layout():
@@ -71,3 +86,16 @@ def test_plans_for_other_frameworks_skip_the_runtime_limits():
     cl = mp.Cluster(gpu="h100-sxm", gpus_per_node=8, nodes=1)
     plan = mp.plan(model, cl, seq_len=4096, global_batch=64, fixed={"ep": 2, "tp": 2}, for_runtime=False)
     assert plan.layout.ep == 2 and plan.layout.tp == 2
+
+
+def test_block_placements_keep_packed_projections_per_part():
+    """A fused QKV / gate-up placed plainly column-parallel (rows split in blocks) would mix parts
+    across ranks: the planner falls back to the runtime's per-part labels."""
+    from meshplan.ir.support import block_placement_limits
+    roles = {"attn.qkv": "attn_qkv", "attn.o": "attn_out", "mlp.gate_up": "mlp_in", "mlp.down": "mlp_out"}
+    packed = {"attn.qkv": "colwise_qkv", "mlp.gate_up": "colwise_gate_up"}
+    megatron = {"attn.qkv": "colwise", "attn.o": "rowwise", "mlp.gate_up": "colwise", "mlp.down": "rowwise"}
+    assert block_placement_limits(megatron, roles) == []
+    why = block_placement_limits(megatron, roles, packed=packed)
+    assert len(why) == 2 and "attn.qkv (attn_qkv) is a packed projection placed 'colwise'" in why[0]
+    assert block_placement_limits({**megatron, **packed}, roles, packed=packed) == []

@@ -53,8 +53,9 @@ def register(sub) -> None:
                         "Transformer Engine or torchao on GPUs), the rest bf16; fp32: everything in fp32")
     t.add_argument("--fp8-backend", default="auto", choices=["auto", "torchao", "te"],
                    help="FP8 linears: auto = Transformer Engine on CUDA when installed, else torchao")
-    t.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "delayed"],
-                   help="FP8 scaling: tensorwise (per-tensor current scaling), rowwise (torchao), delayed (TE)")
+    t.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "delayed"],
+                   help="FP8 scaling: tensorwise (per-tensor current scaling), rowwise (torchao), delayed (TE's "
+                        "per-tensor scaling from an amax history); default: the plan's (tensorwise)")
     t.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile each transformer block: auto = on CUDA GPUs only (default: %(default)s)")
     t.add_argument("--optimizer-dtype", default=None, choices=["fp32", "bf16"],
@@ -168,6 +169,8 @@ def _plan(args, world_size: int | None = None):
     fixed = parse_layout(args.fix) if args.fix else {}
     if getattr(args, "optimizer_dtype", None):
         fixed["optimizer_dtype"] = args.optimizer_dtype
+    if getattr(args, "fp8_recipe", None) in ("tensorwise", "rowwise"):
+        fixed["fp8_recipe"] = args.fp8_recipe       # priced as run ("delayed" costs as tensorwise)
     return _with_options(mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
                                  precision=getattr(args, "precision", None) or "bf16"), args)
 
@@ -338,7 +341,7 @@ def _worker(args, plan=None) -> int:
             model = _load(args, "cpu")          # other models: built whole, on every rank
         pm = parallelize(model, plan, **run_precision(plan, getattr(args, "precision", None)),
                          fp8_backend=getattr(args, "fp8_backend", "auto"),
-                         fp8_recipe=getattr(args, "fp8_recipe", "tensorwise"),
+                         fp8_recipe=getattr(args, "fp8_recipe", None),
                          compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"))
         cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
                           data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,

@@ -32,7 +32,10 @@ class ModelTraits:
     in one weight (rows are Q|K|V, so TP must split it per head, not by raw rows).
     `sdpa_causal`: every attention goes through F.scaled_dot_product_attention with is_causal
     (what context parallelism's ring swaps). `fused_gate_up`: one weight holds the SwiGLU gate
-    and up projections. `cp_positions`: the runtime knows how to give each CP rank its tokens'
+    and up projections (both run under TP: each rank holds its slice of every part).
+    `partly_fused_qkv`: Q, K and V come from two linears (e.g. K|V fused, Q separate), or from one
+    whose width is not q + 2 kv, or from a fused one whose attention runs in the block's own
+    forward (no attention sub-module), which TP does not split per part. `cp_positions`: the runtime knows how to give each CP rank its tokens'
     positions (meshplan's models; transformers models with rotary embeddings), which a model
     that computes positions in its own forward (`arange(T)`) defeats. `layers`: transformer
     blocks, for the pipeline split. `ep_experts`: the routed experts are stacked weights whose
@@ -43,6 +46,7 @@ class ModelTraits:
     moe: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    partly_fused_qkv: bool = False
     sdpa_causal: bool = True
     cp_positions: bool = True
     ep_experts: bool = True
@@ -61,28 +65,24 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
     g = lambda k, d=1: int(_get(layout, k, d) or d)   # noqa: E731 - a local shorthand
     tp, cp, ep, etp, pp, vp, dp = (g(k) for k in ("tp", "cp", "ep", "etp", "pp", "vp", "dp"))
     zero = int(_get(layout, "zero", 1))
-    fsdp_shard = int(_get(layout, "fsdp_shard", 0) or 0)
     out: list[str] = []
-    if ep > 1 and (tp > 1 or cp > 1 or etp > 1):
-        out.append(f"expert parallelism (ep={ep}) together with tp={tp}, cp={cp}, etp={etp} needs MoE "
-                   "parallel folding (experts over their own EP x ETP x EDP groups), which the runtime does "
-                   "not have yet; it runs EP with experts over the data-parallel ranks (tp=cp=etp=1)")
-    if ep > 1 and zero == 3 and 0 < fsdp_shard < dp * cp:
-        out.append(f"expert parallelism (ep={ep}) with HSDP (fsdp_shard={fsdp_shard}) is not supported by "
-                   "the runtime; use full sharding (fsdp_shard=0) or ep=1")
+    if etp > 1 and zero == 0 and tp == cp == pp == ep == 1 and dp > 1:
+        out.append(f"expert tensor parallelism (etp={etp}) with zero=0 and no other model parallelism runs as "
+                   "DDP, which keeps whole weights; use zero>=1 (FSDP2) or etp=1")
     if traits is not None:
-        if traits.moe and ep > 1 and not traits.ep_experts:
-            out.append(f"expert parallelism (ep={ep}) needs expert modules whose forward takes tokens sorted "
+        if traits.moe and (ep > 1 or etp > 1) and not traits.ep_experts:
+            out.append(f"expert parallelism (ep={ep}, etp={etp}) needs expert modules whose forward takes tokens sorted "
                        "by expert and per-expert counts (meshplan's MoE); this model's experts do not; use ep=1")
-        if traits.moe and tp > 1:
-            out.append(f"tensor parallelism (tp={tp}) on a MoE model: the runtime's TP does not shard expert "
-                       "modules yet; use tp=1 (experts scale with ep instead)")
-        if traits.fused_qkv and tp > 1:
-            out.append(f"tensor parallelism (tp={tp}) on a fused QKV projection: splitting its rows would mix "
-                       "Q, K and V heads across ranks, and the runtime does not yet split it per head; use tp=1")
-        if traits.fused_gate_up and tp > 1:
-            out.append(f"tensor parallelism (tp={tp}) on a fused gate/up projection: the runtime does not yet "
-                       "split it by halves; use tp=1")
+        if traits.moe and tp > 1 and not traits.ep_experts:
+            out.append(f"tensor parallelism (tp={tp}) on a MoE model runs each MoE layer on the TP ranks' "
+                       "own tokens (MoE parallel folding), which needs expert modules whose forward takes "
+                       "tokens sorted by expert and per-expert counts (meshplan's MoE); use tp=1")
+        if traits.partly_fused_qkv and tp > 1:
+            out.append(f"tensor parallelism (tp={tp}) on an attention whose Q, K and V come from two linears "
+                       "(e.g. a fused K|V projection), from one whose width is not q + 2 kv, or from a fused "
+                       "one read by attention code in the block's own forward (no attention sub-module "
+                       "whose head counts the runtime can make local): the runtime splits a fused Q|K|V "
+                       "projection per head of an attention module only; use tp=1")
         if cp > 1 and not traits.cp_positions:
             out.append(f"context parallelism (cp={cp}) needs positions the runtime can split with the "
                        "sequence (meshplan's models, or transformers models with rotary embeddings); this "
@@ -98,16 +98,22 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
 
 
 def block_placement_limits(placements: Mapping[str, str], roles: Mapping[str, str],
-                           attention: tuple[str, ...] = ()) -> list[str]:
+                           attention: tuple[str, ...] = (), packed: Mapping[str, str] | None = None) -> list[str]:
     """Reasons the runtime cannot run one block's TP placements: `placements` {module: label},
-    `roles` {linear: role}, `attention` the block's attention modules. The sharding ILP may find
-    other valid dataflows (e.g. gathering the attention output and splitting wo by columns); the
-    runtime runs the pattern above, so the planner falls back to it for such blocks."""
+    `roles` {linear: role}, `attention` the block's attention modules, `packed` {linear: label}
+    the packed projections (fused QKV / gate-up: meshplan.planner.traits.packing), which the
+    runtime shards per part ("colwise_qkv" / "colwise_gate_up"), never by plain rows. The sharding
+    ILP may find other valid dataflows (e.g. gathering the attention output and splitting wo by
+    columns); the runtime runs the pattern above, so the planner falls back to it for such blocks."""
     out = []
+    packed = dict(packed or {})
     for name, role in roles.items():
-        want = TP_ROLE_PLACEMENT.get(role, "replicate")
+        want = packed.get(name) or TP_ROLE_PLACEMENT.get(role, "replicate")
         got = placements.get(name)
-        if got is not None and got != want:
+        if got is not None and got != want and name in packed:
+            out.append(f"{name} ({role}) is a packed projection placed {got!r}; the runtime shards it {want!r} "
+                       "(each rank its slice of every part)")
+        elif got is not None and got != want:
             out.append(f"{name} ({role}) placed {got!r}; the runtime shards a {role} linear {want!r}")
     for name in attention:
         got = placements.get(name)

@@ -57,6 +57,11 @@ __all__ = ["MoE", "GroupedExperts", "RoutingWindow", "load_balancing_loss"]
 class GroupedExperts(nn.Module):
     """E expert MLPs stored as stacked weights in nn.Linear layout (out_features, in_features)."""
 
+    # expert tensor parallelism (meshplan.runtime.expert_parallel): the inner-feature dim of each
+    # weight, split over the ETP group (w1, w3 column-parallel, w2 row-parallel); forward on the
+    # slices then returns a partial sum of the output over the group
+    etp_split = {"w1": 1, "w2": 2, "w3": 1}
+
     def __init__(self, experts: int, hidden: int, ffn_hidden: int, *, activation: str):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
@@ -201,6 +206,16 @@ class MoE(nn.Module):
         return weights, selected, probs
 
     def forward(self, x: Tensor) -> Tensor:
+        out = self.routed(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def routed(self, x: Tensor) -> Tensor:
+        """The routed experts' part of `forward` (no shared experts): x (B, T, h) -> (B, T, h).
+        Per token apart from the balancing statistics, so a runtime may call it on any subset of
+        the tokens (MoE parallel folding runs it on each TP rank's own sequence shard while the
+        shared experts stay tensor-parallel: meshplan.runtime.moe_folding)."""
         B, T, H = x.shape
         E, k = self.experts.num_experts, self.topk
         tokens = x.reshape(-1, H)                                           # (N, h)
@@ -224,8 +239,6 @@ class MoE(nn.Module):
         routed = self.experts(tokens.index_select(0, token_of_copy), kept_counts)   # (M, h)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of_copy, routed)  # (N, h)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
         if running:
             # An exported program cannot keep tensors assigned to module attributes (they would
             # hold fake tensors), so the routing statistics and losses only exist when running.

@@ -37,10 +37,16 @@ rank j of the group; rank j keeps experts j*E/ep .. (j+1)*E/ep - 1, a contiguous
     each row's gradient back along the same path with the split sizes swapped. Dropless: every copy is
     computed, whatever the imbalance (no capacity factor).
 
+The EP group comes from the experts' own mesh (runtime/mesh.py, MoE parallel folding): the
+dense layers' dp x cp x tp ranks regrouped as (edp, ep, etp), so an EP group may span data-,
+context- and tensor-parallel ranks, each dispatching its own tokens (moe_folding.py). With
+etp > 1 each expert's inner features are split further over the ETP group (`etp_split`) and
+moe_folding.etp_compute gathers the rows over it and reduce-scatters the partial outputs.
+
 Under FSDP the expert parameters are then sharded over the expert-data-parallel axis (`edp`,
-see parallel.Meshes and fsdp.apply_fsdp): FSDP2 takes the EP DTensors as it takes TP ones, and
-their gradients, reduced over edp, are DTensors over (edp, ep) whose norm and full tensors
-cover every expert exactly once.
+see mesh.Meshes and fsdp.apply_fsdp): FSDP2 takes the EP DTensors as it takes TP ones, and
+their gradients, reduced over edp, are DTensors over (edp, ep[, etp]) whose norm and full
+tensors cover every expert exactly once.
 """
 
 from __future__ import annotations
@@ -56,13 +62,13 @@ from meshplan.errors import LayoutError
 __all__ = ["find_expert_modules", "check_expert_parallel", "apply_expert_parallel", "expert_labelled_params",
            "ep_dispatch", "MoEBalancer", "balance_group", "summarize_routing"]
 
-_EP_ATTR = "_meshplan_ep"      # set on wrapped modules: (ep mesh, local expert count)
+_EP_ATTR = "_meshplan_ep"      # set on wrapped modules: (ep mesh, local expert count, etp mesh | None)
 
 
 # ---- matching ------------------------------------------------------------------------------
 
 def expert_labelled_params(placements: dict[str, str]) -> set[str]:
-    """FQNs (in the unsplit model) of the parameters the plan labels "expert"."""
+    """FQNs (in the unsplit model) the plan labels "expert": experts modules or their parameters."""
     return {fqn for fqn, label in placements.items() if label == "expert"}
 
 
@@ -117,7 +123,7 @@ def find_expert_modules(model: nn.Module, labelled: set[str] | frozenset[str] = 
         # with labels, the plan alone says which modules are experts (a module that merely looks
         # like one, e.g. stacked per-head weights, is left alone); a labelled parameter in a
         # child module makes that child the candidate, checked when the walk reaches it
-        if not (mine & labelled if labelled else _looks_grouped(module)):
+        if not ((fqn in labelled or mine & labelled) if labelled else _looks_grouped(module)):
             continue
         problem = _contract_problem(module) if getattr(module, _EP_ATTR, None) is None else None
         if problem:
@@ -204,7 +210,7 @@ def _local_compute(module: nn.Module, orig_forward):
 
 
 def _ep_forward(self: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    mesh, n_local = getattr(self, _EP_ATTR)
+    mesh, n_local, etp_mesh = getattr(self, _EP_ATTR)
     ep = mesh.size()
     compute = _local_compute(self, self.__meshplan_orig_forward__)
     if x.device.type == "meta" or _is_fake(x):
@@ -213,6 +219,11 @@ def _ep_forward(self: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch
     if counts.shape[0] != n_local * ep:
         raise LayoutError(f"an expert-parallel module got counts for {counts.shape[0]} experts; it was "
                           f"split as {n_local} experts on each of ep={ep} ranks")
+    if etp_mesh is not None:        # each expert's inner features split over the ETP group
+        from meshplan.runtime.moe_folding import etp_compute
+        compute = etp_compute(compute, etp_mesh)
+    if ep == 1:
+        return compute(x, counts)
     return ep_dispatch(x, counts, compute, group=mesh.get_group(), ep=ep)
 
 
@@ -221,40 +232,74 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | frozenset[str] = frozenset()
-                          ) -> list[str]:
+def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | frozenset[str] = frozenset(),
+                          expert_mesh=None) -> list[str]:
     """Shard the routed experts of `stage` over `ep_mesh` (1-D) and route tokens to them.
 
-    `labelled`: parameter FQNs the plan labels "expert" (see `expert_labelled_params`).
-    Returns the FQNs of the expert modules (original FQNs), for FSDP over the edp axis.
-    A no-op at ep = 1.
+    `labelled`: FQNs the plan labels "expert" (see `expert_labelled_params`). `expert_mesh`:
+    the experts' (edp, ep, etp) mesh (runtime/mesh.py); with etp > 1 each expert's weights are
+    split further over etp along the dims the module declares in `etp_split` (parameter name ->
+    dim: its inner features; meshplan's GroupedExperts), which makes forward's output a partial
+    sum over the ETP group (moe_folding.etp_compute sums it).
+    Returns the FQNs of the expert modules (original FQNs), for FSDP over the edp axis (at
+    ep = etp = 1 the modules are left as they are: folded experts replicated over the ranks).
     """
     from torch.distributed.tensor import DTensor, Shard
     ep = ep_mesh.size()
-    if ep == 1:
-        return []
+    etp = expert_mesh["etp"].size() if expert_mesh is not None else 1
     fqns = check_expert_parallel(stage, ep, labelled, require=False)
+    if ep == 1 and etp == 1:
+        return fqns
     rank = ep_mesh.get_local_rank()
+    etp_rank = expert_mesh["etp"].get_local_rank() if etp > 1 else 0
+    mesh = expert_mesh["ep", "etp"] if etp > 1 else ep_mesh
     for fqn in fqns:
         module = stage.get_submodule(fqn)
         n_local = _num_experts(module) // ep
+        dims = _etp_dims(fqn, module, etp) if etp > 1 else {}
         for name, p in _own_params(module).items():
-            local = p.detach()[rank * n_local:(rank + 1) * n_local].clone()      # (E/ep, ...)
-            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            local = p.detach()[rank * n_local:(rank + 1) * n_local]      # (E/ep, ...)
+            placements = [Shard(0)]
+            if etp > 1:
+                d = dims[name]
+                width = p.shape[d] // etp
+                local = local.narrow(d, etp_rank * width, width)
+                placements.append(Shard(d))
+            dt = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         module.__meshplan_orig_forward__ = module.forward
-        setattr(module, _EP_ATTR, (ep_mesh, n_local))
+        setattr(module, _EP_ATTR, (ep_mesh, n_local, expert_mesh["etp"] if etp > 1 else None))
         module.forward = types.MethodType(_ep_forward, module)
     return fqns
+
+
+def _etp_dims(fqn: str, module: nn.Module, etp: int) -> dict[str, int]:
+    """{parameter: dim split over etp} as the module declares it (`etp_split`), checked."""
+    own = _own_params(module)
+    dims = getattr(module, "etp_split", None)
+    if not isinstance(dims, dict) or set(own) - set(dims):
+        raise LayoutError(f"{fqn} ({type(module).__name__}) does not declare how its weights split over "
+                          f"expert tensor parallelism (an `etp_split` dict: parameter -> inner-feature dim, "
+                          f"as meshplan's GroupedExperts has); re-plan with etp=1")
+    for name, p in own.items():
+        d = dims[name]
+        if not 0 < d < p.dim() or p.shape[d] % etp:
+            raise LayoutError(f"{fqn}.{name} {tuple(p.shape)}: dim {d} does not split over etp={etp}; "
+                              "use an etp that divides the experts' inner width")
+    return {n: dims[n] for n in own}
 
 
 # ---- load balancing across ranks and micro-batches -----------------------------------------
 
 def balance_group(pm):
-    """The process group of the ranks that hold other tokens of the same layers (dp x cp of this
-    pipeline stage), or None when this rank is alone. Collective the first time (a flattened
-    mesh under HSDP creates a group): every rank calls it in the same order."""
+    """The process group of the ranks that hold other tokens of the same MoE layers (dp x cp of
+    this pipeline stage, x tp when the experts are folded), or None when this rank is alone.
+    Collective the first time (a flattened mesh under HSDP creates a group): every rank calls it
+    in the same order."""
     meshes = getattr(pm, "meshes", None)
+    if meshes is not None and meshes.fold is not None:
+        # folded experts: every rank of dp x cp x tp routes its own tokens
+        return meshes.fold.get_group() if meshes.fold.size() > 1 else None
     if meshes is None:
         mesh = pm.mesh
         return mesh["dp"].get_group() if "dp" in mesh.mesh_dim_names and mesh["dp"].size() > 1 else None

@@ -26,12 +26,14 @@ demand), which the tests use to check that results do not depend on it.
 Gradients are summed across data-parallel ranks (divide factor 1): the loss is already divided
 by the global token count, so the sum is the global-batch mean gradient.
 
-Expert parallelism: expert modules (parameters already DTensors, Shard(0) over the "ep" axis)
-are units of their own over the expert-data-parallel axis `edp`, sharded before the blocks so
-the block units (over the whole dp mesh) skip their parameters. FSDP2 treats the EP axis as it
-treats TP: parameters become DTensors over (edp, ep), gradients are reduce-scattered over edp
-only (each EP rank's experts already hold the gradient of every token its EP group routed to
-them, brought back by the dispatch all-to-all).
+Expert parallelism (MoE parallel folding, moe_folding.py): expert modules (parameters DTensors,
+Shard(0) over the "ep" axis, and over "etp" with expert tensor parallelism; plain tensors at
+ep = etp = 1) are units of their own over the expert-data-parallel axis `edp`, sharded before
+the blocks so the block units (over the dense dp x cp mesh) skip their parameters. FSDP2 treats
+the EP axis as it treats TP: parameters become DTensors over (edp, ep[, etp]), gradients are
+reduce-scattered over edp only (each EP rank's experts already hold the gradient of every token
+its EP group routed to them, brought back by the dispatch all-to-all). edp spans the TP ranks
+too, which route their own tokens under folding.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     expert_units = []
     for fqn in experts:
         module = stage.get_submodule(fqn)
-        fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    shard_placement_fn=_expert_shard_dim(expert_mesh.size()))
         expert_units.append(module)
     units = []
     if zero < 3 and one_unit_below_zero3:
@@ -91,3 +94,17 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     # expert units stay out of the explicit prefetch chain: they are nested in the block units,
     # whose pre-forward comes first, and FSDP2's implicit prefetch handles them
     return expert_units + units
+
+
+def _expert_shard_dim(n: int):
+    """FSDP's shard dim for an expert weight over `n` edp ranks: dim 0 (the experts) when this
+    rank's experts split evenly over them, else the first dim that does (else the largest). With
+    fewer local experts than edp ranks (8 experts, ep=8, edp=8), dim 0 would leave whole experts
+    on one rank and nothing on the others."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def place(p):
+        shape = (p.to_local() if isinstance(p, DTensor) else p).shape
+        dims = range(len(shape))
+        return Shard(next((d for d in dims if shape[d] % n == 0), max(dims, key=lambda d: shape[d])))
+    return place

@@ -20,6 +20,8 @@ from meshplan.errors import ConfigError
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.mesh import Meshes
+from meshplan.runtime.packed_projections import from_tp_order, tp_order_params
+from meshplan.runtime.moe_folding import reduce_expert_grads
 
 __all__ = ["ParallelModel", "squared_norm", "IGNORE_INDEX"]
 
@@ -52,6 +54,7 @@ class ParallelModel:
     meshes: Meshes | None = None
     fp8: object = None                      # fp8.Fp8Swap: FP8 modules here and the backend running them
     precisions: dict[str, str] = field(default_factory=dict)    # module FQN -> precision it computes in
+    expert_modules: list = field(default_factory=list)   # per local stage: its (folded) experts modules
 
     # ---- coordinates -----------------------------------------------------------------
     def _rank(self, axis: str) -> int:
@@ -190,6 +193,9 @@ class ParallelModel:
         gradients of weights tied across pipeline stages (embedding and head: Megatron's
         embedding-group all-reduce)."""
         from torch.distributed.tensor import DTensor
+        if self.data_parallel != "fsdp" and self.meshes is not None and self.meshes.folded:
+            # no FSDP reduces the folded experts' gradients over edp (TP ranks saw other tokens)
+            reduce_expert_grads(self.stages, self.expert_modules, self.meshes.expert_fsdp)
         for p in self.parameters():
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
@@ -247,8 +253,16 @@ class ParallelModel:
         return t.detach().cpu()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """{original FQN: full gradient} on every rank (collective: all ranks must call)."""
-        local = {self._canonical(n): self._full(p.grad) for n, p in self.named_parameters() if p.grad is not None}
+        """{original FQN: full gradient} on every rank (collective: all ranks must call), rows in the
+        model's own order (packed projections are kept in TP order: runtime/packed_projections.py)."""
+        orders = {self._canonical(n): spec for st in self.stages for n, spec in tp_order_params(st).items()}
+        local = {}
+        for n, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            name = self._canonical(n)
+            g = self._full(p.grad)
+            local[name] = from_tp_order(g, *orders[name]) if name in orders else g
         return self._gather_across_stages(local)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -5,11 +5,14 @@ One fixed order, each step a no-op at degree 1 (DESIGN.md):
     checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> CP -> EP -> FP8 -> recompute -> FSDP/ZeRO
     -> schedule
 
-EP (expert_parallel.py): routed experts sharded over the EP group (DTensors, Shard(0) over the
-"ep" axis), tokens moved by autograd-aware all-to-all; FSDP then shards expert weights over
-`edp` and everything else over the whole dp mesh. Gradient norm, full tensors and DCP state
-need nothing special: expert gradients are DTensors over (edp, ep), so their sums and
-`full_tensor()` cover every expert exactly once.
+EP (expert_parallel.py, moe_folding.py): MoE parallel folding (Megatron-Core). The routed experts
+get their own mesh over the same ranks as the dense layers (mesh.py: dp x cp x tp regrouped as
+edp x ep x etp), are sharded over ep (DTensors, Shard(0)) and, with etp > 1, each expert's inner
+features over etp; tokens move by autograd-aware all-to-all. Under TP the MoE layers run on each
+TP rank's own tokens (its sequence shard), so TP leaves their router and experts alone
+(`tp_view`). FSDP then shards expert weights over `edp` and everything else over the dense dp
+(x cp) mesh. Gradient norm, full tensors and DCP state need nothing special: expert gradients
+are DTensors over (edp, ep[, etp]), so their sums and `full_tensor()` cover every expert once.
 
 Data parallelism and precision (issue #17: never slower than the PyTorch a user writes by hand):
 zero 1-3 run through FSDP2 (fsdp.py; ZeRO-1/2 gather the weights once per step); zero=0 runs
@@ -151,7 +154,7 @@ def _owned_blocks(spec: _pp.StageSpec, blocks: tuple[str, ...]) -> list[str]:
 
 def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | str = "plan",
                 overlap: bool = True, loss_fn=None, fused_kernels: bool | str = "auto", fp8: bool = True,
-                fp8_backend: str = "auto", fp8_recipe: str = "tensorwise",
+                fp8_backend: str = "auto", fp8_recipe: str | None = None,
                 materialize: bool = True, compile: bool | str = "auto") -> ParallelModel:
     """Apply `plan` to `model` inside an initialised default process group of the plan's size.
 
@@ -170,7 +173,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     `ddp_runs`), nothing for one data-parallel rank; mixed precision then comes from autocast.
     `fp8`: for an FP8 plan, swap exactly Plan.fp8_modules for FP8 linears (runtime/fp8.py) with
     `fp8_backend` ("auto": Transformer Engine on CUDA when installed, else torchao; "torchao", "te")
-    and `fp8_recipe` ("tensorwise", "rowwise", "delayed"); False is the explicit override that runs
+    and `fp8_recipe` (None: the plan's Layout.fp8_recipe; "tensorwise", "rowwise", or TE's "delayed");
+    False is the explicit override that runs
     the plan in `compute_dtype` instead. A missing backend fails here, before any collective.
     `compile`: torch.compile each block (runtime/compile.py): "auto" on CUDA, True, or False.
     """
@@ -250,7 +254,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         _fold.apply_moe_folding(stage, plan, mesh["tp"], experts=experts)         # (MoE on TP ranks' tokens)
         expert_modules.append(experts)
         if run_fp8:                                                                 # 2d. FP8
-            swaps.append(_fp8.apply_fp8(stage, plan.fp8_modules, backend=fp8_backend, recipe=fp8_recipe,
+            swaps.append(_fp8.apply_fp8(stage, plan.fp8_modules, backend=fp8_backend,
+                                        recipe=fp8_recipe or lay.fp8_recipe,
                                         device=device, tp=lay.tp,
                                         fsdp_float8_all_gather=use_fsdp and lay.zero == 3))
         apply_recompute(stage, blocks, lay, first_index=layers_before)             # 3. recompute

@@ -112,11 +112,16 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
                                    msg=lambda m, n=n: f"param {n}: {m}")
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
-    local_experts = {n: tuple(p.to_local().shape) for n, p in pm.named_parameters() if n.endswith("experts.w1")}
+    local_experts = {n: tuple(_local(p).shape) for n, p in pm.named_parameters() if n.endswith("experts.w1")}
     stats = [tuple(m.tokens_per_expert.tolist()) for st in pm.stages for m in st.modules()
              if getattr(m, "tokens_per_expert", None) is not None]
     return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "local_experts": local_experts,
             "tokens_per_expert": stats}
+
+
+def _local(p):
+    # an expert weight's shard on this rank (plain weights: not sharded), after FSDP's edp shard
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def reshard(rank: int, world: int, case: dict) -> dict:
@@ -189,6 +194,9 @@ def run_cases(rank: int, world: int, cases: dict) -> dict:
             return train(rank, world, case)
         if kind == "error":
             return _expect_error(case)
+        if kind == "balance":           # global aux loss, z-loss and expert bias (moe_workers.py)
+            import moe_workers
+            return moe_workers.balance(rank, world, case)
         return equivalence(rank, world, case)
     return each_case(rank, cases, one)
 
