@@ -99,3 +99,19 @@ def test_block_placements_keep_packed_projections_per_part():
     why = block_placement_limits(megatron, roles, packed=packed)
     assert len(why) == 2 and "attn.qkv (attn_qkv) is a packed projection placed 'colwise'" in why[0]
     assert block_placement_limits({**megatron, **packed}, roles, packed=packed) == []
+
+
+def test_stack_choices_the_runtime_does_not_run_are_refused():
+    """Layouts may name FP8 recipes and CP implementations other frameworks run (the cost model
+    prices them); the runtime refuses those it does not have, so the planner never returns them."""
+    from meshplan.ir.layout import Layout
+    assert runtime_limits(Layout(fp8_recipe="rowwise")) == []
+    (why,) = runtime_limits(Layout(fp8_recipe="mxfp8"))
+    assert "tensorwise or rowwise" in why
+    (why,) = runtime_limits(Layout(cp=2, cp_comm_type="all_gather"))
+    assert "ring" in why
+    assert runtime_limits(Layout(cp=1, cp_comm_type="all_gather")) == []
+    (why,) = runtime_limits(Layout(tp=2, pp=2, schedule="zbv"))
+    assert "ZB-V" in why and "sp=False" in why
+    assert runtime_limits(Layout(tp=2, pp=2, schedule="zbv", sp=False)) == []
+    assert runtime_limits(Layout(tp=2, pp=2, schedule="zb")) == []

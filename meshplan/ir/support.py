@@ -66,6 +66,17 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
     tp, cp, ep, etp, pp, vp, dp = (g(k) for k in ("tp", "cp", "ep", "etp", "pp", "vp", "dp"))
     zero = int(_get(layout, "zero", 1))
     out: list[str] = []
+    recipe, cp_comm = _get(layout, "fp8_recipe", "tensorwise"), _get(layout, "cp_comm_type", "p2p")
+    if recipe not in ("tensorwise", "rowwise"):
+        out.append(f"fp8_recipe={recipe!r}: the runtime's FP8 linears (torchao, Transformer Engine) run "
+                   "tensorwise or rowwise scaling; use one of those")
+    if cp > 1 and cp_comm != "p2p":
+        out.append(f"cp_comm_type={cp_comm!r}: the runtime's context parallelism is the ring of K/V blocks "
+                   "('p2p'); use cp_comm_type='p2p'")
+    if pp > 1 and tp > 1 and _get(layout, "schedule", None) == "zbv" and _get(layout, "sp", tp > 1):
+        # seen on gloo: the V's second chunk never receives its sequence-sharded activations
+        out.append("the ZB-V schedule with tensor and sequence parallelism hangs in the runtime's pipeline "
+                   "sends; use sp=False, or schedule 'zb' / '1f1b' / 'interleaved'")
     if etp > 1 and zero == 0 and tp == cp == pp == ep == 1 and dp > 1:
         out.append(f"expert tensor parallelism (etp={etp}) with zero=0 and no other model parallelism runs as "
                    "DDP, which keeps whole weights; use zero>=1 (FSDP2) or etp=1")
