@@ -101,6 +101,13 @@ def world2():
     return _run(2, cases)
 
 
+def _agreed(results):
+    """Rank 0's result, after checking every rank succeeded and all computed the same loss."""
+    _ok(results)
+    assert {r["loss"] for r in results} == {results[0]["loss"]}, "ranks disagree on the loss"
+    return results[0]
+
+
 @pytest.fixture(scope="module")
 def world4():
     return _run(4, _cases(CASES_4, 4))
@@ -108,9 +115,7 @@ def world4():
 
 @pytest.mark.parametrize("name", sorted(CASES_2))
 def test_two_ranks(world2, name):
-    _ok(world2[name])
-    r0 = world2[name][0]
-    assert {r["loss"] for r in world2[name]} == {r0["loss"]}, "ranks disagree on the loss"
+    r0 = _agreed(world2[name])
     fixed = CASES_2[name][1]
     # 4 experts over ep; FSDP (dp*cp > 1) cuts the leading dim again over edp = dp*cp*tp / (ep*etp)
     edp = fixed["dp"] * fixed["cp"] * fixed["tp"] // (fixed["ep"] * fixed.get("etp", 1))
@@ -130,9 +135,7 @@ def world8():
 
 @pytest.mark.parametrize("name", sorted(CASES_8))
 def test_eight_ranks(world8, name):
-    _ok(world8[name])
-    r0 = world8[name][0]
-    assert {r["loss"] for r in world8[name]} == {r0["loss"]}, "ranks disagree on the loss"
+    _agreed(world8[name])
 
 
 @pytest.mark.parametrize("name", sorted(BALANCE_2))
@@ -145,9 +148,7 @@ def test_global_balancing_over_folded_ranks(world2, name):
 
 @pytest.mark.parametrize("name", sorted(CASES_4))
 def test_four_ranks(world4, name):
-    _ok(world4[name])
-    r0 = world4[name][0]
-    assert {r["loss"] for r in world4[name]} == {r0["loss"]}, "ranks disagree on the loss"
+    _agreed(world4[name])
 
 
 def test_planner_offers_folded_layouts():
