@@ -125,8 +125,15 @@ def test_cli_quick_on_two_gloo_processes(tmp_path, capsys):
     cluster = Cluster.load(out)
     cal = cb.load_calibration(out)
     assert cal.nproc == 2 and cal.backend == "gloo" and elapsed < 60
-    assert {r.op for r in cal.collectives} == {"all_reduce", "all_gather"}
+    assert {r.op for r in cal.collectives} == {"all_reduce", "all_gather", "all_reduce_amid_compute"}
+    # the latency the cluster gets is the all-reduce amid compute (how training meets it on CPU)
+    assert cal.training_latency_us() == cal.small_latency_us("all_reduce_amid_compute")
+    hops = 2 * (cal.nproc - 1)
+    t0 = cal.training_latency_us()
+    assert cluster.base_latency_us + hops * cluster.scaleup_latency_us == pytest.approx(t0, rel=1e-6)
     for r in cal.collectives:
+        if r.op == "all_reduce_amid_compute":
+            continue
         assert r.seconds > 0 and r.busbw_gb_s == pytest.approx(
             r.nbytes / r.seconds / 1e9 * (1.0 if r.op == "all_reduce" else 0.5))
     assert cluster.gpu.bf16_tflops == pytest.approx(cal.best_tflops("bfloat16") / 2)

@@ -21,6 +21,12 @@ How they map onto `Cluster` / `GPUSpec` fields (docs/exports.md, "calibrate"):
   (on NVLS-capable GPUs with >= NVLS_MIN_GPUS processes: nvls_busbw_gb_s = all-reduce busbw and
   scaleup_busbw_gb_s = all-gather busbw, since NVLS reduces in the switch).
 - Latency: the smallest all-reduce's time t0 on n ranks is base + 2(n-1) hops (NCCL ring steps).
+  On CPU, t0 is measured the way training meets it ("all_reduce_amid_compute"): each rank does
+  AMID_WORK_S of matmul work and then the all-reduce, with no barrier in between, and t0 is the
+  iteration time minus the work alone. With more processes than cores a collective completes
+  only when every peer has been scheduled again; a barrier-synchronised benchmark hides that (on
+  the 2-core host with 4 processes: ~1.1 ms amid compute against ~0.3 ms idle, 2026-11-24,
+  benchmarks/cpu_collective_sync.py), and TP / EP / CP / PP issue one per layer and micro-batch.
   The base's base_latency_us is kept and the per-hop latency fitted; when t0 is below the base
   latency, half of t0 is taken as base and the rest spread over the hops.
 - Not measured (one host cannot): the network (nic_gb_s, net_latency_us), memory capacity.
@@ -71,6 +77,7 @@ COLL_BYTES = (4, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 CUDA_COLL_BYTES = (4, 1 << 20, 64 << 20, 512 << 20)
 COLL_ITERS_QUICK, COLL_ITERS = 5, 10
 COLL_WARMUP = 2
+AMID_WORK_S = 1e-3            # per-rank work before each collective of the amid-compute measurement
 COLL_TIMEOUT_S = 300.0     # the whole multi-process measurement
 
 
@@ -134,6 +141,10 @@ class Calibration:
     def small_latency_us(self, op: str = "all_reduce") -> float | None:
         rows = [r for r in self.collectives if r.op == op]
         return min(rows, key=lambda r: r.nbytes).seconds * 1e6 if rows else None
+
+    def training_latency_us(self) -> float | None:
+        """The smallest all-reduce as training meets it: amid compute where measured (CPU), else idle."""
+        return self.small_latency_us("all_reduce_amid_compute") or self.small_latency_us("all_reduce")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,10 +277,40 @@ def _collective_worker(rank: int, world: int, store: str, backend: str, sizes: t
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
                 size = per_rank * 4 * (world if op == "all_gather" else 1)
                 rows.append(dict(op=op, nbytes=size, world=world, seconds=float(t.item())))
+        if backend == "gloo":
+            rows.append(dict(op="all_reduce_amid_compute", nbytes=4, world=world,
+                             seconds=_amid_compute_latency(iters)))
         if rank == 0:
             Path(out_path).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
+
+
+def _amid_compute_latency(iters: int) -> float:
+    """Seconds a small all-reduce adds to an iteration of ~AMID_WORK_S of matmul work, no barrier
+    between iterations (see the module docstring); the slowest rank's median (collective)."""
+    import torch
+    import torch.distributed as dist
+    a, x = torch.randn(64, 64), torch.zeros(1)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    reps = max(1, round(AMID_WORK_S / ((time.perf_counter() - t0) / 10)))
+
+    def per_iteration(with_collective: bool) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(4 * iters):
+            for _ in range(reps):
+                a @ a
+            if with_collective:
+                dist.all_reduce(x)
+        return (time.perf_counter() - t) / (4 * iters)
+
+    extra = max(1e-6, per_iteration(True) - per_iteration(False))
+    t = torch.tensor([extra], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _collectives(backend: str, nproc: int, quick: bool, progress: Callable[[str], None]) -> list[CollectiveResult]:
@@ -356,7 +397,7 @@ def base_cluster(base: str | Cluster, nproc: int) -> Cluster:
 
 def _fit_latency(base: Cluster, cal: Calibration) -> tuple[float, float]:
     """(base_latency_us, scaleup_latency_us) from the smallest all-reduce (see module docstring)."""
-    t0 = cal.small_latency_us("all_reduce")
+    t0 = cal.training_latency_us()
     if t0 is None or cal.nproc < 2:
         return base.base_latency_us, base.scaleup_latency_us
     hops = 2 * (cal.nproc - 1)
