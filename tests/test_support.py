@@ -115,3 +115,14 @@ def test_stack_choices_the_runtime_does_not_run_are_refused():
     assert "ZB-V" in why and "sp=False" in why
     assert runtime_limits(Layout(tp=2, pp=2, schedule="zbv", sp=False)) == []
     assert runtime_limits(Layout(tp=2, pp=2, schedule="zb")) == []
+
+
+def test_planner_drops_sequence_parallelism_where_only_it_is_refused():
+    """ZB-V with TP runs without SP: a fixed zbv schedule with tp=2 plans sp=False instead of
+    failing; fixing sp=True explicitly is refused with the runtime's reason."""
+    model = mp.models.build("tiny-llama", seq_len=64, device="meta")
+    cl = mp.Cluster.preset("local-cpu")
+    plan = mp.plan(model, cl, seq_len=64, global_batch=8, fixed={"tp": 2, "pp": 2, "schedule": "zbv"})
+    assert plan.layout.schedule == "zbv" and plan.layout.tp == 2 and plan.layout.sp is False
+    with pytest.raises(LayoutError, match="ZB-V"):
+        mp.plan(model, cl, seq_len=64, global_batch=8, fixed={"tp": 2, "pp": 2, "schedule": "zbv", "sp": True})

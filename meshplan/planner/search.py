@@ -186,6 +186,11 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
                             cand = dict(base, **variant)
                             limits = runtime_limits(cand, traits) if for_runtime else []
+                            if limits and tp > 1 and "sp" not in f and \
+                                    not runtime_limits(dict(cand, sp=False), traits):
+                                # sequence parallelism is the default with TP, not a requirement:
+                                # where only SP stands in the runtime's way, run TP without it
+                                cand, limits = dict(cand, sp=False), []
                             if limits:
                                 stats["runtime_excluded"] += 1
                                 n0 = len(unsupported)
