@@ -38,9 +38,11 @@ class ModelTraits:
     forward (no attention sub-module), which TP does not split per part. `cp_positions`: the runtime knows how to give each CP rank its tokens'
     positions (meshplan's models; transformers models with rotary embeddings), which a model
     that computes positions in its own forward (`arange(T)`) defeats. `layers`: transformer
-    blocks, for the pipeline split. `ep_experts`: the routed experts are stacked weights whose
-    forward takes tokens sorted by expert and per-expert counts (meshplan's MoE), which expert
-    parallelism moves between ranks; transformers' expert modules are not.
+    blocks, for the pipeline split. `ep_experts`: the routed experts are modules expert
+    parallelism can move tokens to (meshplan's stacked experts with forward(x, counts), or
+    transformers' stacked gate_up_proj / down_proj experts, adapted by runtime/hf_experts.py) in
+    MoE layers TP can fold. `etp_experts`: their weights declare how to split each expert's
+    inner features (meshplan's `etp_split`), which expert tensor parallelism needs.
     """
 
     moe: bool = False
@@ -50,6 +52,7 @@ class ModelTraits:
     sdpa_causal: bool = True
     cp_positions: bool = True
     ep_experts: bool = True
+    etp_experts: bool = True
     layers: int = 0
 
 
@@ -82,12 +85,18 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
                    "DDP, which keeps whole weights; use zero>=1 (FSDP2) or etp=1")
     if traits is not None:
         if traits.moe and (ep > 1 or etp > 1) and not traits.ep_experts:
-            out.append(f"expert parallelism (ep={ep}, etp={etp}) needs expert modules whose forward takes tokens sorted "
-                       "by expert and per-expert counts (meshplan's MoE); this model's experts do not; use ep=1")
+            out.append(f"expert parallelism (ep={ep}, etp={etp}) needs expert modules the runtime can move tokens "
+                       "to (meshplan's MoE, or stacked gate_up_proj / down_proj experts as in transformers' "
+                       "Mixtral) in MoE layers without other linears beside the experts; this model's do not; "
+                       "use ep=1")
+        elif traits.moe and etp > 1 and not traits.etp_experts:
+            out.append(f"expert tensor parallelism (etp={etp}) needs expert weights that declare how each "
+                       "expert's inner features split (meshplan's MoE: etp_split); this model's experts "
+                       "(a fused gate|up weight) do not; use etp=1 (ep scales the experts)")
         if traits.moe and tp > 1 and not traits.ep_experts:
             out.append(f"tensor parallelism (tp={tp}) on a MoE model runs each MoE layer on the TP ranks' "
-                       "own tokens (MoE parallel folding), which needs expert modules whose forward takes "
-                       "tokens sorted by expert and per-expert counts (meshplan's MoE); use tp=1")
+                       "own tokens (MoE parallel folding), which needs expert modules the runtime can move "
+                       "tokens to, in MoE layers without other linears beside the experts; use tp=1")
         if traits.partly_fused_qkv and tp > 1:
             out.append(f"tensor parallelism (tp={tp}) on an attention whose Q, K and V come from two linears "
                        "(e.g. a fused K|V projection), from one whose width is not q + 2 kv, or from a fused "

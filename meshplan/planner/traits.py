@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshplan.ir.profile import ModelProfile
+from meshplan.ir.routed_experts import is_routed_experts
 from meshplan.ir.support import ModelTraits
 
 __all__ = ["model_traits", "packing"]
@@ -38,11 +39,35 @@ def _cp_positions(module) -> bool:
 
 
 def _ep_experts(module) -> bool:
-    """meshplan's stacked-weight experts (forward(x, counts)); without a module, meshplan's model."""
+    """meshplan's stacked-weight experts (forward(x, counts)), or transformers-style routed experts
+    the runtime adapts (runtime/hf_experts.py, matched by structure) in MoE layers that tensor
+    parallelism can also fold (the trait opens tp > 1 too): layers with no linear of their own
+    beside the experts (Mixtral: router and experts), or with a `routed(x)` method
+    (runtime/moe_folding.py). Without a module, meshplan's model."""
     if module is None:
         return True
+    from torch import nn
+
     from meshplan.models.moe import GroupedExperts
-    return any(isinstance(m, GroupedExperts) for m in module.modules())
+    if any(isinstance(m, GroupedExperts) for m in module.modules()):
+        return True
+    routed = [fqn for fqn, m in module.named_modules() if is_routed_experts(m)]
+    for fqn in routed:
+        layer = module.get_submodule(fqn.rpartition(".")[0])
+        experts = module.get_submodule(fqn)
+        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)
+                   and not any(m is e for e in experts.modules())]
+        if linears and not callable(getattr(layer, "routed", None)):
+            return False    # e.g. Qwen2-MoE's shared expert: tp > 1 would be refused (moe_folding)
+    return bool(routed)
+
+
+def _etp_experts(module) -> bool:
+    """Every expert module declares how expert tensor parallelism splits it (`etp_split`,
+    meshplan's GroupedExperts); without a module, meshplan's model."""
+    if module is None:
+        return True
+    return not any(is_routed_experts(m) and not getattr(m, "etp_split", None) for m in module.modules())
 
 
 def _partly_fused_qkv(block) -> bool:
@@ -74,4 +99,5 @@ def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
             sdpa_causal = sdpa_causal and bool(sdpa) and b.causal
     return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
                        partly_fused_qkv=partly_fused_qkv, sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
-                       ep_experts=_ep_experts(module), layers=profile.num_layers)
+                       ep_experts=_ep_experts(module), etp_experts=_etp_experts(module),
+                       layers=profile.num_layers)

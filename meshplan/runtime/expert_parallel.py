@@ -14,9 +14,12 @@ module when
      `x`, where each row depends only on that row and its expert's weight slices.
 
 Rule 2 is what makes rows movable: any subset of rows, regrouped by expert, can be computed
-with only the slices of the experts they need. A module matched by rule 1 that breaks rule 2
-(Hugging Face Mixtral's experts take (hidden_states, top_k_index, top_k_weights) and route
-inside) is refused with a LayoutError naming it. The runtime never reads class names.
+with only the slices of the experts they need. transformers-style experts (Mixtral, Qwen2-MoE:
+`gate_up_proj` (E, 2f, h), `down_proj` (E, h, f), `act_fn`, forward(hidden_states, top_k_index,
+top_k_weights) routing inside) are recognised by that structure and adapted (runtime/hf_experts.py:
+their forward sorts the token copies by expert and runs them through the dispatch below). Any
+other module matched by rule 1 that breaks rule 2 is refused with a LayoutError naming it. The
+runtime never reads class names.
 
 What `apply_expert_parallel` does to each expert module (E experts, group of `ep` ranks, this
 rank j of the group; rank j keeps experts j*E/ep .. (j+1)*E/ep - 1, a contiguous block):
@@ -58,6 +61,8 @@ import torch
 from torch import nn
 
 from meshplan.errors import LayoutError
+from meshplan.ir.routed_experts import is_routed_experts
+from meshplan.runtime.hf_experts import wrap_routed_experts
 
 __all__ = ["find_expert_modules", "check_expert_parallel", "apply_expert_parallel", "expert_labelled_params",
            "ep_dispatch", "MoEBalancer", "balance_group", "summarize_routing"]
@@ -99,6 +104,8 @@ def _contract_problem(module: nn.Module) -> str | None:
     child = [f"{c}.{n}" for c, sub in module.named_children() for n, _ in sub.named_parameters()]
     if child:
         return f"its expert weights live in child modules ({', '.join(child[:3])}), not as stacked 3-D tensors"
+    if is_routed_experts(module):       # transformers-style experts: adapted (hf_experts.py)
+        return None
     shapes = {n: tuple(p.shape) for n, p in own.items()}
     if not own or any(len(s) != 3 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
         return f"its parameters {shapes} are not 3-D tensors stacked over one expert dim"
@@ -267,9 +274,13 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | fro
                 placements.append(Shard(d))
             dt = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        module.__meshplan_orig_forward__ = module.forward
+        routed = is_routed_experts(module)
         setattr(module, _EP_ATTR, (ep_mesh, n_local, expert_mesh["etp"] if etp > 1 else None))
-        module.forward = types.MethodType(_ep_forward, module)
+        if routed:      # forward(hidden_states, top_k_index, top_k_weights): sort, dispatch, combine
+            wrap_routed_experts(module)
+        else:
+            module.__meshplan_orig_forward__ = module.forward
+            module.forward = types.MethodType(_ep_forward, module)
     return fqns
 
 
