@@ -88,14 +88,14 @@ def dispatch(rank: int, world: int) -> dict:
 
 # ---- whole models --------------------------------------------------------------------------------
 
-def equivalence(rank: int, world: int, case: dict) -> dict:
-    """numerics.equivalence for the EP models, plus the clipped-gradient norm and the MoE stats."""
+def step_and_compare(model, plan):
+    """One training step of `model` under `plan` against the single-device model: the loss, every
+    full gradient, the gradient norm and the weights after an AdamW step must agree.
+    Returns (parallel model, loss, norm, single-device loss, single-device norm)."""
     from meshplan.runtime import parallelize
-    torch.manual_seed(0)
-    model = build_model(case["model"])
     ref = copy.deepcopy(model)
     x, y = numerics.batch(BATCH, SEQ)
-    pm = parallelize(model, case["plan"], compute_dtype=None)
+    pm = parallelize(model, plan, compute_dtype=None)
     loss = pm.forward_backward(x, y)
     grads = pm.full_grads()
     norm = pm.clip_grad_norm(None)
@@ -112,6 +112,13 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
                                    msg=lambda m, n=n: f"param {n}: {m}")
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+    return pm, loss, norm, ref_loss, ref_norm
+
+
+def equivalence(rank: int, world: int, case: dict) -> dict:
+    """step_and_compare for the EP models, plus the experts each rank holds and the MoE stats."""
+    torch.manual_seed(0)
+    pm, loss, norm, ref_loss, ref_norm = step_and_compare(build_model(case["model"]), case["plan"])
     local_experts = {n: tuple(_local(p).shape) for n, p in pm.named_parameters() if n.endswith("experts.w1")}
     stats = [tuple(m.tokens_per_expert.tolist()) for st in pm.stages for m in st.modules()
              if getattr(m, "tokens_per_expert", None) is not None]

@@ -74,29 +74,8 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     """Loss, every full gradient, the gradient norm and the weights after one AdamW step vs the
     single-device model."""
     from torch.distributed.tensor import DTensor
-
-    from meshplan.runtime import parallelize
     torch.manual_seed(0)
-    model = build_model(case["model"])
-    ref = copy.deepcopy(model)
-    x, y = numerics.batch(BATCH, SEQ)
-    pm = parallelize(model, case["plan"], compute_dtype=None)
-    loss = pm.forward_backward(x, y)
-    grads = pm.full_grads()
-    norm = pm.clip_grad_norm(None)
-    opt = torch.optim.AdamW(pm.parameters(), lr=numerics.LR, eps=numerics.EPS)
-    opt.step()
-    params = pm.full_state_dict()
-    ref_loss, ref_grads, ref_params = numerics.reference(ref, x, y)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
-    for n in ref_grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
-    for n in ref_params:
-        torch.testing.assert_close(params[n], ref_params[n], **numerics.PARAM_TOL,
-                                   msg=lambda m, n=n: f"param {n}: {m}")
-    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
-    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+    pm, loss, norm, ref_loss, ref_norm = ep_workers.step_and_compare(build_model(case["model"]), case["plan"])
     # the experts' weights are DTensors over the ep mesh: this rank's block of experts
     local = {}
     for n, p in pm.named_parameters():
