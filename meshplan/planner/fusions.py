@@ -36,10 +36,6 @@ __all__ = ["FusionPlan", "find_fusions"]
 _AFTER_HEAD = frozenset({"view", "other"})
 
 
-def _base(o: OpInfo) -> str:
-    return schema_of(o.target)
-
-
 @dataclass(frozen=True, kw_only=True)
 class FusionPlan:
     """The modules to swap and, per fusion the cost model knows, whether it runs fused."""
@@ -70,14 +66,14 @@ def _match_rms_norm(ops: list[OpInfo]) -> tuple[bool, tuple[tuple[str, str], ...
     if "." in weight:
         return None
     work = [o for o in ops if o.kind != "view"]
-    bases = [_base(o) for o in work]
+    bases = [schema_of(o.target) for o in work]
     if len(bases) == 1 and bases[0] in RMS_NORM_OPS:
         return False, extra
     if not set(bases) <= RMS_CHAIN_OPS or "aten::mean" not in bases:
         return None
     if "aten::rsqrt" not in bases and not {"aten::sqrt", "aten::div"} <= set(bases):
         return None
-    adds = [o for o in work if _base(o) == "aten::add" and o.scalars]
+    adds = [o for o in work if schema_of(o.target) == "aten::add" and o.scalars]
     if len(adds) != 1 or sum(1 for o in work if o.params) != 1:
         return None
     return True, (("eps", repr(adds[0].scalars[0])), *extra)
@@ -96,8 +92,8 @@ def _match_swiglu(module: str, ops: list[OpInfo]) -> dict[str, str] | None:
     """{gate, up, down} child names when `ops` (everything under `module`) are a SwiGLU MLP."""
     work = [o for o in ops if o.kind != "view"]
     linears = [o for o in work if o.kind == "linear"]
-    silus = [o for o in work if _base(o) == "aten::silu"]
-    muls = [o for o in work if _base(o) == "aten::mul" and not o.params]
+    silus = [o for o in work if schema_of(o.target) == "aten::silu"]
+    muls = [o for o in work if schema_of(o.target) == "aten::mul" and not o.params]
     if len(linears) != 3 or len(silus) != 1 or len(muls) != 1 or len(work) != 5:
         return None
     by_name = {o.name: o for o in ops}
@@ -142,7 +138,7 @@ def _has_eager_rope(b) -> bool:
     if not att:
         return False
     module = att[0].module
-    return any(o.module == module and o.kind == "elementwise" and _base(o) == "aten::mul"
+    return any(o.module == module and o.kind == "elementwise" and schema_of(o.target) == "aten::mul"
                and o.output_shapes and o.output_shapes[0] and o.output_shapes[0][-1] <= b.head_dim
                for o in b.ops)
 

@@ -50,13 +50,25 @@ DISPATCH_COUNTS = {2: [[7, 1, 0, 3], [0, 0, 0, 5]],
                    4: [[7, 1, 0, 3], [0, 0, 0, 5], [2, 2, 0, 0], [0, 0, 0, 0]]}
 
 
+def experts_alone_over_ep(ref, world: int):
+    """A copy of the experts module `ref`, alone in a holder module, made expert-parallel over a
+    1-D "ep" mesh of `world` ranks (the dispatch tested without the rest of a model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshplan.runtime.expert_parallel import apply_expert_parallel
+    holder = torch.nn.Module()
+    holder.experts = copy.deepcopy(ref)
+    holder.experts.zero_grad()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    assert apply_expert_parallel(holder, mesh) == ["experts"]
+    return holder.experts
+
+
 def dispatch(rank: int, world: int) -> dict:
     """EP forward and backward of a GroupedExperts vs the whole module on every rank's rows."""
     from torch.distributed.tensor import DTensor
 
     from meshplan.models import GroupedExperts
-    from meshplan.runtime.expert_parallel import apply_expert_parallel
-    from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(7)
     ref = GroupedExperts(4, 16, 8, activation="swiglu")
     for p in ref.parameters():
@@ -67,21 +79,17 @@ def dispatch(rank: int, world: int) -> dict:
     for x, c, g in zip(xs, counts, gs):
         ref(x, c).backward(g)
 
-    holder = torch.nn.Module()
-    holder.experts = copy.deepcopy(ref)
-    holder.experts.zero_grad()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    assert apply_expert_parallel(holder, mesh) == ["experts"]
-    w1 = holder.experts.w1
+    experts = experts_alone_over_ep(ref, world)
+    w1 = experts.w1
     assert isinstance(w1, DTensor) and w1.to_local().shape == (4 // world, 8, 16)
     x = xs[rank].detach().clone().requires_grad_(True)
-    out = holder.experts(x, counts[rank])
+    out = experts(x, counts[rank])
     want = ref(xs[rank].detach(), counts[rank])
     torch.testing.assert_close(out, want, **numerics.GRAD_TOL)
     out.backward(gs[rank])
     torch.testing.assert_close(x.grad, xs[rank].grad, **numerics.GRAD_TOL)
     for n, p in ref.named_parameters():
-        full = getattr(holder.experts, n).grad.full_tensor()
+        full = getattr(experts, n).grad.full_tensor()
         torch.testing.assert_close(full, p.grad, **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
     return {"rows": int(x.shape[0]), "local_experts": int(w1.to_local().shape[0])}
 

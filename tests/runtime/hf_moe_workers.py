@@ -3,7 +3,6 @@ test_hf_moe_ep.py). Tolerances are numerics.py's (fp32; sums reordered by the EP
 
 from __future__ import annotations
 
-import copy
 
 import ep_workers
 import numerics
@@ -35,10 +34,7 @@ def build_model(kind: str):
 def experts_alone(rank: int, world: int) -> dict:
     """One experts module split over ep ranks vs the whole module: output, input and weight
     gradients, with an uneven routing (one expert gets no token)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-
-    from meshplan.runtime.expert_parallel import apply_expert_parallel
     model = build_model("hf-mixtral")
     ref = model.model.layers[0].mlp.experts
     g = torch.Generator().manual_seed(11 + rank)
@@ -48,15 +44,11 @@ def experts_alone(rank: int, world: int) -> dict:
     up = torch.randn(x.shape[0], 64, generator=g)
     xr = x.clone().requires_grad_(True)
     ref(xr, idx, w).backward(up)
-    holder = torch.nn.Module()
-    holder.experts = copy.deepcopy(ref)
-    holder.experts.zero_grad()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    assert apply_expert_parallel(holder, mesh) == ["experts"]
-    gu = holder.experts.gate_up_proj
+    experts = ep_workers.experts_alone_over_ep(ref, world)
+    gu = experts.gate_up_proj
     assert isinstance(gu, DTensor) and gu.to_local().shape == (4 // world, 64, 64)
     xe = x.clone().requires_grad_(True)
-    out = holder.experts(xe, idx, w)
+    out = experts(xe, idx, w)
     torch.testing.assert_close(out, ref(x, idx, w), **numerics.GRAD_TOL)
     out.backward(up)
     torch.testing.assert_close(xe.grad, xr.grad, **numerics.GRAD_TOL)
@@ -65,7 +57,7 @@ def experts_alone(rank: int, world: int) -> dict:
     for n, p in ref.named_parameters():
         want = p.grad.clone()
         dist.all_reduce(want)
-        got = getattr(holder.experts, n).grad.full_tensor()
+        got = getattr(experts, n).grad.full_tensor()
         torch.testing.assert_close(got, want, **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
     return {"local_experts": int(gu.to_local().shape[0])}
 
