@@ -252,10 +252,15 @@ class ParallelModel:
         t = t.full_tensor() if isinstance(t, DTensor) else t
         return t.detach().cpu()
 
+    def tp_orders(self) -> dict[str, tuple]:
+        """{original FQN: (parts, tp, dim)} of this rank's parameters kept in TP order (packed
+        projections, runtime/packed_projections.py): their gradients and optimizer state are too."""
+        return {self._canonical(n): spec for st in self.stages for n, spec in tp_order_params(st).items()}
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """{original FQN: full gradient} on every rank (collective: all ranks must call), rows in the
         model's own order (packed projections are kept in TP order: runtime/packed_projections.py)."""
-        orders = {self._canonical(n): spec for st in self.stages for n, spec in tp_order_params(st).items()}
+        orders = self.tp_orders()
         local = {}
         for n, p in self.named_parameters():
             if p.grad is None:

@@ -28,7 +28,8 @@ removes the partial `.tmp`, and every rank raises `CheckpointWriteError`, which 
 what to do; complete checkpoints are never touched before a new one is complete.
 
 What is saved: the model's sharded state (keyed by original FQN), the optimizer state keyed by
-parameter FQN (so it reshards like the model), and `extra` (step, data position, RNG state, the
+parameter FQN (so it reshards like the model; the state of a packed projection kept in TP order
+is saved in the model's row order, as its weight is, so it reshards to another tp), and `extra` (step, data position, RNG state, the
 plan's layout). meta.json also records every parameter's global shape, so that loading a
 checkpoint of another model fails with a list of the differences instead of a DCP traceback.
 DCP stores each shard with its global offsets, so a run saved under one plan (TP2 x DP2) loads
@@ -107,16 +108,48 @@ def optimizer_state(pm, optimizer: torch.optim.Optimizer, *, init: bool = False)
     With `init`, missing state (an optimizer that has not stepped) is created as zeros, so DCP
     has tensors to load into.
     """
-    names = {id(p): pm._canonical(n) for n, p in pm.named_parameters()}
     out: dict[str, dict[str, Any]] = {}
+    orders = pm.tp_orders()
+    for name, st in _named_state(pm, optimizer, init=init):
+        # a packed projection's moments are rows in TP order, whose meaning depends on tp: save
+        # them as the weight is saved (runtime/packed_projections.py), whole, in the model's order
+        out[name] = {k: _model_order(v, orders[name]) for k, v in st.items()} if name in orders else st
+    return out
+
+
+def _named_state(pm, optimizer: torch.optim.Optimizer, *, init: bool = False):
+    """(parameter FQN, its optimizer state dict) for the parameters this rank holds."""
+    names = {id(p): pm._canonical(n) for n, p in pm.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if init and not optimizer.state.get(p):
                 optimizer.state[p] = _zero_state(optimizer, p)
             st = optimizer.state.get(p)
             if st and id(p) in names:
-                out[names[id(p)]] = st
-    return out
+                yield names[id(p)], st
+
+
+def _model_order(t, spec: tuple):
+    from meshplan.runtime.packed_projections import from_tp_order
+    if not isinstance(t, DTensor) or t.dim() == 0:
+        return t                                        # e.g. Adam's step count
+    return from_tp_order(t.full_tensor(), *spec)
+
+
+def _restore_tp_order(pm, optimizer: torch.optim.Optimizer, loaded: dict[str, dict[str, Any]]) -> None:
+    """After a load into `optimizer_state`'s whole, model-order copies: put them back into the
+    optimizer's TP-order shards."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from meshplan.runtime.packed_projections import to_tp_order
+    orders = pm.tp_orders()
+    for name, st in _named_state(pm, optimizer):
+        if name not in orders:
+            continue
+        for k, v in st.items():
+            if isinstance(v, DTensor) and v.dim() > 0:
+                whole = to_tp_order(loaded[name][k].to(v.dtype), *orders[name])
+                st[k] = distribute_tensor(whole, v.device_mesh, v.placements)
 
 
 def _zero_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
@@ -349,6 +382,7 @@ def load(path: str | os.PathLike, pm, optimizer) -> dict[str, Any]:
         raise ConfigError(f"could not read checkpoint {path} ({detail}): its files are damaged (truncated "
                           f"or overwritten) or do not belong to this model; {fix}") from None
     pm.load_state_dict(state["model"])
+    _restore_tp_order(pm, optimizer, state["optim"])
     return meta
 
 

@@ -66,10 +66,15 @@ def batch(global_batch: int, seq_len: int, vocab: int = 256, *, pad: bool = True
     return x, y
 
 
-def reference(model, x, y):
+def reference_loss(model, x, y) -> torch.Tensor:
+    """The single-device model's loss: mean cross-entropy over the non-padding targets."""
     from meshplan.runtime.pipeline import logits_of
     logits = logits_of(model(x))
-    loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), ignore_index=-100)
+
+
+def reference(model, x, y):
+    loss = reference_loss(model, x, y)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)

@@ -107,3 +107,16 @@ def test_planner_labels_packed_linears(kind):
         assert plan.layout.tp == 2
         for fqn, label in LABELS[kind].items():
             assert plan.placements[fqn] == label, (fqn, plan.placements[fqn])
+
+
+def test_checkpoint_reshards_packed_optimizer_state(tmp_path):
+    """Save under TP2, resume under DP2 and the reverse: a packed projection's Adam moments are kept
+    in TP order by the optimizer and must be checkpointed in the model's order (fused GQA QKV with
+    a bias, fused gate/up), or the resumed step moves the wrong rows."""
+    from meshplan.train.spawn import run_ranks
+    plans = {"tp2": workers.plan_for("fused-gqa", 2, dict(tp=2, dp=1, pp=1, mbs=2, sp=False), SEQ, BATCH),
+             "dp2": workers.plan_for("fused-gqa", 2, dict(tp=1, dp=2, pp=1, mbs=2, zero=3), SEQ, BATCH)}
+    case = dict(model="fused-gqa", seq_len=SEQ, global_batch=BATCH, plans=plans, dir=str(tmp_path))
+    out = run_ranks(2, workers.reshard_optimizer, case, timeout_s=300)
+    assert out[0]["tp2->dp2"] == [f"layers.{i}.{p}" for i in (0, 1)
+                                  for p in ("attention.wqkv.bias", "attention.wqkv.weight", "feed_forward.w13.weight")]
