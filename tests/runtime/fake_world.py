@@ -132,12 +132,12 @@ def step_model(kind: str, seq_len: int):
 
 
 def step_run(rank: int, world: int, cases: list) -> dict:
-    """One forward/backward of each (kind, plan, seq_len, x, y) case on this group; losses by kind."""
+    """One forward/backward of each (name, kind, plan, seq_len, x, y) case on this group; losses by name."""
     from meshplan.runtime.parallel import parallelize
     out = {}
-    for kind, plan, seq_len, x, y in cases:
+    for name, kind, plan, seq_len, x, y in cases:
         pm = parallelize(step_model(kind, seq_len), plan, compute_dtype=None, fused_kernels=False)
-        out[kind] = pm.forward_backward(x, y)
+        out[name] = pm.forward_backward(x, y)
         del pm
     return out
 

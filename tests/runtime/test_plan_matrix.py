@@ -33,24 +33,72 @@ STEP_MODELS = ["tiny-llama", "tiny-gpt", "tiny-moe", "hf-llama", "hf-phi3", "hf-
                "hf-qwen2-moe"]
 
 
-def test_small_plans_run_a_step_with_the_single_device_loss():
-    """The plans the planner returns for the small models on 4 local CPU processes run a real
-    training step on 4 gloo ranks (one spawn for all of them), with the single-device loss."""
+# model-parallel layouts asked of the planner on 4 processes (dp fills the rest); MoE models also
+# with experts split, alone and folded with TP
+FIXED = {"tp2": dict(tp=2, dp=2, pp=1, cp=1), "pp2": dict(pp=2, dp=2, tp=1, cp=1),
+         "cp2": dict(cp=2, dp=2, tp=1, pp=1)}
+FIXED_MOE = {"ep2": dict(ep=2, dp=4, tp=1, pp=1, cp=1), "ep2tp2": dict(ep=2, tp=2, dp=2, pp=1, cp=1)}
+# what the runtime must run for these models (a refusal here is a regression, not a clean answer)
+MUST_RUN = {"tiny-llama": {"tp2", "pp2", "cp2"}, "tiny-gpt": {"tp2", "pp2"}, "tiny-moe": {"tp2", "pp2", "ep2", "ep2tp2"},
+            "hf-llama": {"tp2", "pp2"}, "hf-phi3": {"tp2", "pp2"}, "hf-gpt2": {"tp2", "pp2"},
+            "hf-mixtral": {"ep2", "ep2tp2"}}
+
+
+def _step_batch(seq: int, batch: int):
     import torch
+    ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(5))
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _check_losses(cases: list, losses: dict) -> None:
+    """Each case's loss on 4 ranks equals the single-device model's."""
     import torch.nn.functional as F
 
     from meshplan.runtime.pipeline import logits_of
+    want = {}
+    for name, kind, plan, seq, x, y in cases:
+        if kind not in want:
+            model = fake_world.step_model(kind, seq)
+            want[kind] = float(F.cross_entropy(logits_of(model(x)).flatten(0, -2).float(), y.flatten()).detach())
+        assert losses[name] == pytest.approx(want[kind], rel=1e-4), (name, plan.layout.short())
+
+
+def test_small_plans_run_a_step_with_the_single_device_loss():
+    """The plans the planner returns for the small models on 4 local CPU processes run a real
+    training step on 4 gloo ranks (one spawn for all of them), with the single-device loss."""
     from meshplan.train.spawn import run_ranks
     seq, batch = 64, 8
-    ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(5))
-    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    cases, layouts = [], {}
+    x, y = _step_batch(seq, batch)
+    cases = []
     for kind in STEP_MODELS:
         plan = mp.plan(fake_world.build(kind, seq), mp.Cluster.preset("local-cpu"), seq_len=seq, global_batch=batch)
-        layouts[kind] = plan.layout.short()
-        cases.append((kind, plan, seq, x, y))
-    losses = run_ranks(4, fake_world.step_run, cases, timeout_s=400)[0]
+        cases.append((kind, kind, plan, seq, x, y))
+    _check_losses(cases, run_ranks(4, fake_world.step_run, cases, timeout_s=400)[0])
+
+
+def test_model_parallel_plans_run_a_step_with_the_single_device_loss():
+    """The planner's free choice on 4 CPU processes is mostly DP4; here each small model is planned
+    with tensor, pipeline, context and (MoE) expert parallelism fixed. Whatever plan comes back
+    runs a step with the single-device loss; a layout the planner will not return must be refused
+    by `plan` with the reason (never by the runtime), and the layouts in MUST_RUN must come back."""
+    from meshplan.errors import MeshplanError
+    from meshplan.train.spawn import run_ranks
+    seq, batch = 64, 8
+    x, y = _step_batch(seq, batch)
+    cases, refused = [], {}
     for kind in STEP_MODELS:
-        model = fake_world.step_model(kind, seq)
-        want = F.cross_entropy(logits_of(model(x)).flatten(0, -2).float(), y.flatten())
-        assert losses[kind] == pytest.approx(float(want), rel=1e-4), (kind, layouts[kind])
+        model = fake_world.build(kind, seq)
+        layouts = {**FIXED, **(FIXED_MOE if "moe" in kind or "mixtral" in kind else {})}
+        for name, fixed in layouts.items():
+            try:
+                plan = mp.plan(model, mp.Cluster.preset("local-cpu"), seq_len=seq, global_batch=batch, fixed=fixed)
+            except MeshplanError as e:
+                refused[f"{kind}/{name}"] = str(e)
+                continue
+            assert {k: getattr(plan.layout, k) for k in fixed} == fixed, (kind, name, plan.layout.short())
+            cases.append((f"{kind}/{name}", kind, plan, seq, x, y))
+    for kind, names in MUST_RUN.items():
+        for name in names:
+            assert f"{kind}/{name}" not in refused, (kind, name, refused.get(f"{kind}/{name}"))
+    print("refused by the planner:", *(f"{k}: {v[:160]}" for k, v in sorted(refused.items())), sep="\n  ")
+    _check_losses(cases, run_ranks(4, fake_world.step_run, cases, timeout_s=500)[0])
