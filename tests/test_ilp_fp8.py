@@ -277,3 +277,38 @@ def test_cbc_matches_highs_and_405b_is_fast(h100):
     assert len(vals) == 1
     assert all(max(r.memory_delta_by_stage) <= 0.4 + 1e-9 for r in results.values())
     assert results["cbc"].solver == "cbc"
+
+
+def _gpt2(seq: int = 64):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=seq,
+                                  attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_fp8_plans_list_only_linears_the_runtime_swaps():
+    """The FP8 backends swap nn.Linear modules. GPT-2's Conv1D linears and stacked expert weights
+    (meshplan's GroupedExperts w1/w2/w3 are parameters, not modules) stay bf16 in the plan, as they
+    do in the run; naming one in fp8_force_in is refused by plan(), not by the runtime on N ranks."""
+    import warnings
+
+    from torch import nn
+
+    import meshplan as mp
+    from meshplan.runtime.parallel import _check
+    cl = mp.Cluster.preset("local-cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = mp.models.build("tiny-moe", seq_len=64, device="meta")
+        p = mp.plan(moe, cl, seq_len=64, global_batch=8, precision="fp8")
+        modules = dict(moe.named_modules())
+        assert p.fp8_modules and all(isinstance(modules.get(m), nn.Linear) for m in p.fp8_modules), p.fp8_modules
+        gpt2 = _gpt2()
+        assert mp.plan(gpt2, cl, seq_len=64, global_batch=8, precision="fp8").fp8_modules == ()
+        with pytest.raises(ConfigError, match=r"transformer.h.1.mlp.c_fc.*nn.Linear modules only"):
+            mp.plan(gpt2, cl, seq_len=64, global_batch=8, precision="fp8", fp8_force_in=("transformer.h.1.mlp.c_fc",))
+        # a plan naming a non-Linear (hand-edited, or from an older meshplan) is refused before any collective
+        import dataclasses
+        bad = dataclasses.replace(p, fp8_modules=p.fp8_modules + ("layers.1.feed_forward.experts.w1",))
+        with pytest.raises(ConfigError, match=r"not nn.Linear modules of this model \(e.g. layers.1.feed_forward"):
+            _check(moe, bad, 4)

@@ -85,6 +85,15 @@ def _check(model: nn.Module, plan, world_size: int) -> None:
     if limits:
         raise LayoutError("the runtime cannot run this plan: " + "; ".join(limits)
                           + "; re-plan (meshplan.plan never returns such a layout)")
+    if plan.precision == "fp8":
+        # the FP8 backends swap nn.Linear modules; anything else named would silently stay bf16
+        # (a parameter of stacked experts) or fail on some rank later (a transposed Conv1D)
+        modules = dict(model.named_modules())
+        bad = [m for m in plan.fp8_modules if not isinstance(modules.get(m), nn.Linear)]
+        if bad:
+            raise ConfigError(f"this FP8 plan lists {len(bad)} module(s) that are not nn.Linear modules of this "
+                              f"model (e.g. {', '.join(bad[:3])}); the FP8 backends swap nn.Linear only; "
+                              "re-plan (meshplan.plan keeps other GEMMs in bf16)")
 
 
 def _tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
