@@ -77,8 +77,10 @@ def default_inputs(model: nn.Module, *, seq_len: int, batch: int, vocab: int | N
 
 
 @contextmanager
-def static_experts(model: nn.Module) -> Iterator[None]:
-    """Switch transformers' experts to a static-shape implementation, restore on exit."""
+def static_experts(model: nn.Module, implementation: str | None = None) -> Iterator[None]:
+    """Switch transformers' experts to a static-shape implementation, restore on exit: a dynamic
+    one becomes grouped_mm (what the tracer prices), or every one becomes `implementation`
+    (batched_mm also runs fp32 on fake tensors)."""
     configs = {}
     for m in [model, *model.modules()]:
         cfg = getattr(m, "config", None)
@@ -88,9 +90,9 @@ def static_experts(model: nn.Module) -> Iterator[None]:
     try:
         for cfg in configs.values():
             current = cfg._experts_implementation
-            if current not in _STATIC_EXPERTS:
+            if current not in _STATIC_EXPERTS or (implementation and current != implementation):
                 saved.append((cfg, current))
-                cfg._experts_implementation = "grouped_mm"
+                cfg._experts_implementation = implementation or "grouped_mm"
         yield
     finally:
         for cfg, current in reversed(saved):

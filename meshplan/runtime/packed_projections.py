@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from meshplan.errors import LayoutError
+from meshplan.ir.tp_locality import KV_HEAD_ATTRS, Q_HEAD_ATTRS, head_count, is_conv1d, out_dim
 
 __all__ = [
     "PACKED_LABELS",
@@ -44,7 +45,6 @@ __all__ = [
     "RowwiseConv1D",
     "from_tp_order",
     "is_conv1d",
-    "localise_widths",
     "packed_parts",
     "qkv_parts",
     "to_tp_order",
@@ -54,46 +54,15 @@ __all__ = [
 
 # label -> what the rows hold
 PACKED_LABELS = {"colwise_qkv": "q|k|v", "colwise_gate_up": "gate|up"}
-# attribute names attention modules keep head counts in (their own, or their `config`'s)
-_Q_HEADS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "heads")
-_KV_HEADS = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "kv_heads")
-# integer widths (heads x head_dim) attention modules split their packed output by
-WIDTH_ATTRS = ("split_size",)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """A linear whose weight is stored (in, out) and whose forward is x @ W + b (GPT-2's
-    Conv1D): told by its structure, not its class name."""
-    w = getattr(module, "weight", None)
-    nf, nx = module.__dict__.get("nf"), module.__dict__.get("nx")
-    return (not isinstance(module, nn.Linear) and isinstance(w, torch.Tensor) and w.dim() == 2
-            and isinstance(nf, int) and isinstance(nx, int) and tuple(w.shape) == (nx, nf))
-
-
-def out_dim(module: nn.Module) -> int:
-    """The weight dim that holds the output features."""
-    return 1 if is_conv1d(module) else 0
-
-
-def _count(module: nn.Module, names: tuple[str, ...]) -> int:
-    config = module.__dict__.get("config")
-    for holder in (module.__dict__, getattr(config, "__dict__", {})):
-        for n in names:
-            v = holder.get(n)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return 0
-
-
 def qkv_parts(attention: nn.Module, out_features: int, fqn: str) -> tuple[int, int, int]:
     """(q, k, v) widths of a fused QKV projection with `out_features` outputs, from the head
     counts of the attention module that reads it (before they are made local)."""
-    heads = _count(attention, _Q_HEADS)
-    kv = _count(attention, _KV_HEADS) or heads
+    heads = head_count(attention, Q_HEAD_ATTRS)
+    kv = head_count(attention, KV_HEAD_ATTRS) or heads
     if not heads or out_features % (heads + 2 * kv):
         raise LayoutError(f"{fqn}: cannot tell how its {out_features} outputs split into q, k and v: its "
-                          f"attention module keeps no head counts the runtime reads ({', '.join(_Q_HEADS)}; "
-                          f"{', '.join(_KV_HEADS)}), or they do not divide it; re-plan with tp=1")
+                          f"attention module keeps no head counts the runtime reads ({', '.join(Q_HEAD_ATTRS)}; "
+                          f"{', '.join(KV_HEAD_ATTRS)}), or they do not divide it; re-plan with tp=1")
     hd = out_features // (heads + 2 * kv)
     return heads * hd, kv * hd, kv * hd
 
@@ -251,13 +220,3 @@ class RowwiseConv1D:
                 y = y + module.bias
             return y if sequence else y.to_local()
         module.forward = forward
-
-
-def localise_widths(module: nn.Module, fqn: str, tp: int) -> None:
-    """Integer widths the attention splits its packed output by (WIDTH_ATTRS) become local."""
-    for attr in WIDTH_ATTRS:
-        v = module.__dict__.get(attr)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            if v % tp:
-                raise LayoutError(f"{fqn}.{attr} = {v} cannot be split over tp={tp}")
-            setattr(module, attr, v // tp)

@@ -53,12 +53,10 @@ import torch
 from torch import nn
 
 from meshplan.errors import LayoutError
+from meshplan.ir.tp_locality import HEAD_COUNT_ATTRS, localise_heads
 
 __all__ = ["apply_tensor_parallel", "HEAD_COUNT_ATTRS", "enable_async_tp"]
 
-# attribute names user attention modules keep head counts in (local-shape handling for "heads")
-HEAD_COUNT_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_key_value_heads",
-                    "n_head", "n_local_heads", "n_local_kv_heads", "num_attention_heads", "heads", "kv_heads")
 _SUPPORTED = ("colwise", "rowwise", "sequence", "replicate", "heads", "vocab_parallel", "seq_split",
               "colwise_qkv", "colwise_gate_up")
 _COLWISE = ("colwise", "colwise_qkv", "colwise_gate_up")
@@ -158,8 +156,8 @@ def _block_of(fqn: str, blocks: tuple[str, ...]) -> str | None:
 def _local_styles(placements: dict[str, str], blocks: tuple[str, ...], modules: dict, sequence: bool) -> dict:
     """The styles of meshplan.runtime.packed_projections: packed projections, and Conv1D
     (transposed-weight) linears labelled colwise / rowwise inside the blocks."""
-    from meshplan.runtime.packed_projections import (PACKED_LABELS, ColwiseLocal, RowwiseConv1D, is_conv1d,
-                                                     packed_parts)
+    from meshplan.ir.tp_locality import is_conv1d
+    from meshplan.runtime.packed_projections import PACKED_LABELS, ColwiseLocal, RowwiseConv1D, packed_parts
     out: dict = {}
     for fqn, label in placements.items():
         mod = modules.get(fqn)
@@ -194,36 +192,6 @@ def _split_sequence_output(tp_mesh):
         dt = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
         return dt.redistribute(tp_mesh, [Shard(out.dim() - 2)])
     return hook
-
-
-def _localise_heads(module: nn.Module, fqn: str, tp: int) -> None:
-    import copy
-
-    from meshplan.runtime.packed_projections import localise_widths
-
-    def local_counts(holder, where: str) -> dict[str, int]:
-        out = {}
-        for attr in HEAD_COUNT_ATTRS:
-            v = holder.__dict__.get(attr)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                if v % tp:
-                    raise LayoutError(f"{where}.{attr} = {v} heads cannot be split over tp={tp}; use a tp that "
-                                      f"divides {v}")
-                out[attr] = v // tp
-        return out
-
-    for attr, v in local_counts(module, fqn).items():
-        setattr(module, attr, v)
-    config = module.__dict__.get("config")
-    if config is not None and not isinstance(config, (int, str, nn.Module)):
-        counts = local_counts(config, f"{fqn}.config")
-        if counts:
-            # a copy: the model (and the other layers) keep the global config
-            local = copy.copy(config)
-            for attr, v in counts.items():
-                setattr(local, attr, v)
-            module.config = local
-    localise_widths(module, fqn, tp)
 
 
 def _attention_of(fqn: str, placements: dict[str, str], blocks: tuple[str, ...]) -> str | None:
@@ -265,7 +233,7 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
         if fqn in local_styles:
             continue
         if label == "heads":
-            _localise_heads(mod, fqn, tp)
+            localise_heads(mod, fqn, tp)
         elif label == "seq_split":
             if sequence:
                 mod.register_forward_hook(_split_sequence_output(tp_mesh))
