@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshplan.errors import ConfigError
+from meshplan.runtime.packed_projections import to_tp_order, tp_order_params
 
 __all__ = ["is_meta", "materialize_buffers", "materialize", "local_slice"]
 
@@ -120,6 +121,9 @@ def materialize(stages: list[nn.Module], reference: nn.Module, device: torch.dev
     for stage in stages:
         for fqn, p in stage.named_parameters(remove_duplicate=False):
             targets.setdefault(_clean(fqn), []).append(p)
+    # packed projections (and transformers' experts under ETP) hold their rows in TP order
+    # (runtime/packed_projections.py): the user's full tensor is permuted before it is sliced
+    orders = {_clean(n): spec for stage in stages for n, spec in tp_order_params(stage).items()}
     # tied parameters (an output layer sharing the embedding) are one tensor on one device: a
     # step writing either name writes both, the later step winning, as on one device, even when
     # pipeline stages hold the two names on different ranks
@@ -135,9 +139,10 @@ def materialize(stages: list[nn.Module], reference: nn.Module, device: torch.dev
         for n, p in tmp.named_parameters(remove_duplicate=False):
             full_fqn = f"{fqn}.{n}" if fqn else n
             for name in aliases.get(full_fqn, [full_fqn]):
+                full = to_tp_order(p, *orders[name]) if name in orders else p
                 for dst in targets.get(name, ()):
                     local = dst.to_local() if isinstance(dst, DTensor) else dst
-                    local.copy_(local_slice(p, dst).to(local.dtype))
+                    local.copy_(local_slice(full, dst).to(local.dtype))
                     filled.add(name)
         del tmp
     missing = sorted(n for n in targets if n not in filled)

@@ -120,3 +120,19 @@ def test_checkpoint_reshards_packed_optimizer_state(tmp_path):
     out = run_ranks(2, workers.reshard_optimizer, case, timeout_s=300)
     assert out[0]["tp2->dp2"] == [f"layers.{i}.{p}" for i in (0, 1)
                                   for p in ("attention.wqkv.bias", "attention.wqkv.weight", "feed_forward.w13.weight")]
+
+
+def test_deferred_init_of_packed_projections_equals_single_device():
+    """Built on the meta device and parallelised with TP2: every rank initialises its slice of
+    each part of the packed projections (kept in TP order), so the model holds exactly the
+    weights the CPU-built model gets under the same seed."""
+    import torch
+
+    from meshplan.train.spawn import run_ranks
+    plan = workers.plan_for("fused-gqa", 2, dict(tp=2, dp=1, pp=1, mbs=2, sp=False), SEQ, BATCH)
+    got = run_ranks(2, workers.deferred_fused, dict(plan=plan, seed=11), timeout_s=200)[0]
+    torch.manual_seed(11)
+    want = workers.FusedLM().state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")

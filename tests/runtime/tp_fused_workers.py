@@ -216,3 +216,15 @@ def reshard_optimizer(rank: int, world: int, case: dict) -> dict:
         out[f"{src}->{dst}"] = sorted(pm2.tp_orders() or pm.tp_orders())
         dist.barrier()
     return out
+
+
+def deferred_fused(rank: int, world: int, case: dict) -> dict:
+    """The fused-QKV / fused gate-up model built on the meta device under a seed, parallelised:
+    its full weights (rank 0), to compare with the same model built on the CPU under that seed."""
+    from meshplan.runtime import parallelize
+    torch.manual_seed(case["seed"])
+    with torch.device("meta"):
+        model = FusedLM()
+    pm = parallelize(model, case["plan"], compute_dtype=None)
+    full = pm.full_state_dict()
+    return {k: v.cpu() for k, v in full.items()} if rank == 0 else {}
