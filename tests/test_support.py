@@ -31,6 +31,12 @@ def test_model_rules():
     text = " ".join(runtime_limits({"tp": 2, "cp": 2, "pp": 2, "vp": 2}, t))
     for part in ("MoE model", "scaled_dot_product_attention", "4 pipeline stages for 2"):
         assert part in text
+    # transformers' Qwen2-MoE: its experts split over ep and etp; tp is refused, because the planner
+    # places its shared expert tensor-parallel beside routed experts without a routed(x) method
+    qwen = ModelTraits(moe=True, moe_tp_fold=False, layers=2)
+    assert runtime_limits({"ep": 2, "etp": 2, "dp": 4}, qwen) == []
+    (why,) = runtime_limits({"tp": 2, "ep": 2, "dp": 2}, qwen)
+    assert "shared expert" in why and "routed(x)" in why and "use tp=1" in why
     # packed projections run under TP (meshplan.runtime.packed_projections); other packings do not
     assert runtime_limits({"tp": 2}, ModelTraits(fused_qkv=True, fused_gate_up=True, layers=2)) == []
     (why,) = runtime_limits({"tp": 2}, ModelTraits(partly_fused_qkv=True, layers=2))

@@ -150,6 +150,8 @@ def gemm_shape(li, c: Context) -> tuple[float, float, float, float, float]:
     n, k = li.out_features, li.in_features
     if li.role == "router":
         return T / L.tp, n, k, 1.0, li.params / L.tp
+    if li.role == "shared_folded":      # whole weights on this TP rank's tokens (MoE folding)
+        return T / L.tp * li.tokens_per_token, n, k, float(li.count), li.params
     if li.role in ("expert_in", "expert_out"):
         local = max(1.0, li.count / L.ep)                       # experts held by this GPU
         rows = (T / L.tp) * L.ep * L.etp * li.tokens_per_token   # tokens per local expert (balanced)

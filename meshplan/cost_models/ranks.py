@@ -157,7 +157,8 @@ def _fp8_weight_elements(b, layout: Layout) -> float:
     for li in b.linears:
         if li.role == "router":
             continue
-        div = layout.ep * layout.etp if li.role in ("expert_in", "expert_out") else layout.tp
+        div = (layout.ep * layout.etp if li.role in ("expert_in", "expert_out")
+               else 1 if li.role == "shared_folded" else layout.tp)
         n += li.in_features * li.out_features * li.count / div
     return n
 
@@ -180,7 +181,8 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
         w.act += table.act(i, pol)
         if pol == "full":
             w.largest_full = max(w.largest_full, table.act(i, "none"))
-        w.dparams += (b.params - b.expert_params) / L.tp
+        folded = sum(li.params for li in b.linears if li.role == "shared_folded")   # whole on every TP rank
+        w.dparams += (b.params - b.expert_params - folded) / L.tp + folded
         w.eparams += b.expert_params / (L.ep * L.etp)
         if table.layer_fp8[i]:
             fp8_w += _fp8_weight_elements(b, L)

@@ -60,7 +60,9 @@ class LinearInfo:
     """A GEMM with a weight, relative to its block.
 
     `role`: "attn_qkv" (q, k, v or fused qkv), "attn_out", "mlp_in" (fc1 / gate / up),
-    "mlp_out" (fc2 / down), "router", "expert_in", "expert_out", "shared_in", "shared_out", "other".
+    "mlp_out" (fc2 / down), "router", "expert_in", "expert_out", "shared_in", "shared_out",
+    "shared_folded" (a shared expert's linear that TP keeps whole, run on each TP rank's tokens:
+    a MoE layer without routed(x), meshplan.planner.traits.fold_shared_roles), "other".
     `count`: how many such weights the block holds (E for routed experts, 1 otherwise).
     `tokens_per_token`: average rows that ONE weight of this kind multiplies per block input token
     (1 for dense; topk/E for a routed expert under balanced routing).

@@ -19,9 +19,12 @@ __all__ = ["ModelTraits", "runtime_limits", "TP_ROLE_PLACEMENT", "block_placemen
 
 # Tensor parallelism the runtime runs inside a block: Megatron-LM's pattern, one linear role ->
 # one DTensor placement; the attention between a column- and a row-parallel linear is head-local.
+# "shared_folded": a shared expert's linear in a MoE layer that TP folds whole (no routed(x) method:
+# transformers' Qwen2-MoE), replicated and run on each TP rank's tokens (runtime/moe_folding.py).
 TP_ROLE_PLACEMENT = {"attn_qkv": "colwise", "mlp_in": "colwise", "shared_in": "colwise",
                      "attn_out": "rowwise", "mlp_out": "rowwise", "shared_out": "rowwise",
-                     "router": "replicate", "expert_in": "expert", "expert_out": "expert", "other": "replicate"}
+                     "router": "replicate", "shared_folded": "replicate", "expert_in": "expert",
+                     "expert_out": "expert", "other": "replicate"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,9 +43,13 @@ class ModelTraits:
     that computes positions in its own forward (`arange(T)`) defeats. `layers`: transformer
     blocks, for the pipeline split. `ep_experts`: the routed experts are modules expert
     parallelism can move tokens to (meshplan's stacked experts with forward(x, counts), or
-    transformers' stacked gate_up_proj / down_proj experts, adapted by runtime/hf_experts.py) in
-    MoE layers TP can fold. `etp_experts`: their weights declare how to split each expert's
-    inner features (meshplan's `etp_split`), which expert tensor parallelism needs.
+    transformers' stacked gate_up_proj / down_proj experts, adapted by runtime/hf_experts.py);
+    expert tensor parallelism splits each expert's inner features of both kinds (meshplan's
+    `etp_split`; transformers' gate and up halves each, runtime/hf_experts.py).
+    `moe_tp_fold`: tensor parallelism can fold the MoE layers as the planner places them: nothing
+    TP splits beside the experts and router, or a `routed(x)` method beside TP-split shared
+    experts, or shared experts placed "replicate" (role "shared_folded": transformers' Qwen2-MoE,
+    meshplan.planner.traits.fold_shared_roles).
     """
 
     moe: bool = False
@@ -52,7 +59,7 @@ class ModelTraits:
     sdpa_causal: bool = True
     cp_positions: bool = True
     ep_experts: bool = True
-    etp_experts: bool = True
+    moe_tp_fold: bool = True
     layers: int = 0
 
 
@@ -87,16 +94,18 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         if traits.moe and (ep > 1 or etp > 1) and not traits.ep_experts:
             out.append(f"expert parallelism (ep={ep}, etp={etp}) needs expert modules the runtime can move tokens "
                        "to (meshplan's MoE, or stacked gate_up_proj / down_proj experts as in transformers' "
-                       "Mixtral) in MoE layers without other linears beside the experts; this model's do not; "
-                       "use ep=1")
-        elif traits.moe and etp > 1 and not traits.etp_experts:
-            out.append(f"expert tensor parallelism (etp={etp}) needs expert weights that declare how each "
-                       "expert's inner features split (meshplan's MoE: etp_split); this model's experts "
-                       "(a fused gate|up weight) do not; use etp=1 (ep scales the experts)")
+                       "Mixtral and Qwen2-MoE); this model's are not; use ep=1 and etp=1")
         if traits.moe and tp > 1 and not traits.ep_experts:
             out.append(f"tensor parallelism (tp={tp}) on a MoE model runs each MoE layer on the TP ranks' "
                        "own tokens (MoE parallel folding), which needs expert modules the runtime can move "
-                       "tokens to, in MoE layers without other linears beside the experts; use tp=1")
+                       "tokens to; use tp=1")
+        elif traits.moe and tp > 1 and not traits.moe_tp_fold:
+            out.append(f"tensor parallelism (tp={tp}) on a MoE model runs each MoE layer on the TP ranks' own "
+                       "tokens (MoE parallel folding); this model's MoE layers hold a shared expert beside the "
+                       "routed experts and no routed(x) method, so the runtime runs that expert only replicated "
+                       "over TP, but its profile places it tensor-parallel; plan from "
+                       "meshplan.planner.traits.fold_shared_roles(profile, model), which places it 'replicate', "
+                       "or use tp=1 (ep and etp split the experts)")
         if traits.partly_fused_qkv and tp > 1:
             out.append(f"tensor parallelism (tp={tp}) on an attention whose Q, K and V come from two linears "
                        "(e.g. a fused K|V projection), from one whose width is not q + 2 kv, or from a fused "

@@ -36,6 +36,7 @@ from meshplan.ir.profile import BlockProfile, ModelProfile, OpInfo
 from meshplan.planner.block_analysis import analyse_block, weight_of
 from meshplan.planner.blocks import BlockContainer, find_block_containers, join, shrunk
 from meshplan.planner.fusions import find_fusions
+from meshplan.planner.traits import fold_shared_roles
 from meshplan.planner.trace_export import (
     default_inputs,
     exception_chain,
@@ -276,6 +277,8 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
         embedding_fqn=token.module if token is not None else "",
         head_fqn=head.module if head is not None else "",
         pre_modules=_param_owners(pre), post_modules=_param_owners(post))
+    # shared experts the runtime folds whole over TP (MoE layers without routed(x)): so placed and priced
+    prof = fold_shared_roles(prof, model)
     return dataclasses.replace(prof, fusions=find_fusions(prof).applied)
 
 

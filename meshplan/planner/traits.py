@@ -6,7 +6,7 @@ from meshplan.ir.profile import ModelProfile
 from meshplan.ir.routed_experts import is_routed_experts
 from meshplan.ir.support import ModelTraits
 
-__all__ = ["model_traits", "packing"]
+__all__ = ["model_traits", "packing", "fold_shared_roles"]
 
 
 def packing(block, linear) -> str | None:
@@ -40,34 +40,71 @@ def _cp_positions(module) -> bool:
 
 def _ep_experts(module) -> bool:
     """meshplan's stacked-weight experts (forward(x, counts)), or transformers-style routed experts
-    the runtime adapts (runtime/hf_experts.py, matched by structure) in MoE layers that tensor
-    parallelism can also fold (the trait opens tp > 1 too): layers with no linear of their own
-    beside the experts (Mixtral: router and experts), or with a `routed(x)` method
-    (runtime/moe_folding.py). Without a module, meshplan's model."""
+    the runtime adapts (runtime/hf_experts.py, matched by structure; expert tensor parallelism
+    splits them too). Without a module, meshplan's model."""
     if module is None:
         return True
-    from torch import nn
-
     from meshplan.models.moe import GroupedExperts
-    if any(isinstance(m, GroupedExperts) for m in module.modules()):
-        return True
-    routed = [fqn for fqn, m in module.named_modules() if is_routed_experts(m)]
-    for fqn in routed:
-        layer = module.get_submodule(fqn.rpartition(".")[0])
-        experts = module.get_submodule(fqn)
-        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)
-                   and not any(m is e for e in experts.modules())]
-        if linears and not callable(getattr(layer, "routed", None)):
-            return False    # e.g. Qwen2-MoE's shared expert: tp > 1 would be refused (moe_folding)
-    return bool(routed)
+    return any(isinstance(m, GroupedExperts) or is_routed_experts(m) for m in module.modules())
 
 
-def _etp_experts(module) -> bool:
-    """Every expert module declares how expert tensor parallelism splits it (`etp_split`,
-    meshplan's GroupedExperts); without a module, meshplan's model."""
-    if module is None:
-        return True
-    return not any(is_routed_experts(m) and not getattr(m, "etp_split", None) for m in module.modules())
+def _folded_layers(module) -> list[str]:
+    """FQNs of the MoE layers (parents of transformers-style routed experts) holding linears beside
+    the experts (a shared expert and its gate: Qwen2-MoE) and no `routed(x)` method: tensor
+    parallelism cannot split those linears (the layer's own forward combines them with the routed
+    experts), so they run replicated over TP on each rank's tokens (runtime/moe_folding.py)."""
+    from torch import nn
+    out = []
+    for fqn, experts in module.named_modules():
+        if not is_routed_experts(experts):
+            continue
+        name = fqn.rpartition(".")[0]
+        layer = module.get_submodule(name)
+        inside = {id(m) for m in experts.modules()}
+        if any(isinstance(m, nn.Linear) and id(m) not in inside for m in layer.modules()) \
+                and not callable(getattr(layer, "routed", None)):
+            out.append(name)
+    return out
+
+
+def _shared_linears(profile: ModelProfile, layers: list[str]) -> dict[str, set[str]]:
+    """{block signature: names of its shared_in / shared_out linears inside `layers`}."""
+    out: dict[str, set[str]] = {}
+    for b in profile.blocks:
+        names = {li.name for li in b.linears if li.role in ("shared_in", "shared_out")
+                 and any(f"{inst}.{li.name}".startswith(m + ".") for inst in b.instances for m in layers)}
+        if names:
+            out[b.signature] = names
+    return out
+
+
+def fold_shared_roles(profile: ModelProfile, module) -> ModelProfile:
+    """`profile` with the shared linears of the MoE layers in `_folded_layers(module)` given the
+    role "shared_folded": placed "replicate" (meshplan.ir.support.TP_ROLE_PLACEMENT), they run
+    with whole weights on each TP rank's sequence shard, so the cost model prices 1/tp of the
+    tokens on whole weights. The profile itself when the model has no such layer."""
+    import dataclasses
+    shared = _shared_linears(profile, _folded_layers(module)) if module is not None else {}
+    if not shared:
+        return profile
+    blocks = []
+    for b in profile.blocks:
+        names = shared.get(b.signature, set())
+        fqns = {f"{inst}.{n}" for inst in b.instances for n in names}
+        blocks.append(dataclasses.replace(
+            b, linears=tuple(dataclasses.replace(li, role="shared_folded") if li.name in names else li
+                             for li in b.linears),
+            ops=tuple(dataclasses.replace(o, role="shared_folded") if o.kind == "linear" and o.module in fqns else o
+                      for o in b.ops)) if names else b)
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
+def _moe_tp_fold(profile: ModelProfile, module) -> bool:
+    """Whether tensor parallelism can fold the MoE layers as the planner places them: a layer
+    with TP-split shared experts needs a `routed(x)` method (meshplan's MoE); one without
+    (Qwen2-MoE) runs under TP with its shared linears placed "replicate", which the profile says
+    by their role (`fold_shared_roles`). Without a module, meshplan's model."""
+    return module is None or not _shared_linears(profile, _folded_layers(module))
 
 
 def _partly_fused_qkv(block) -> bool:
@@ -99,5 +136,5 @@ def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
             sdpa_causal = sdpa_causal and bool(sdpa) and b.causal
     return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
                        partly_fused_qkv=partly_fused_qkv, sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
-                       ep_experts=_ep_experts(module), etp_experts=_etp_experts(module),
+                       ep_experts=_ep_experts(module), moe_tp_fold=_moe_tp_fold(profile, module),
                        layers=profile.num_layers)

@@ -43,7 +43,8 @@ rank j of the group; rank j keeps experts j*E/ep .. (j+1)*E/ep - 1, a contiguous
 The EP group comes from the experts' own mesh (runtime/mesh.py, MoE parallel folding): the
 dense layers' dp x cp x tp ranks regrouped as (edp, ep, etp), so an EP group may span data-,
 context- and tensor-parallel ranks, each dispatching its own tokens (moe_folding.py). With
-etp > 1 each expert's inner features are split further over the ETP group (`etp_split`) and
+etp > 1 each expert's inner features are split further over the ETP group (`etp_split`, or
+hf_experts.ETP_SPLIT for transformers-style experts) and
 moe_folding.etp_compute gathers the rows over it and reduce-scatters the partial outputs.
 
 Under FSDP the expert parameters are then sharded over the expert-data-parallel axis (`edp`,
@@ -62,7 +63,8 @@ from torch import nn
 
 from meshplan.errors import LayoutError
 from meshplan.ir.routed_experts import is_routed_experts
-from meshplan.runtime.hf_experts import wrap_routed_experts
+from meshplan.runtime.hf_experts import ETP_PARTS, ETP_SPLIT, wrap_routed_experts
+from meshplan.runtime.packed_projections import _TP_ORDER, _tp_order_state_hooks, to_tp_order
 
 __all__ = ["find_expert_modules", "check_expert_parallel", "apply_expert_parallel", "expert_labelled_params",
            "ep_dispatch", "MoEBalancer", "balance_group", "summarize_routing"]
@@ -246,8 +248,9 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | fro
     `labelled`: FQNs the plan labels "expert" (see `expert_labelled_params`). `expert_mesh`:
     the experts' (edp, ep, etp) mesh (runtime/mesh.py); with etp > 1 each expert's weights are
     split further over etp along the dims the module declares in `etp_split` (parameter name ->
-    dim: its inner features; meshplan's GroupedExperts), which makes forward's output a partial
-    sum over the ETP group (moe_folding.etp_compute sums it).
+    dim: its inner features; meshplan's GroupedExperts; transformers-style experts:
+    hf_experts.ETP_SPLIT, gate|up kept in ETP order), which makes forward's output a partial sum
+    over the ETP group (moe_folding.etp_compute sums it).
     Returns the FQNs of the expert modules (original FQNs), for FSDP over the edp axis (at
     ep = etp = 1 the modules are left as they are: folded experts replicated over the ranks).
     """
@@ -264,16 +267,28 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | fro
         module = stage.get_submodule(fqn)
         n_local = _num_experts(module) // ep
         dims = _etp_dims(fqn, module, etp) if etp > 1 else {}
+        orders = {}
         for name, p in _own_params(module).items():
             local = p.detach()[rank * n_local:(rank + 1) * n_local]      # (E/ep, ...)
             placements = [Shard(0)]
             if etp > 1:
-                d = dims[name]
+                d, parts = dims[name]
+                if len(parts) > 1:
+                    # a packed dim (gate rows, then up rows): this rank's slice of every part
+                    local = to_tp_order(local, parts, etp, d)
+                    orders[name] = (parts, etp, d)
                 width = p.shape[d] // etp
                 local = local.narrow(d, etp_rank * width, width)
                 placements.append(Shard(d))
-            dt = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
+            # the global shape and (contiguous) strides given, not inferred: a size-1 local expert
+            # dim keeps whatever stride the cut left, which scaled by the mesh gives a global
+            # view FSDP2 refuses as non-contiguous
+            dt = DTensor.from_local(local.clone(memory_format=torch.contiguous_format), mesh, placements,
+                                    run_check=False, shape=p.shape, stride=_contiguous_strides(p.shape))
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        if orders:      # the global view is in ETP order; state_dict gives the user's order
+            module.__dict__[_TP_ORDER] = orders
+            _tp_order_state_hooks(module)
         routed = is_routed_experts(module)
         setattr(module, _EP_ATTR, (ep_mesh, n_local, expert_mesh["etp"] if etp > 1 else None))
         if routed:      # forward(hidden_states, top_k_index, top_k_weights): sort, dispatch, combine
@@ -284,20 +299,35 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh, *, labelled: set[str] | fro
     return fqns
 
 
-def _etp_dims(fqn: str, module: nn.Module, etp: int) -> dict[str, int]:
-    """{parameter: dim split over etp} as the module declares it (`etp_split`), checked."""
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (row-major)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _etp_dims(fqn: str, module: nn.Module, etp: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{parameter: (dim split over etp, its equal parts)} as the module declares it (`etp_split`,
+    meshplan's GroupedExperts; transformers-style experts: hf_experts.ETP_SPLIT, the gate|up dim
+    holding two parts), checked."""
     own = _own_params(module)
-    dims = getattr(module, "etp_split", None)
+    routed = is_routed_experts(module)
+    dims = ETP_SPLIT if routed else getattr(module, "etp_split", None)
     if not isinstance(dims, dict) or set(own) - set(dims):
         raise LayoutError(f"{fqn} ({type(module).__name__}) does not declare how its weights split over "
                           f"expert tensor parallelism (an `etp_split` dict: parameter -> inner-feature dim, "
                           f"as meshplan's GroupedExperts has); re-plan with etp=1")
+    out = {}
     for name, p in own.items():
         d = dims[name]
-        if not 0 < d < p.dim() or p.shape[d] % etp:
-            raise LayoutError(f"{fqn}.{name} {tuple(p.shape)}: dim {d} does not split over etp={etp}; "
-                              "use an etp that divides the experts' inner width")
-    return {n: dims[n] for n in own}
+        n = ETP_PARTS.get(name, 1) if routed else 1
+        if not 0 < d < p.dim() or p.shape[d] % (n * etp):
+            raise LayoutError(f"{fqn}.{name} {tuple(p.shape)}: dim {d} (inner width {p.shape[d] // n}) does not "
+                              f"split over etp={etp}; use an etp that divides the experts' inner width")
+        out[name] = (d, (p.shape[d] // n,) * n)
+    return out
 
 
 # ---- load balancing across ranks and micro-batches -----------------------------------------

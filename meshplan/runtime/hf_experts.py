@@ -14,6 +14,14 @@ parameters and FQNs but gets a forward that
      `grouped_forward`, all-to-all back), exactly as for meshplan's GroupedExperts;
   3. multiplies each copy by its routing weight and sums the k copies of each token (index_add),
      as the module's own forward does.
+
+Under expert tensor parallelism (etp > 1) each expert's inner features f are split over the ETP
+group (`ETP_SPLIT`): `down_proj` on its f dim, and `gate_up_proj` so that rank r holds its slice of
+each half, [gate_r; up_r], in that order (`ETP_PARTS`), so the forward's `chunk(2)` splits the
+local weight exactly as it splits the whole one. The local output is then a partial sum over the
+group (moe_folding.etp_compute sums it). The global view of `gate_up_proj` is kept in ETP order
+(rank 0's [gate_0; up_0], then rank 1's, ...), the packed projections' TP order
+(runtime/packed_projections.py): state_dict and ParallelModel.full_grads give the user's order.
 """
 
 from __future__ import annotations
@@ -24,7 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["grouped_forward", "routed_forward", "wrap_routed_experts"]
+__all__ = ["ETP_SPLIT", "ETP_PARTS", "grouped_forward", "routed_forward", "wrap_routed_experts"]
+
+# parameter -> the dim of each expert's inner features f (split over etp)
+ETP_SPLIT = {"gate_up_proj": 1, "down_proj": 2}
+# parameter -> how many equal parts of width f its split dim holds (gate rows, then up rows)
+ETP_PARTS = {"gate_up_proj": 2}
 
 def _expert_mlp(module: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
     gate, up = F.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)

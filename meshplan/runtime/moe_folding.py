@@ -15,9 +15,13 @@ regrouped as (edp, ep, etp), etp fastest). What each part of a MoE layer does:
   replicated over TP, a DTensor Replicate on the tp mesh used as a local tensor whose gradient is
   declared Partial: each TP rank saw other tokens, so the gradients are summed over TP (by FSDP's
   reduce, or by ParallelModel._finalise_grads without FSDP), as for norms under SP;
-- shared experts: tensor-parallel as the plan places them (colwise / rowwise, like a dense MLP),
-  on the layer's input as it came; the layer must offer `routed(x)` (the routed part alone,
-  meshplan's MoE) when it has such modules;
+- shared experts, as the plan places them: tensor-parallel (colwise / rowwise, like a dense MLP)
+  on the layer's input as it came, which needs the layer to offer `routed(x)` (the routed part
+  alone, meshplan's MoE); or "replicate" (any layer, e.g. transformers' Qwen2-MoE, whose forward
+  combines its shared expert, sigmoid-gated, with the routed experts itself): then they are
+  weights like the router's, and the layer's whole forward runs on this rank's sequence shard,
+  so each rank computes the shared expert for its tokens only (the work of a TP split, with
+  whole weights) and its gradients are summed over TP;
 - routed experts: split over (ep, etp) (expert_parallel.py) and data-parallel over edp; their
   gradients, reduced over edp by FSDP (or here, without FSDP), sum every token of every rank.
 
@@ -81,7 +85,8 @@ def apply_moe_folding(stage: nn.Module, plan, tp_mesh, *, experts: list[str]) ->
             raise LayoutError(f"MoE layer {fqn} ({type(layer).__name__}) has tensor-parallel modules "
                               f"({', '.join(tp_parts[:3])}) next to its routed experts, but no routed(x) method "
                               "computing the routed experts alone; under tensor parallelism the routed part runs "
-                              "on each TP rank's tokens; re-plan with tp=1 or give the layer a routed(x) method")
+                              "on each TP rank's tokens; place those modules 'replicate' (they then run on the "
+                              "rank's tokens too), re-plan with tp=1, or give the layer a routed(x) method")
         replicated = []
         for name, p in list(layer.named_parameters()):
             top = name.split(".")[0]
@@ -112,7 +117,8 @@ def _folded_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             if isinstance(p, DTensor):
                 # this rank's tokens only: the gradient is a partial sum over TP
                 holder._parameters[leaf] = p.to_local(grad_placements=[Partial()])
-        out_local = routed(xs.to_local())
+        # contiguous: a batch's sequence shard is strided, and layers flatten it with view()
+        out_local = routed(xs.to_local().contiguous())
     finally:
         for holder, leaf, p in saved:
             holder._parameters[leaf] = p

@@ -69,12 +69,17 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(0)
     pm, loss, norm, ref_loss, ref_norm = ep_workers.step_and_compare(build_model(case["model"]), case["plan"])
     # the experts' weights are DTensors over the ep mesh: this rank's block of experts
-    local = {}
+    local, shared = {}, []
     for n, p in pm.named_parameters():
         if n.endswith("experts.gate_up_proj"):
             assert isinstance(p, DTensor), (n, type(p))
             local[n] = tuple(ep_workers._local(p).shape)
-    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "local_experts": local}
+        if ".mlp.shared_expert" in n:
+            # replicated over TP: no tp dim among its placements (FSDP may still cut it over dp)
+            names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+            shared.append("tp" not in (names or ()) or p.placements[names.index("tp")].is_replicate())
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "local_experts": local,
+            "shared_whole": bool(shared) and all(shared)}
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
