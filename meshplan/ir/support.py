@@ -50,6 +50,10 @@ class ModelTraits:
     TP splits beside the experts and router, or a `routed(x)` method beside TP-split shared
     experts, or shared experts placed "replicate" (role "shared_folded": transformers' Qwen2-MoE,
     meshplan.planner.traits.fold_shared_roles).
+    `tp_forward`: why the model's own forward does not run on tensor-parallel local shapes (its
+    attention sizes reshapes from the full width; planner/tp_probe.py), "" when it runs or the
+    probe could not tell. `expert_shapes`: (experts, inner width, hidden) of each kind of routed
+    expert weight (the inner width is what expert tensor parallelism splits).
     """
 
     moe: bool = False
@@ -61,6 +65,8 @@ class ModelTraits:
     ep_experts: bool = True
     moe_tp_fold: bool = True
     layers: int = 0
+    tp_forward: str = ""
+    expert_shapes: tuple[tuple[int, int, int], ...] = ()
 
 
 def _get(layout: Mapping[str, Any] | Any, key: str, default: Any) -> Any:
@@ -112,6 +118,12 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
                        "one read by attention code in the block's own forward (no attention sub-module "
                        "whose head counts the runtime can make local): the runtime splits a fused Q|K|V "
                        "projection per head of an attention module only; use tp=1")
+        if tp > 1 and traits.tp_forward:
+            out.append(f"tensor parallelism (tp={tp}): {traits.tp_forward}; the runtime runs the model's own "
+                       "forward on each rank's slice of the attention and MLP features, so its reshapes must "
+                       "use the attention's head counts (attributes such as n_heads, which the runtime divides "
+                       "by tp) or -1, not the full width; use tp=1")
+        out += _expert_shard_limits(traits, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, dp=dp, zero=zero)
         if cp > 1 and not traits.cp_positions:
             out.append(f"context parallelism (cp={cp}) needs positions the runtime can split with the "
                        "sequence (meshplan's models, or transformers models with rotary embeddings); this "
@@ -124,6 +136,29 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
             out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
                        "needs at least one layer")
     return out
+
+
+def _expert_shard_limits(traits: ModelTraits, *, tp: int, cp: int, ep: int, etp: int, pp: int, dp: int,
+                         zero: int) -> list[str]:
+    """FSDP2 shards each routed expert weight over the expert-data-parallel ranks (the dense
+    dp x cp x tp ranks regrouped as edp x ep x etp, runtime/mesh.py) along a dimension that splits
+    evenly; it pads only dim 0, which with fewer local experts than edp ranks would put a whole
+    expert on every rank (runtime/fsdp.py). A layout where no dimension divides is not run."""
+    folded = ep > 1 or etp > 1 or (traits.moe and tp > 1)
+    fsdp = dp * cp > 1 and not (zero == 0 and tp == pp == cp == ep == 1)     # not plain DDP
+    edp = dp * cp * tp // max(1, ep * etp)
+    if not (traits.expert_shapes and folded and fsdp and edp > 1):
+        return []
+    for experts, inner, hidden in traits.expert_shapes:
+        if experts % ep or inner % etp:
+            continue                    # indivisible ep / etp: refused where the degrees are checked
+        local = (experts // ep, inner // etp, hidden)
+        if not any(d % edp == 0 for d in local):
+            return [f"FSDP shards each routed expert's weights over the {edp} expert-data-parallel ranks "
+                    f"(dp x cp x tp / (ep x etp) = {dp * cp * tp} / {ep * etp}) along a dimension that divides "
+                    f"evenly; this rank's {' x '.join(map(str, local))} has none; choose ep, etp or tp so that "
+                    f"{edp} divides one of them"]
+    return []
 
 
 def block_placement_limits(placements: Mapping[str, str], roles: Mapping[str, str],

@@ -5,6 +5,7 @@ from __future__ import annotations
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.routed_experts import is_routed_experts
 from meshplan.ir.support import ModelTraits
+from meshplan.planner.tp_probe import tp_probe
 
 __all__ = ["model_traits", "packing", "fold_shared_roles"]
 
@@ -137,4 +138,18 @@ def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
     return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
                        partly_fused_qkv=partly_fused_qkv, sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
                        ep_experts=_ep_experts(module), moe_tp_fold=_moe_tp_fold(profile, module),
-                       layers=profile.num_layers)
+                       layers=profile.num_layers, tp_forward=tp_probe(module, profile) if module is not None else "",
+                       expert_shapes=_expert_shapes(blocks))
+
+
+def _expert_shapes(blocks) -> tuple[tuple[int, int, int], ...]:
+    """(experts, inner width, hidden) of each routed expert weight kind: the inner width is the
+    output of the expert's input projection(s) and the input of its output projection."""
+    out = set()
+    for b in blocks:
+        for li in b.linears:
+            if li.role == "expert_in":
+                out.add((li.count, li.out_features, li.in_features))
+            elif li.role == "expert_out":
+                out.add((li.count, li.in_features, li.out_features))
+    return tuple(sorted(out))

@@ -41,7 +41,7 @@ FIXED_MOE = {"ep2": dict(ep=2, dp=4, tp=1, pp=1, cp=1), "ep2tp2": dict(ep=2, tp=
 # what the runtime must run for these models (a refusal here is a regression, not a clean answer)
 MUST_RUN = {"tiny-llama": {"tp2", "pp2", "cp2"}, "tiny-gpt": {"tp2", "pp2"}, "tiny-moe": {"tp2", "pp2", "ep2", "ep2tp2"},
             "hf-llama": {"tp2", "pp2"}, "hf-phi3": {"tp2", "pp2"}, "hf-gpt2": {"tp2", "pp2"},
-            "hf-mixtral": {"ep2", "ep2tp2"}}
+            "hf-mixtral": {"ep2", "ep2tp2"}, "hf-qwen2-moe": {"tp2", "ep2", "ep2tp2"}}
 
 
 def _step_batch(seq: int, batch: int):
