@@ -122,6 +122,24 @@ def test_checkpoint_reshards_packed_optimizer_state(tmp_path):
                                   for p in ("attention.wqkv.bias", "attention.wqkv.weight", "feed_forward.w13.weight")]
 
 
+def test_checkpoint_reshards_etp_experts(tmp_path):
+    """transformers' Mixtral experts under EP2 x ETP2 keep gate|up rows in TP order too: saved under
+    ep2 x etp2, resumed under ep2 (etp 1) and back, the resumed step equals the single-device one."""
+    import functools
+
+    from meshplan.train.spawn import run_ranks
+    pytest.importorskip("transformers")
+    import hf_moe_workers
+    import test_hf_moe_ep
+    plan = functools.partial(test_hf_moe_ep._plan, "hf-mixtral", 4)
+    plans = {"ep2etp2": plan(tuple(sorted(dict(ep=2, etp=2, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=1).items()))),
+             "ep2": plan(tuple(sorted(dict(ep=2, etp=1, dp=4, tp=1, cp=1, pp=1, zero=1, mbs=1).items())))}
+    case = dict(model="hf-mixtral", workers="hf_moe_workers", seq_len=hf_moe_workers.SEQ,
+                global_batch=hf_moe_workers.BATCH, plans=plans, dir=str(tmp_path))
+    out = run_ranks(4, workers.reshard_optimizer, case, timeout_s=300)
+    assert out[0]["ep2etp2->ep2"] == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in (0, 1)]
+
+
 def test_deferred_init_of_packed_projections_equals_single_device():
     """Built on the meta device and parallelised with TP2: every rank initialises its slice of
     each part of the packed projections (kept in TP order), so the model holds exactly the

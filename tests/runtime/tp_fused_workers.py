@@ -180,16 +180,25 @@ def run_cases(rank: int, world: int, cases: dict) -> dict:
     return out
 
 
+def _build(case: dict):
+    """case["model"] from this module, or from the workers module case["workers"] names."""
+    if case.get("workers"):
+        import importlib
+        return importlib.import_module(case["workers"]).build_model(case["model"])
+    return build_model(case["model"], seq_len=case["seq_len"])
+
+
 def reshard_optimizer(rank: int, world: int, case: dict) -> dict:
-    """Checkpoint under one plan, resume under another (TP2 <-> DP2), step again: the weights equal
-    two single-device AdamW steps. Packed projections' moments are rows in TP order inside the
-    optimizer; a checkpoint must hold them in the model's order or they land on the wrong rows."""
+    """Checkpoint under one plan, resume under the other (case["plans"]: two), and back; step
+    again: the weights equal two single-device AdamW steps. Packed projections' (and transformers'
+    experts' under ETP) moments are rows in TP order inside the optimizer; a checkpoint must hold
+    them in the model's order or they land on the wrong rows."""
     import torch.distributed as dist
 
     from meshplan.runtime import parallelize
     from meshplan.train import checkpoint
     x, y = numerics.batch(case["global_batch"], case["seq_len"], VOCAB)
-    ref = build_model(case["model"], seq_len=case["seq_len"])
+    ref = _build(case)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=numerics.LR, eps=numerics.EPS)
     for _ in range(2):
         ref_opt.zero_grad()
@@ -197,14 +206,15 @@ def reshard_optimizer(rank: int, world: int, case: dict) -> dict:
         ref_opt.step()
     want = {n: p.detach().clone() for n, p in ref.state_dict().items()}
     out = {}
-    for src, dst in (("tp2", "dp2"), ("dp2", "tp2")):
-        pm = parallelize(build_model(case["model"], seq_len=case["seq_len"]), case["plans"][src], compute_dtype=None)
+    first, second = case["plans"]
+    for src, dst in ((first, second), (second, first)):
+        pm = parallelize(_build(case), case["plans"][src], compute_dtype=None)
         opt = torch.optim.AdamW(pm.parameters(), lr=numerics.LR, eps=numerics.EPS)
         pm.forward_backward(x, y)
         opt.step()
         saved = checkpoint.save(f"{case['dir']}/{src}", 1, pm, opt, {})
         torch.manual_seed(7)            # other weights: the checkpoint must replace them all
-        pm2 = parallelize(build_model(case["model"], seq_len=case["seq_len"]), case["plans"][dst], compute_dtype=None)
+        pm2 = parallelize(_build(case), case["plans"][dst], compute_dtype=None)
         opt2 = torch.optim.AdamW(pm2.parameters(), lr=numerics.LR, eps=numerics.EPS)
         checkpoint.load(saved, pm2, opt2)
         pm2.forward_backward(x, y)
