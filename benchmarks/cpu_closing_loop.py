@@ -9,16 +9,24 @@ the first `--skip` warm-up steps) with the plan's predicted step. With `--cluste
 (written by `meshplan calibrate --nproc 4`) the plan and its prediction use the calibrated machine.
 
     python benchmarks/cpu_closing_loop.py [--steps 20] [--only dp4,tp2dp2] [--cluster profile.json] [--out FILE]
+    python benchmarks/cpu_closing_loop.py --calibrate-each [--steps 20]   # re-calibrate before each layout
     python benchmarks/cpu_closing_loop.py --predict-only     # predictions alone, no processes (seconds)
 
+--calibrate-each runs `meshplan calibrate --nproc 4 --quick` right before each layout and plans and
+predicts that layout with it: on a host shared with other work the load drifts over the minutes a
+full run takes, and one calibration at the start describes only its own moment.
+
 Runs one layout at a time (each ~20 steps: tens of seconds on 2 cores). Measured CPU step times
-move with what else runs on the host; the report says when it was measured.
+move with what else runs on the host; the report says when it was measured and, per layout, the
+1-minute load average before > after the run (4 of it are the run's own processes). Calibrate
+right before (`meshplan calibrate --nproc 4 --quick`) so the profile sees the same host.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -42,6 +50,21 @@ TARGET = 0.15          # issue #16: within 15% of the measured step
 SEQ, GBS, NPROC = 128, 16, 4
 
 
+def _load() -> str:
+    """The host's 1-minute load average (other sessions share the 2-core host: measured CPU steps
+    move with it, so every row says what it was)."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def _gflops(cluster: str) -> float:
+    """A profile's bf16 matmul rate per process (GFLOP/s)."""
+    from meshplan.cluster import Cluster
+    return Cluster.load(cluster).gpu.bf16_tflops * 1e3
+
+
 def _fix_dict(fix: str) -> dict:
     return {k: int(v) for k, v in (kv.split("=") for kv in fix.split(","))}
 
@@ -55,8 +78,11 @@ def predict(model: str, fix: str, cluster: str = "local-cpu"):
     return mp.plan(m, cl, seq_len=SEQ, global_batch=GBS, fixed=_fix_dict(fix)).estimate
 
 
-def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: int) -> tuple[float, float, list]:
-    """(median measured step s, predicted step s, all measured steps) of one `meshplan train` run."""
+def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: int) -> tuple[float, float, list, float]:
+    """(median measured step s, predicted step s, all measured steps, median MoE imbalance or nan) of one
+    `meshplan train` run. The imbalance (busiest expert's rows over the mean, the runtime's
+    moe_imbalance metric) matters under EP: every EP rank waits for the one holding the busiest
+    expert, which the cost model prices only at its statistical floor (layer.moe_load_factor)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "meshplan.cli", "train", "--model", model, "--fix", fix, "--steps", str(steps),
                "--global-batch", str(GBS), "--seq-len", str(SEQ), "--nproc", str(NPROC), "--out", d,
@@ -69,7 +95,8 @@ def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: 
     recs = [r for r in recs if "step_time_s" in r]
     times = [r["step_time_s"] for r in recs][skip:]
     pred = next((r["predicted_step_time_s"] for r in recs if r.get("predicted_step_time_s")), float("nan"))
-    return statistics.median(times), pred, times
+    imb = [r["moe_imbalance"] for r in recs[skip:] if r.get("moe_imbalance")]
+    return statistics.median(times), pred, times, (statistics.median(imb) if imb else float("nan"))
 
 
 def main(argv=None) -> int:
@@ -79,34 +106,50 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated layout names: " + ",".join(LAYOUTS))
     ap.add_argument("--cluster", default="local-cpu", help="local-cpu or a `meshplan calibrate` profile")
     ap.add_argument("--predict-only", action="store_true")
+    ap.add_argument("--calibrate-each", action="store_true",
+                    help="calibrate (meshplan calibrate --nproc 4 --quick) right before each layout and use that profile")
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--keep-profiles", help="with --calibrate-each: keep each layout's profile in this folder")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(LAYOUTS)
     lines = []
     p = lines.append
     p(f"# local-cpu closing the loop, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-      f"{NPROC} processes, global batch {GBS} x {SEQ} tokens, cluster {args.cluster}")
+      f"{NPROC} processes, global batch {GBS} x {SEQ} tokens, cluster "
+      f"{'calibrated before each layout' if args.calibrate_each else args.cluster}")
     p(f"{'layout':8s} {'model':10s} {'predicted':>9s} {'measured':>9s} {'error':>7s}  within {TARGET * 100:.0f}%  "
-      f"predicted split")
+      f"{'load':>9s}  predicted split")
     ok = True
+    tmp = tempfile.TemporaryDirectory(prefix="closing-loop-")
+    keep = Path(args.keep_profiles or tmp.name)
+    keep.mkdir(parents=True, exist_ok=True)
     for name in names:
         model, fix = LAYOUTS[name]
-        est = predict(model, fix, args.cluster)
+        cluster = args.cluster
+        if args.calibrate_each and not args.predict_only:
+            cluster = str(keep / f"{name}.json")
+            subprocess.run([sys.executable, "-m", "meshplan.cli", "calibrate", "--nproc", str(NPROC), "--quick",
+                            "--out", cluster], capture_output=True, text=True, check=True, timeout=args.timeout)
+        est = predict(model, fix, cluster)
         split = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in est.time_s.items() if v > 5e-4)
         if args.predict_only:
             p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'-':>9s} {'-':>7s}  {'-':9s}  {split} ms")
             continue
+        load0 = _load()
         try:
-            med, pred, _ = measure(model, fix, args.steps, args.skip, args.cluster, args.timeout)
+            med, pred, _, imb = measure(model, fix, args.steps, args.skip, cluster, args.timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'failed':>9s}  {str(e).splitlines()[0][:80]}")
             ok = False
             continue
         err = pred / med - 1
         ok &= abs(err) <= TARGET
+        load = f"{load0}>{_load()}"
+        if args.calibrate_each:
+            split = f"calibrated {_gflops(cluster):.0f} GFLOP/s/process; " + split
         p(f"{name:8s} {model:10s} {pred:9.3f} {med:9.3f} {err * 100:+6.1f}%  {'yes' if abs(err) <= TARGET else 'NO':9s}  "
-          f"{split} ms")
+          f"{load:>9s}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
         print(lines[-1], flush=True)
     return emit(lines, args.out)
 

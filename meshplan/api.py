@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
@@ -15,6 +15,7 @@ from meshplan.ir.profile import ModelProfile
 from meshplan.planner.analytic import profile_from_config
 from meshplan.planner.build import _fp8_modules, build_plan
 from meshplan.planner.explain import explain as _explain
+from meshplan.planner.ilp_fp8 import fp8_layer_modules
 from meshplan.planner.search import search
 from meshplan.planner.traits import model_traits
 import meshplan.export as _export
@@ -150,7 +151,8 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
 
 def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
          fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False,
-         fused_kernels: bool = True, for_runtime: bool = True):
+         fused_kernels: bool = True, for_runtime: bool = True, fp8_force_in: Sequence[str] = (),
+         fp8_force_out: Sequence[str] = ()):
     """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
 
     for_runtime: True (default) returns only layouts meshplan's runtime runs (meshplan.ir.support);
@@ -166,6 +168,10 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     keeps Adam's moments in bf16 (fp32 master weights; 8 instead of 12 optimizer bytes/param).
     fused_kernels: list the modules meshplan's fused kernels replace (Plan.fused_kernels; found
     from the traced graph) and cost them fused; False keeps every module eager and costs it so.
+    fp8_force_in / fp8_force_out: linears (FQNs or glob patterns, e.g. "layers.0.*") the FP8 placement
+    overrides its defaults for (it keeps the first and last block, the output layer and routers in
+    BF16); the search prices FP8 layouts with the same set, so e.g. fp8_force_in=("layers.*",) plans
+    for a stack that runs every transformer layer in FP8, as estimate(precision="fp8") prices it.
     """
     cl = resolve_cluster(cluster)
     precisions, run_as = _precisions(precision, cl)
@@ -175,10 +181,18 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
         prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))
     traits = model_traits(prof, model if hasattr(model, "named_modules") else None)
 
+    forces = {k: (v,) if isinstance(v, str) else tuple(v)
+              for k, v in (("fp8_force_in", fp8_force_in), ("fp8_force_out", fp8_force_out))}
+    if for_runtime and hasattr(model, "named_modules"):
+        forces["fp8_force_out"] += _not_swappable_fp8(prof, model, forces["fp8_force_in"])
+    fp8_layers = fp8_layer_modules(prof, forces["fp8_force_in"], forces["fp8_force_out"])
+
     def run(fix: dict):
         res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions, fixed=fix,
-                     allow_cross_domain=allow_cross_domain, for_runtime=for_runtime, traits=traits)
-        return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fix)
+                     allow_cross_domain=allow_cross_domain, for_runtime=for_runtime, traits=traits,
+                     fp8_modules=fp8_layers)
+        return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fix,
+                          **forces)
 
     try:
         out = run(fixed)
@@ -195,12 +209,9 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
             "Adam moments in bf16 (fp32 master weights): no layout fits with fp32 moments; "
             "pass fixed={'optimizer_dtype': 'fp32'} to refuse")})
     if run_as == "fp8":
-        out = _emulated_fp8_plan(prof, cl, out, seq_len=seq_len, global_batch=global_batch)
+        out = _emulated_fp8_plan(prof, cl, out, seq_len=seq_len, global_batch=global_batch, **forces)
     elif run_as and run_as != out.precision:
         out = dataclasses.replace(out, precision=run_as)
-    if for_runtime and out.fp8_modules and hasattr(model, "named_modules"):
-        drop = set(_not_swappable_fp8(prof, model, ()))
-        out = dataclasses.replace(out, fp8_modules=tuple(m for m in out.fp8_modules if m not in drop))
     return Plan.of(out)
 
 
@@ -257,12 +268,12 @@ def _precisions(precision: str, cl) -> tuple[tuple[str, ...], str | None]:
     raise ConfigError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
 
 
-def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int):
+def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int, fp8_force_in=(), fp8_force_out=()):
     """An FP8 plan for a device without FP8 units (CPU): the BF16 plan's layout and prediction,
     with the FP8 placement ILP run as on a GPU whose FP8 rate is twice its BF16 rate (H100's
     ratio), so the module set is the planner's own choice (first/last block and head excluded)."""
     gpu = dataclasses.replace(cl.gpu, fp8_tflops=2 * cl.gpu.bf16_tflops, fp8_gemm_efficiency=cl.gpu.gemm_efficiency)
     emu = dataclasses.replace(cl, gpu=gpu)
-    mods = _fp8_modules(prof, emu, plan.layout, plan.estimate, seq_len, global_batch)
+    mods = _fp8_modules(prof, emu, plan.layout, plan.estimate, seq_len, global_batch, fp8_force_in, fp8_force_out)
     return dataclasses.replace(plan, precision="fp8", fp8_modules=mods,
                                search={**plan.search, "fp8_emulated": True})

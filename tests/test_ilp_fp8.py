@@ -305,6 +305,8 @@ def test_fp8_plans_list_only_linears_the_runtime_swaps():
         assert p.fp8_modules and all(isinstance(modules.get(m), nn.Linear) for m in p.fp8_modules), p.fp8_modules
         gpt2 = _gpt2()
         assert mp.plan(gpt2, cl, seq_len=64, global_batch=8, precision="fp8").fp8_modules == ()
+        with pytest.raises(ConfigError, match=r"transformer.h.1.mlp.c_fc.*nn.Linear modules only"):
+            mp.plan(gpt2, cl, seq_len=64, global_batch=8, precision="fp8", fp8_force_in=("transformer.h.1.mlp.c_fc",))
         # a plan naming a non-Linear (hand-edited, or from an older meshplan) is refused before any collective
         import dataclasses
         bad = dataclasses.replace(p, fp8_modules=p.fp8_modules + ("layers.1.feed_forward.experts.w1",))

@@ -59,3 +59,16 @@ def test_mixtral_on_an_nvl72_rack_plans_what_fsdp_can_shard():
     for seq in (4096, 32768, 131072):
         r = fake_world.accepted("mixtral-8x7b", cl, seq_len=seq, global_batch=max(64, cl.num_gpus))
         assert r["status"] in ("accepted", "no plan"), (seq, r)
+
+
+def test_runtime_plans_price_what_pytorch_runs():
+    """Gradient accumulation: PyTorch adds each micro-batch's weight gradients by a separate pass
+    (AccumulateGrad), so plans for meshplan's runtime are priced unfused; plans for other
+    frameworks keep Megatron's fused default. MoE routing: the runtime is dropless, so a capacity
+    factor (Megatron's token dropping / padding) is refused for it."""
+    m = mp.models.build("tiny-llama", device="meta", seq_len=64)
+    cl = mp.Cluster.preset("local-cpu")
+    assert mp.plan(m, cl, seq_len=64, global_batch=64).layout.grad_accum_fusion is False
+    assert mp.plan(m, cl, seq_len=64, global_batch=64, for_runtime=False).layout.grad_accum_fusion is True
+    why = runtime_limits(dict(tp=1, dp=4, moe_capacity_factor=1.0))
+    assert len(why) == 1 and "dropless" in why[0], why

@@ -13,7 +13,10 @@ Measurements (one `Calibration`, kept in the profile JSON next to the cluster):
 How they map onto `Cluster` / `GPUSpec` fields (docs/exports.md, "calibrate"):
 - CPU (base local-cpu): the local-cpu preset's own convention (meshplan/cluster/constants.py):
   host rates divided by the process count. bf16_tflops / fp32_tflops = best matmul rate / nproc,
-  gemm_efficiency = 1 (the rate *is* the achievable peak), hbm_tb_s = copy rate / nproc,
+  the bf16 candidates including the host rate nproc one-thread processes sustain while all of
+  them multiply at once (a matmul row of nproc x the per-process rate, measured inside the
+  collective benchmark's processes: robust to other work on the host, which a two-thread matmul
+  in one process is not - it needs both cores at the same moment), gemm_efficiency = 1 (the rate *is* the achievable peak), hbm_tb_s = copy rate / nproc,
   scaleup_gb_s = the same in GB/s, scaleup_busbw_gb_s = measured all-reduce busbw at the largest size.
 - CUDA (a GPU preset as base): the datasheet peaks stay; gemm_efficiency (and fp8_gemm_efficiency)
   = best measured rate / peak (the MAMF ratio the presets use); hbm_tb_s = copy rate / HBM_EFF, so
@@ -78,6 +81,11 @@ CUDA_COLL_BYTES = (4, 1 << 20, 64 << 20, 512 << 20)
 COLL_ITERS_QUICK, COLL_ITERS = 5, 10
 COLL_WARMUP = 2
 AMID_WORK_S = 1e-3            # per-rank work before each collective of the amid-compute measurement
+# CPU: the per-process matmul measured in every rank at once (_concurrent_matmul_tflops): 512^3 bf16
+# (~1.4 ms on one idle core of the local-cpu host) repeated for CPU_CONCURRENT_S seconds in every
+# rank, all starting together: the rate each sustains while all of them compute
+CPU_CONCURRENT_SHAPE = (512, 512, 512)
+CPU_CONCURRENT_S = 1.5
 COLL_TIMEOUT_S = 300.0     # the whole multi-process measurement
 
 
@@ -277,13 +285,38 @@ def _collective_worker(rank: int, world: int, store: str, backend: str, sizes: t
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
                 size = per_rank * 4 * (world if op == "all_gather" else 1)
                 rows.append(dict(op=op, nbytes=size, world=world, seconds=float(t.item())))
+        process_rate = 0.0
         if backend == "gloo":
             rows.append(dict(op="all_reduce_amid_compute", nbytes=4, world=world,
                              seconds=_amid_compute_latency(iters)))
+            process_rate = _concurrent_matmul_tflops(world)
         if rank == 0:
-            Path(out_path).write_text(json.dumps(rows))
+            Path(out_path).write_text(json.dumps({"rows": rows, "process_bf16_tflops": process_rate}))
     finally:
         dist.destroy_process_group()
+
+
+def _concurrent_matmul_tflops(world: int) -> float:
+    """bf16 matmul TFLOP/s of one one-thread process while every rank runs the same matmuls
+    (median over ranks; collective). On a shared CPU host this is the rate a training process
+    gets: a two-thread matmul in one process (the `matmul` rows) needs both cores at once and
+    falls far further behind when other work shares the host (2026-11-24, 2-core VM with other
+    sessions' jobs: 73 GFLOP/s over 2 threads against 421 idle)."""
+    import torch
+    import torch.distributed as dist
+    m, n, k = CPU_CONCURRENT_SHAPE
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    a @ b
+    dist.barrier()
+    # sustained, not best-of: a single short matmul may find a core to itself while the others wait
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < CPU_CONCURRENT_S:
+        a @ b
+        count += 1
+    rate = 2.0 * m * n * k * count / (time.perf_counter() - t0) / 1e12
+    rates = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(rates, torch.tensor([rate], dtype=torch.float64))
+    return float(statistics.median(float(r.item()) for r in rates))
 
 
 def _amid_compute_latency(iters: int) -> float:
@@ -313,7 +346,8 @@ def _amid_compute_latency(iters: int) -> float:
     return float(t.item())
 
 
-def _collectives(backend: str, nproc: int, quick: bool, progress: Callable[[str], None]) -> list[CollectiveResult]:
+def _collectives(backend: str, nproc: int, quick: bool,
+                 progress: Callable[[str], None]) -> tuple[list[CollectiveResult], float]:
     import torch.multiprocessing as tmp
     sizes = CUDA_COLL_BYTES if backend == "nccl" else (COLL_BYTES_QUICK if quick else COLL_BYTES)
     iters = COLL_ITERS_QUICK if quick else COLL_ITERS
@@ -330,7 +364,8 @@ def _collectives(backend: str, nproc: int, quick: bool, progress: Callable[[str]
                         p.kill()
                 raise ConfigError(f"the {backend} collective benchmark on {nproc} processes did not finish in "
                                   f"{COLL_TIMEOUT_S:.0f} s; try --nproc 2 or --quick")
-        rows = json.loads(Path(out).read_text())
+        doc = json.loads(Path(out).read_text())
+    rows, process_rate = doc["rows"], float(doc.get("process_bf16_tflops") or 0.0)
     results = []
     for r in rows:
         algbw = r["nbytes"] / r["seconds"] / 1e9
@@ -339,7 +374,10 @@ def _collectives(backend: str, nproc: int, quick: bool, progress: Callable[[str]
         progress(f"  {res.op:>10s} {_human(res.nbytes):>9s} on {nproc}: {res.seconds * 1e6:10.1f} us, "
                  f"busbw {res.busbw_gb_s:7.3f} GB/s")
         results.append(res)
-    return results
+    if process_rate:
+        progress(f"  matmul bfloat16 {'x'.join(map(str, CPU_CONCURRENT_SHAPE))} in each of {nproc} processes at once: "
+                 f"{process_rate * 1e3:.1f} GFLOP/s per process")
+    return results, process_rate
 
 
 def _human(nbytes: int) -> str:
@@ -370,7 +408,13 @@ def measure(*, device: str = "cpu", nproc: int = 2, quick: bool = False, fp8: bo
     matmul = _matmuls(device, quick, fp8 and device == "cuda", say)
     copy = _copy_rate(device, quick, say)
     backend = "" if nproc == 1 else ("nccl" if device == "cuda" else "gloo")
-    colls = _collectives(backend, nproc, quick, say) if backend else []
+    colls, process_rate = _collectives(backend, nproc, quick, say) if backend else ([], 0.0)
+    if process_rate and device == "cpu":
+        # the host's rate as nproc one-thread processes get it all at once (see _concurrent_matmul_tflops);
+        # best_tflops keeps the higher of it and the two-thread matmuls above
+        m_, n_, k_ = CPU_CONCURRENT_SHAPE
+        matmul.append(MatmulResult(dtype="bfloat16", m=m_, n=n_, k=k_, seconds=2.0 * m_ * n_ * k_ / (process_rate * 1e12),
+                                   tflops=process_rate * nproc))
     if not backend:
         say("  nproc 1: no collectives measured; communication figures stay the base's")
     return Calibration(device=name, backend=backend, nproc=nproc, threads=torch.get_num_threads(), quick=quick,

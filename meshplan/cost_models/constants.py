@@ -135,7 +135,7 @@ TP_OVERLAP_HIDDEN = 0.95                                                        
 # ---- step-level overheads -------------------------------------------------------------------
 # Per-step fixed cost: data loading, logging, grad-norm/clip reductions, launch gaps at the
 # start and end of the step.
-STEP_OVERHEAD_S = 0.05                                                            # estimate
+STEP_OVERHEAD_S = 0.05                                                            # estimate (GPUs; CPU processes: host.step_host_time)
 # Per-layer, per-micro-batch launch/synchronisation overhead not in any kernel (CPU launch gaps,
 # small kernels): visible when layers are tiny.
 LAYER_OVERHEAD_S = 5.5e-6                                                            # fitted
@@ -182,3 +182,54 @@ CPU_VIEW_BWD_S = 7.4e-6                                                         
 # Cores of that host: local-cpu's rates are host totals over 2 threads; a process gets at most one
 # thread, and nproc processes on 2 cores get 2/nproc of one each.
 CPU_HOST_CORES = 2                                                                  # measured host
+# ---- CPU processes: host work outside the traced plain ops (meshplan.cost_models.host) ---------
+# CPU seconds at the reference matmul rate (CPU_MICRO_MATMUL_GFLOPS_1T above): each was measured as
+# process CPU time (time.process_time, robust to the other sessions' load) with one thread per
+# process, and scaled by (matmul rate measured in the same minutes) / 95 GFLOP/s. Measured
+# 2026-11-24 19:10-20:00 UTC on the same 2-core VM (torch 2.13.0 CPU, gloo), host load 6-9 from
+# other sessions; the bf16 matmul (512x128x384, process time) ran at 119 GFLOP/s then, so the raw
+# times below were multiplied by 119/95 = 1.25.
+# - One traced op run on DTensors (the TP-sharded linears; under SP also norms and residual adds),
+#   (forward, backward) seconds: chains of 60 ops on 8x8 DTensors Shard(0) over a 1-rank mesh vs
+#   plain tensors, autograd on. F.linear 47 / 169 us fwd / fwd+bwd (plain 3.5 / 13.3), rms_norm
+#   146 / 530 (plain 14.5 / 49.5), mul 28 / 68 (plain 3.4 / 8.0): ~8-10x a plain op.
+CPU_DTENSOR_LINEAR_S = (58.8e-6, 152.8e-6)                                          # measured
+CPU_DTENSOR_NORM_S = (182.5e-6, 480.3e-6)                                           # measured
+CPU_DTENSOR_OP_S = (35.6e-6, 50.0e-6)                                               # measured
+# - One collective as the runtime issues it: the issuing process's own CPU (loopback syscalls, gloo's
+#   worker-thread hand-offs, DTensor redistribution / functional-collective wrapping), which competes
+#   for the cores like compute; comm.py's alpha-beta time stays the (wall) wait for the data.
+#   * A/B `tp=2` against `dp=2` on 2 processes (tiny-llama, 16 x 128 tokens, the same FLOPs per
+#     rank, 2 micro-batches of 8): TP adds 180 ms of CPU per step per rank; minus its DTensor ops
+#     (above, 21 ms), over the 74 TP collectives of the step (torch.profiler: 38 all-gathers + 36
+#     reduce-scatters): 2.15 ms each.
+#   * A/B `ep=2,dp=2` against `dp=2` on 2 processes (tiny-moe): EP adds 40 ms of CPU per step; minus
+#     the DTensor optimizer parameters (7 ms, below), over its 21 collectives (15 all-to-alls:
+#     counts + rows, 6 expert FSDP-unit gathers / reduce-scatters): 1.57 ms.
+#   * check at 4 processes (19:50 UTC, load 1.8-3): tp2dp2 against dp4 adds 78 ms of forward +
+#     backward CPU per rank: minus 8 ms of DTensor ops, over ~47 collectives: 1.5 ms.
+#   * raw gloo, no DTensor (an all-gather / all-reduce of 64 B - 512 KiB between 2 of 4 processes,
+#     ~0.4 ms of matmul between calls): 0.2-0.65 ms at load 1.7, 0.69-1.0 ms at load 7.
+#   1.86 ms (mean of the two 2-process A/Bs) x 1.25.
+CPU_COLLECTIVE_HOST_S = 2.3e-3                                                      # measured (A/B)
+# - One action (a stage's forward or backward of one micro-batch) of torch.distributed.pipelining's
+#   schedule: A/B `pp=2` (8 micro-batches of 2) against `dp=2` (1 of 8) on 2 processes, the same
+#   FLOPs per rank: PP adds 78 ms of CPU per step; minus the extra per-op overhead of 8x more,
+#   smaller micro-batches that compute.cpu_op_overhead already charges (10 ms) and the 16 sends /
+#   receives (16 x 1.86 ms), over the 16 actions: 2.4 ms each (torch.profiler at 4 processes agrees:
+#   the PP:<stage><F|B><mb> record functions' self time is ~2.8 ms an action); x 1.25.
+CPU_PP_ACTION_HOST_S = 3.0e-3                                                       # measured (A/B)
+# - One call of a Python custom op (torch.library.custom_op; meshplan::grouped_mm, the experts'
+#   grouped GEMM off Hopper), (forward, backward) host seconds beyond its aten ops: torch.profiler
+#   of tiny-moe's MoE feed-forward (512 tokens, bf16, 1 thread; matmul 118 GFLOP/s then), self time
+#   of meshplan::grouped_mm 97 us a call, of grouped_mm_backward + its two generated autograd
+#   nodes 106 + 113 + 24 us; x 1.25 (see above).
+CPU_PY_CUSTOM_OP_S = (121e-6, 304e-6)                                               # measured
+# - Per parameter tensor per step: torch.optim.AdamW on CPU runs its single-tensor loop (~10 ops
+#   per parameter): 3.3-3.7 ms for tiny-llama's 39 plain parameters (DDP, 2 processes) = 90 us,
+#   7.4-7.7 ms for 39 DTensor parameters (FSDP2 / TP shards) and 10.5 ms for tiny-moe's 51
+#   (EP + FSDP2) = 198 us; the gradient norm's per-parameter ops (ParallelModel.clip_grad_norm)
+#   1.8 ms for 39 = 46 us.
+CPU_ADAMW_PARAM_S = 112e-6                                                          # measured
+CPU_ADAMW_DTENSOR_PARAM_S = 248e-6                                                  # measured
+CPU_GRAD_NORM_PARAM_S = 58e-6                                                       # measured

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
-from meshplan.cost_models.compute import fp8_recipe_factor
+from meshplan.cost_models.compute import cpu_thread_share, fp8_recipe_factor, is_cpu
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
+from meshplan.cost_models.host import (
+    fsdp_collectives,
+    param_tensors,
+    partial_grad_reduces,
+    pp_host_time,
+    step_host_time,
+)
 from meshplan.cost_models.layer import Context, unfused_of
 from meshplan.cost_models.memory import (
     deepep_buffer_bytes,
@@ -147,6 +154,34 @@ def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
         (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
 
 
+def _cpu_bubble_factor(cluster, L: Layout) -> float:
+    """CPU processes that outnumber the cores: a pipeline rank idling in the fill or drain blocks
+    in a receive and the OS gives its core to the ranks that have work, so the bubble's busy ranks
+    (about 1 in p of the processes, every data-parallel replica being in the same phase) run at a
+    core share of min(1, share x p) instead of `share` (compute.cpu_thread_share). The bubble,
+    priced at the step's share, shrinks by that ratio. GPUs (and a process per core): 1."""
+    if not is_cpu(cluster) or L.pp <= 1:
+        return 1.0
+    share = cpu_thread_share(cluster)
+    return share / min(1.0, share * L.pp)
+
+
+def _step_overhead(profile: ModelProfile, cluster, L: Layout, ranks: list[RankWork]) -> float:
+    """Fixed per-step time outside forward/backward: constants.STEP_OVERHEAD_S on GPUs; on CPU
+    processes the slowest rank's measured host pieces (host.step_host_time): the optimizer's and the
+    gradient norm's per-parameter loops, Partial-gradient all-reduces, and the loss and norm
+    all-reduces over every rank."""
+    if not is_cpu(cluster):
+        return K.STEP_OVERHEAD_S
+    sync = 2 * collective_time("all_reduce", 8, group(cluster, L.world, 1), cluster)
+    p = L.pp
+    blocks = profile.layer_blocks()
+    return max(step_host_time(param_tensors(profile, w.layers, first=r == 0, last=r == p - 1), L, cluster,
+                              sync_s=sync, partial_reduces=partial_grad_reduces(profile, w.layers, L, last=r == p - 1),
+                              collectives=fsdp_collectives(L, sum(1 for i in w.layers if blocks[i].is_moe)))
+               for r, w in enumerate(ranks))
+
+
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
                  fp8: bool) -> dict[str, float]:
     """GiB by category on pipeline rank r."""
@@ -220,19 +255,22 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     m = global_batch // (L.dp * L.mbs)
     ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe)
     busy, bubble = pipeline_time(L.schedule, m, L.vp, [w.fb for w in ranks], [w.wgrad for w in ranks])
+    bubble *= _cpu_bubble_factor(cluster, L)
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)
     pp_exposed, pp_total = _pp_comm(profile, cluster, L, m, ctx.tokens)
+    pp_exposed += pp_host_time(L, cluster, m)        # CPU processes: the sends' and receives' host work
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
     dp = [_dp_comm(w, blocks, L, groups, cluster, m) for w in ranks]
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
     mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8) for r, w in enumerate(ranks)]
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
-    step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + K.STEP_OVERHEAD_S
+    overhead = _step_overhead(profile, cluster, L, ranks)
+    step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead
     w = ranks[slow]
     time_s = {"compute": m * w.parts["compute"], "tp": m * w.parts["tp"], "cp": m * w.parts["cp"],
               "ep": m * w.parts["ep"], "pp": pp_exposed, "dp": dp_exposed, "bubble": bubble,
-              "optimizer": opt_max, "overhead": K.STEP_OVERHEAD_S}
+              "optimizer": opt_max, "overhead": overhead}
     # the busy time also includes layer overheads folded into compute; keep the split summing to the step
     time_s["compute"] += step - sum(time_s.values())
     comm_s = {"tp": m * w.comm["tp"], "cp": m * w.comm["cp"], "ep": m * w.comm["ep"], "pp": pp_total, "dp": dp_total}

@@ -9,6 +9,7 @@ over CP); the planner's intra-block ILP rediscovers the same pattern for traced 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import (
@@ -33,7 +34,7 @@ from meshplan.ir.profile import BlockProfile
 from meshplan.kernels import fusion as FU  # pure Python, no torch
 
 __all__ = ["Context", "LayerCost", "layer_cost", "gemm_shape", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
-           "cp_kv_gathered_bytes"]
+           "cp_kv_gathered_bytes", "moe_load_factor", "expected_max_std_normal", "NORM_ACT"]
 
 # Fusions whose fused form the per-layer baseline below already assumes (a norm is one read +
 # one write, silu*mul reads two and writes one, rotary reads and writes q and k once), as Megatron
@@ -46,6 +47,8 @@ _ROW = ("attn_out", "mlp_out", "shared_out")             # input dim split over 
 # element-wise passes over h-wide bf16 tensors per layer forward: 2 norms (read x, write y) +
 # 2 residual adds (read 2, write 1) = 10 (derived)
 _NORM_RESIDUAL_PASSES = 10.0
+# Recompute policy of Megatron-Core's --recompute-modules layernorm moe_act (see activation_bytes)
+NORM_ACT = "norm_act"
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,55 @@ class LayerCost:
     compute_s: float         # pure compute (fwd + bwd + recompute), no comm
 
 
+def expected_max_std_normal(n: int) -> float:
+    """E[max of n independent standard normals], Blom's approximation Phi^-1((n - 0.375) / (n + 0.25))
+    (Blom 1958, "Statistical Estimates and Transformed Beta-Variables"). Against the exact integral
+    of x n phi(x) Phi(x)^(n-1): 0.590 vs 0.564 at n=2, 1.434 vs 1.424 at n=8, 2.067 vs 2.070 at n=32,
+    2.585 vs 2.595 at n=128 (within 1% from n=8 on)."""
+    if n <= 1:
+        return 0.0
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def moe_load_factor(b: BlockProfile, c: Context) -> float:
+    """Busiest EP rank's routed (token, expert) rows over the mean, for one MoE layer and micro-batch.
+
+    Every EP rank waits for the slowest at the combine all-to-all, so a dropless MoE layer runs at
+    the pace of the rank that received the most rows. With a router balanced in expectation (the
+    auxiliary load-balancing loss holds each expert's expected share at 1/E: Shazeer et al. 2017;
+    Fedus et al. 2021, Switch Transformer eq. 4) and tokens routed independently, each of the N tokens
+    of the EP group places its k distinct choices on rank r (E/ep of the E experts) as a
+    hypergeometric draw: mean k p, variance k p (1-p) (E-k)/(E-1), p = 1/ep. A rank's load is the sum
+    over N tokens, approximately normal with relative spread s = sqrt((1-p)(E-k) / ((E-1) N k p)).
+    The loads sum to N k, so the ranks' deviations are exchangeable normals with correlation
+    -1/(ep-1), i.e. sqrt(ep/(ep-1)) (W_r - mean W) for independent W; the expected maximum over the ep
+    ranks is then 1 + sqrt(ep/(ep-1)) z_ep s, z_ep = expected_max_std_normal(ep).
+    This is the floor of dropless imbalance: correlated routing (tokens of one document choosing alike)
+    only adds to it. Mixtral 8x22B at tp2 ep8, seq 4096: +2.1% rows on the busiest rank.
+
+    Layout.moe_capacity_factor (read with getattr: absent means dropless) c > 0: every expert is padded
+    to (or dropped at) c times its mean rows (Megatron-Core --moe-expert-capacity-factor c
+    --moe-pad-expert-input-to-capacity), so every rank runs c times the mean; forced balance
+    (--moe-router-force-load-balancing) is c = 1."""
+    if not b.is_moe:
+        return 1.0
+    return _load_factor(b.experts, b.topk, c)
+
+
+def _load_factor(E: int, k: float, c: Context) -> float:
+    L = c.layout
+    cap = getattr(L, "moe_capacity_factor", None)
+    if cap:
+        return float(cap)
+    if L.ep <= 1 or E <= 1:
+        return 1.0
+    k, ep = min(max(1.0, k), float(E)), L.ep
+    n_tokens = c.tokens / L.tp * ep * L.etp          # tokens the EP group routes per micro-batch
+    p = 1.0 / ep
+    s = ((1 - p) * (E - k) / ((E - 1) * n_tokens * k * p)) ** 0.5
+    return 1.0 + (ep / (ep - 1)) ** 0.5 * expected_max_std_normal(ep) * s
+
+
 def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     """Bytes stored for backward by one layer for one micro-batch on one GPU.
 
@@ -99,7 +151,9 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     norm inputs and the two GEMM inputs that TP does not shard (8h, divided by tp under SP),
     Q/K/V and attention output (4h_q + 4h_kv), fp32 log-sum-exp (4 bytes/head), MLP
     intermediates (6f gated / 4f GELU), MoE copies; FP8 stores linear inputs in 1 byte.
-    policy: "none" | "selective" (core attention + activation function recomputed) | "full".
+    policy: "none" | "selective" (core attention + activation function recomputed) | "full" |
+    "norm_act" (Megatron-Core --recompute-granularity selective --recompute-modules layernorm moe_act:
+    the two norms' outputs and the routed experts' activation outputs are recomputed, not stored).
     """
     L = c.layout
     tp, T = L.tp, c.tokens
@@ -113,8 +167,8 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     else:
         scores = 0.0
     half = 0.5 if c.fp8 else 1.0                  # FP8 (TE) stores GEMM inputs in 1 byte
-    rep = (2 * K.BF16 * h                         # two norm inputs
-           + 2 * K.BF16 * h * half) / sp_div      # QKV-in and FC1/router-in
+    norm_out = 0.0 if policy == NORM_ACT else 2 * K.BF16 * h * half   # QKV-in and FC1/router-in
+    rep = (2 * K.BF16 * h + norm_out) / sp_div    # + the two norm inputs
     shard = 0.0
     if b.heads:
         shard += K.BF16 * (2 * b.q_dim + 2 * b.kv_dim)           # Q, K, V (k and v: h_kv each)
@@ -129,9 +183,9 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     if b.is_moe:
         etp = L.etp
         fm = b.moe_ffn_hidden
+        act_out = 0 if policy in ("selective", NORM_ACT) else K.BF16 * fm * half    # FC2's input
         moe = b.topk * (K.BF16 * h * half                                     # permuted expert inputs
-                        + (K.BF16 * fm * (f_mult_store - 1)
-                           + (0 if policy == "selective" else K.BF16 * fm * half)) / etp
+                        + (K.BF16 * fm * (f_mult_store - 1) + act_out) / etp
                         + K.BF16 * h)                                        # expert outputs before combine
         moe += K.FP32 * b.experts * 2                                       # router logits + probs
         if b.shared_ffn_hidden:
@@ -155,6 +209,7 @@ def gemm_shape(li, c: Context) -> tuple[float, float, float, float, float]:
     if li.role in ("expert_in", "expert_out"):
         local = max(1.0, li.count / L.ep)                       # experts held by this GPU
         rows = (T / L.tp) * L.ep * L.etp * li.tokens_per_token   # tokens per local expert (balanced)
+        rows *= _load_factor(li.count, li.tokens_per_token * li.count, c)   # ... on the busiest EP rank
         if li.role == "expert_in":
             n = n / L.etp
         else:
@@ -196,13 +251,25 @@ def _elementwise_bytes(b: BlockProfile, c: Context) -> float:
     if b.ffn_hidden:
         nbytes += act_passes * K.BF16 * b.ffn_hidden * T / L.tp
     if b.is_moe:
-        tok = T / sp_div
+        tok = T / sp_div * moe_load_factor(b, c)                           # the busiest EP rank's rows
         nbytes += 4 * b.topk * K.BF16 * h * tok                           # permute + unpermute (r+w)
         nbytes += act_passes * K.BF16 * b.moe_ffn_hidden * b.topk * tok / L.etp
         if b.shared_ffn_hidden:
             nbytes += act_passes * K.BF16 * b.shared_ffn_hidden * T / L.tp
     # eager forms: charged a third in forward, and twice that in backward (layer_cost)
     return nbytes + _unfused_bytes(b, c) / 3
+
+
+def _norm_act_bytes(b: BlockProfile, c: Context) -> float:
+    """HBM bytes the "norm_act" policy re-runs in backward: the block's two norms (read the input,
+    write the output) and the routed experts' activation function (gated: read gate and up, write)."""
+    L, T = c.layout, c.tokens
+    sp_div = L.tp if L.sp else 1
+    nbytes = 2 * 2 * K.BF16 * b.hidden * T / sp_div
+    if b.is_moe:
+        act_passes = 3 if b.gated else 2
+        nbytes += act_passes * K.BF16 * b.moe_ffn_hidden * b.topk * T / sp_div * moe_load_factor(b, c) / L.etp
+    return nbytes
 
 
 def _unfused_bytes(b: BlockProfile, c: Context) -> float:
@@ -235,7 +302,7 @@ def _tp_comm(b: BlockProfile, c: Context) -> float:
         one = collective_time("all_reduce", size, c.tp, c.cluster)
     t = n_sub * one
     if b.is_moe and L.etp > 1:
-        tok = c.tokens / L.tp * b.topk * L.etp
+        tok = c.tokens / L.tp * b.topk * L.etp * moe_load_factor(b, c)
         sz = K.BF16 * tok * b.hidden
         t += collective_time("all_gather", sz, c.etp, c.cluster) + \
             collective_time("reduce_scatter", sz, c.etp, c.cluster)
@@ -246,7 +313,8 @@ def _ep_comm(b: BlockProfile, c: Context) -> float:
     """All-to-all seconds for ONE forward pass (dispatch + combine); backward is the same."""
     if not b.is_moe or c.layout.ep == 1:
         return 0.0
-    tok = c.tokens / c.layout.tp
+    # the all-to-all ends when the busiest rank has received (dispatch) and sent back (combine) its rows
+    tok = c.tokens / c.layout.tp * moe_load_factor(b, c)
     scale = 0.5 if c.fp8 else 1.0                # FP8 dispatch halves the dispatch payload
     if c.layout.moe_dispatcher == "deepep":
         per_token = K.BF16 * tok * b.hidden      # one copy of every local token
@@ -355,6 +423,9 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     elif policy == "selective":
         recompute = a_fwd
         rc_comm = {}
+    elif policy == NORM_ACT:
+        recompute = elementwise_time(_norm_act_bytes(b, c), c.cluster)
+        rc_comm = {}
     else:
         recompute = 0.0
         rc_comm = {}
@@ -369,4 +440,4 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     return LayerCost(fwd_s=fwd, bwd_s=bwd, recompute_s=recompute, wgrad_s=g_wgrad,
                      comm_s=comm, exposed_s=exposed,
                      compute_s=compute_fwd + compute_bwd + (compute_fwd if policy == "full" else
-                                                            a_fwd if policy == "selective" else 0.0))
+                                                            a_fwd if policy == "selective" else recompute))

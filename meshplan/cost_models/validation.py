@@ -44,7 +44,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +52,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.errors import MeshplanError
-from meshplan.ir.layout import split_layers
+from meshplan.ir.layout import RECOMPUTE, Layout, split_layers
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
@@ -223,6 +223,10 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     rc_txt = row.get("recompute").lower()
     recompute = "full" if rc_txt.startswith("full") else "selective" if rc_txt.startswith("selective") else \
         "none" if rc_txt.startswith("none") else None
+    if recompute == "selective" and "norm" in rc_txt and "act" in rc_txt and "norm_act" in RECOMPUTE:
+        # Megatron-Core --recompute-modules layernorm moe_act (cost_models.layer.NORM_ACT); until
+        # Layout takes that policy such rows are priced as Korthikanti's selective recompute
+        recompute = "norm_act"
     if recompute is None and fam in ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero3"):
         recompute = "full"   # Megatron / Megatron-DeepSpeed before 2022 had only full activation recomputation
     old = fam in ("megatron-sc21", "mtnlg", "bloom") or (fam == "korthikanti" and "no seq" in rc_txt)
@@ -268,6 +272,24 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
         lay["etp"] = row.num("etp") or 1
         if "deepep" in notes.lower():
             lay["moe_dispatcher"] = "deepep"
+        cap = _moe_capacity(notes)
+        if cap is not None and "moe_capacity_factor" in {f.name for f in fields(Layout)}:
+            lay["moe_capacity_factor"] = cap
+
+
+def _moe_capacity(notes: str) -> float | None:
+    """The MoE routing a row's notes name, as a capacity factor (cost_models.layer.moe_load_factor):
+    forced balance (Megatron --moe-router-force-load-balancing) gives every expert its mean rows, as
+    does a capacity factor c with padding (--moe-expert-capacity-factor c
+    --moe-pad-expert-input-to-capacity) at c; None (dropless) otherwise. Until Layout has a
+    moe_capacity_factor field every row is priced dropless."""
+    n = notes.lower()
+    m = re.search(r"capacity factor ([0-9.]+) with padding", n)
+    if m:
+        return float(m.group(1))
+    if "force-load-balancing" in n or "forced balanc" in n:
+        return 1.0
+    return None
 
 
 # Stacks that add each micro-batch's weight gradients into the gradient buffer in a separate pass

@@ -86,6 +86,11 @@ class Layout:
     grad_dtype: str = "fp32"        # gradient buffer and reduction dtype (GRAD_DTYPES)
     optimizer_dtype: str = "fp32"   # Adam moments' dtype (OPTIMIZER_DTYPES); master weights stay fp32
     moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
+    # MoE routing: None = dropless (an aux-loss-balanced router; the busiest EP rank gets more than the
+    # mean: cost_models.layer.moe_load_factor); c > 0 = every expert padded / dropped to c x its mean
+    # rows (Megatron --moe-expert-capacity-factor c --moe-pad-expert-input-to-capacity); forced
+    # balance (--moe-router-force-load-balancing) is 1.0. meshplan's runtime routes dropless.
+    moe_capacity_factor: float | None = None
     fsdp_impl: str = "fsdp2"        # zero=3 implementation (FSDP_IMPLS)
     attn_kernel: str = "flash"      # flash-attention implementation (ATTN_KERNELS)
     fp8_recipe: str = "tensorwise"  # FP8 scaling recipe (FP8_RECIPES), for precision "fp8"
@@ -138,6 +143,9 @@ class Layout:
                             ("fp8_recipe", FP8_RECIPES), ("cp_comm_type", CP_COMM_TYPES)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"layout {name}={getattr(self, name)!r}: use one of {known}")
+        cap = self.moe_capacity_factor
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ConfigError(f"layout moe_capacity_factor={cap!r}: a positive number (None = dropless routing)")
         if self.fsdp_impl != "fsdp2" and self.zero != 3:
             raise ConfigError(f"fsdp_impl={self.fsdp_impl!r} names a ZeRO-3 implementation and needs zero=3, "
                               f"not zero={self.zero}; leave fsdp_impl='fsdp2' for zero={self.zero}")

@@ -86,6 +86,9 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
     if recipe not in ("tensorwise", "rowwise"):
         out.append(f"fp8_recipe={recipe!r}: the runtime's FP8 linears (torchao, Transformer Engine) run "
                    "tensorwise or rowwise scaling; use one of those")
+    if _get(layout, "moe_capacity_factor", None) is not None:
+        out.append("moe_capacity_factor: the runtime routes every token to its experts (dropless), with no "
+                   "capacity padding or dropping; leave moe_capacity_factor unset")
     if cp > 1 and cp_comm != "p2p":
         out.append(f"cp_comm_type={cp_comm!r}: the runtime's context parallelism is the ring of K/V blocks "
                    "('p2p'); use cp_comm_type='p2p'")

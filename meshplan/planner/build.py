@@ -15,7 +15,7 @@ from meshplan.ir.profile import ModelProfile
 from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
 from meshplan.planner.explain import why_lost
 from meshplan.planner.fusions import find_fusions
-from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates
+from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates, fp8_layer_modules
 from meshplan.planner.ilp_sharding import shard_profile
 from meshplan.planner.traits import packing
 from meshplan.planner.stages import refine_stages
@@ -163,11 +163,22 @@ def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], se
     return "".join(msg)
 
 
-def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, global_batch: int) -> tuple[str, ...]:
-    """FP8 placement ILP: which linears gain from FP8 within the memory left on each stage."""
+def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, global_batch: int,
+                 force_in=(), force_out=()) -> tuple[str, ...]:
+    """FP8 placement ILP: which linears gain from FP8 within the memory left on each stage.
+
+    The budget is the room left by the layout with no linear in FP8 (BF16 activations, no FP8
+    weight cache): the ILP itself charges each FP8 module's cache and credits its FP8-stored inputs.
+    (`best` priced precision "fp8" already holds the cache of every weight and FP8 inputs; a budget
+    taken from it counted the cache twice, and the ILP then dropped most linears for want of room:
+    GPT-3 20B at tp2 dp32 kept 13 of 264 linears in FP8, 26% slower than estimate() of the layout.)"""
+    base = best
+    if best.precision == "fp8":
+        base = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
+                                precision="fp8", fp8_modules=frozenset())
     cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
-    budget = [best.capacity_gb - sum(s.values()) for s in best.memory_by_stage]
-    choice = choose_fp8(cands, memory_budget_gb=budget)
+    budget = [base.capacity_gb - sum(v for k, v in s.items() if k != "fp8_cache") for s in base.memory_by_stage]
+    choice = choose_fp8(cands, memory_budget_gb=budget, force_in=force_in, force_out=force_out)
     return tuple(sorted(choice.modules))
 
 
@@ -177,9 +188,13 @@ def _fused_kernels(profile: ModelProfile, lay: Layout) -> tuple[FusedKernel, ...
 
 
 def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
-               fixed: Mapping[str, Any] | None = None, prefer_simpler_layouts: bool = True) -> Plan:
+               fixed: Mapping[str, Any] | None = None, prefer_simpler_layouts: bool = True,
+               fp8_force_in=(), fp8_force_out=()) -> Plan:
     """The Plan of the search's best layout. Fused kernels are listed where the profile says the
-    runtime swaps them in (ModelProfile.fusions True), matched again for the chosen TP degree."""
+    runtime swaps them in (ModelProfile.fusions True), matched again for the chosen TP degree.
+    fp8_force_in / fp8_force_out: modules (names or glob patterns) the FP8 placement ILP must put
+    in / keep out of FP8; the search priced FP8 with the same forces (fp8_layer_modules)."""
+    fp8_layers = fp8_layer_modules(profile, fp8_force_in, fp8_force_out)
     unsupported = getattr(result, "unsupported", [])
     if not result.ranked and unsupported:
         est, why = unsupported[0]
@@ -191,8 +206,8 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     # the pipeline-stage ILP may move layers off the embedding / output stages; try it on the
     # leading candidates (unless the user fixed the split) and keep the fastest
     if not (fixed and "stage_layers" in fixed):
-        head = [refine_stages(profile, cluster, e, seq_len=seq_len, global_batch=global_batch)
-                for e in result.ranked[:3]]
+        head = [refine_stages(profile, cluster, e, seq_len=seq_len, global_batch=global_batch,
+                              fp8_modules=fp8_layers) for e in result.ranked[:3]]
         result.ranked = sorted(head + result.ranked[3:], key=lambda e: e.step_time_s)
     # a faster layout whose edge over a simpler, better-validated one is inside the model's
     # uncertainty band does not win (meshplan.cost_models.uncertainty); unless the user fixed enough
@@ -231,7 +246,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
     fp8_modules: tuple[str, ...] = ()
     if best.precision == "fp8":
-        fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch)
+        fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch, fp8_force_in, fp8_force_out)
         # the plan's prediction costs exactly the FP8 set it will run
         best = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
                                 precision="fp8", fp8_modules=frozenset(fp8_modules))

@@ -57,14 +57,14 @@ import pulp
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
 from meshplan.ir.estimate import GB
-from meshplan.cost_models.layer import Context, gemm_shape, unfused_of
+from meshplan.cost_models.layer import NORM_ACT, Context, gemm_shape, unfused_of
 from meshplan.ir.layout import Layout, split_layers
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.solver import has_solution, proved_optimal, resolve_solver, solve
 from meshplan.planner.traits import packing
 
-__all__ = ["Fp8Candidate", "Fp8Choice", "fp8_candidates", "choose_fp8", "DEFAULT_EXCLUSIONS"]
+__all__ = ["Fp8Candidate", "Fp8Choice", "fp8_candidates", "choose_fp8", "DEFAULT_EXCLUSIONS", "fp8_layer_modules"]
 
 DEFAULT_EXCLUSIONS = ("router", "output layer", "first block", "last block", "dims not multiples of 16",
                       "too small to gain", "packed projection under TP")
@@ -142,10 +142,13 @@ def _stored_input(role: str, b, c: Context, policy: str) -> tuple[str, float]:
     """(input group suffix or "", bytes per token of the BF16 input saved for backward on one GPU).
 
     Mirrors cost_models.layer.activation_bytes: full recompute keeps only the layer input;
-    selective recompute drops the attention output and the MLP activation output."""
+    selective recompute drops the attention output and the MLP activation output; "norm_act" drops
+    the norm outputs (the QKV / MLP / router inputs) and the experts' activation output."""
     L = c.layout
     sp_div = L.tp if L.sp else 1
     if policy == "full":
+        return ("", 0.0)
+    if policy == NORM_ACT and role in ("attn_qkv", "mlp_in", "router", "shared_in", "expert_out"):
         return ("", 0.0)
     h = b.hidden
     if role == "attn_qkv":
@@ -269,6 +272,46 @@ def _head_candidate(profile, cluster, L: Layout, c: Context, m: int, flight: lis
                         fp8_time_s=tf + fp8_weight_cast_time(params, cluster),
                         memory_delta_gb=K.FP8_WEIGHT_CACHE_BYTES * params / GB - saved,
                         default_excluded="output layer", stage=L.pp - 1, activation_saved_gb=saved)
+
+
+def fp8_layer_modules(profile, force_in: Sequence[str] = (), force_out: Sequence[str] = ()) -> frozenset | None:
+    """The FP8 set the search prices before the placement ILP runs, at the cost model's layer
+    granularity (a layer's GEMMs are FP8 when any of its linears is: cost_models.ranks.layer_fp8_flags):
+    every layer but the first and last block (DEFAULT_EXCLUSIONS), plus a layer with a forced-in
+    linear, less a layer whose linears are all forced out. So the search ranks FP8 candidates at the
+    price the plan then reports for the ILP's choice, not at "every layer FP8" (issue #16 part 5: the
+    planner's own layout used to come out slower than `estimate` of it). None: every layer is FP8,
+    which is what estimate(precision="fp8") prices without a module set."""
+    per_layer: list[list[str]] = []
+    seen: dict[int, int] = {}
+    for bi in profile.layers:
+        b = profile.blocks[bi]
+        inst = b.instances[seen.get(bi, 0)] if b.instances else f"layers.{len(per_layer)}"
+        seen[bi] = seen.get(bi, 0) + 1
+        per_layer.append([f"{inst}.{li.name}" for li in b.linears])
+    names = [n for mods in per_layer for n in mods]
+
+    def claims(patterns) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        for p in ((patterns,) if isinstance(patterns, str) else patterns):
+            for n in ({p} if p in known else set(fnmatch.filter(names, p))):
+                out[n] = out.get(n, False) or n == p
+        return out
+
+    known = set(names)
+    fin_m, fout_m = claims(force_in), claims(force_out)
+    fin = {n for n in fin_m if not (n in fout_m and fout_m[n] and not fin_m[n])}
+    fout = {n for n in fout_m if n not in fin}
+    last = len(per_layer) - 1
+    chosen: set[str] = set()
+    for i, mods in enumerate(per_layer):
+        if i in (0, last):
+            chosen.update(n for n in mods if n in fin)
+        elif any(n not in fout for n in mods):
+            chosen.update(n for n in mods if n not in fout)
+    if all(any(n in chosen for n in mods) for mods in per_layer if mods):
+        return None
+    return frozenset(chosen)
 
 
 # ---- the ILP --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
@@ -34,8 +34,11 @@ __all__ = ["SearchResult", "search", "FIXABLE"]
 # stack (kept as given, e.g. to score a published run on its own framework's conventions) and the
 # Adam moments' dtype (bf16 changes the optimizer's numerics: the user's call, or plan()'s fallback
 # when nothing fits with fp32 moments; never a silent speed choice)
-PASSED_THROUGH = ("sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl",
-                  "moe_dispatcher", "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype")
+# (moe_capacity_factor: the MoE routing mode, once Layout has that field; cost_models.layer.moe_load_factor)
+PASSED_THROUGH = tuple(k for k in (
+    "sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
+    "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "moe_capacity_factor")
+    if k in {f.name for f in fields(Layout)})
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
            "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -43,7 +46,13 @@ MAX_MBS = 8
 # The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
 # latency-bound steps then cost more than the attention they split (judgement, not fitted).
 CP_MIN_TOKENS_PER_RANK = 1024
-MAX_VP = 8
+# Virtual stages: every vp that splits each pipeline rank's layers into equal chunks, up to one layer
+# per chunk, as Megatron-LM accepts (--num-layers-per-virtual-pipeline-stage). A cap of 8 left out
+# published layouts (NeMo 24.07: Nemotron-4 340B pp8 vp12, Nemotron 22B pp4 vp10; issue #16 part 5)
+# and costs ~20% more estimates on the largest cases (benchmarks/planning_speed.py).
+# 12 covers every published vp the validation data expresses (NeMo: Nemotron-4 340B pp8 vp12); no cap
+# costs 20-34% more estimates on the largest cases and picks splits such as pp2 vp47 (judgement)
+MAX_VP: int | None = 12        # None: no cap beyond one layer per chunk
 # schedules with one model chunk per pipeline rank: a fixed one keeps vp = 1 (never rewritten)
 SINGLE_CHUNK_SCHEDULES = ("1f1b", "zb", "gpipe")
 
@@ -109,7 +118,11 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
 
 def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[str, ...],
            fixed: Mapping[str, Any] | None = None, allow_cross_domain: bool = False,
-           keep: int = 256, for_runtime: bool = True, traits=None) -> SearchResult:
+           keep: int = 256, for_runtime: bool = True, traits=None,
+           fp8_modules: frozenset | None = None) -> SearchResult:
+    """Rank every candidate layout (see the module docstring). fp8_modules: the module set
+    precision "fp8" candidates are priced with (planner.ilp_fp8.fp8_layer_modules: what the plan's
+    FP8 placement will run, at layer granularity); None prices every layer in FP8."""
     t0 = time.perf_counter()
     n = cluster.num_gpus
     f = _check_fixed(fixed or {}, n)
@@ -157,7 +170,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     continue
                 vps = [1] if pp == 1 or f.get("schedule") in SINGLE_CHUNK_SCHEDULES else \
                     [2] if f.get("schedule") == "zbv" else \
-                    [v for v in range(1, MAX_VP + 1) if L % (pp * v) == 0] or [1]
+                    [v for v in range(1, min(L // pp, MAX_VP or L) + 1) if L % (pp * v) == 0] or [1]
                 for vp in _opts("vp", f, vps):
                     scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])
                     eps = [1]
@@ -167,7 +180,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     for ep, schedule, zero in itertools.product(
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
                             _opts("zero", f, (0, 1, 3) if dp * cp > 1 else (1,))):
-                        if zero == 0 and "zero" not in f and not (tp == cp == pp == ep == 1):
+                        if for_runtime and zero == 0 and "zero" not in f and not (tp == cp == pp == ep == 1):
                             continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/ep (parallel.ddp_runs)
                         etp = f.get("etp", 1)
                         stats["meshes"] += 1
@@ -182,6 +195,11 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             stage_layers = split_layers(L, pp * vp)
                         base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                     schedule=schedule, stage_layers=stage_layers)
+                        if for_runtime:
+                            # PyTorch accumulates each micro-batch's weight gradients into .grad by a
+                            # separate add (AccumulateGrad), not inside the wgrad GEMM as Megatron's
+                            # gradient-accumulation fusion does: price what meshplan's runtime runs
+                            base["grad_accum_fusion"] = False
                         base.update({k: f[k] for k in PASSED_THROUGH if k in f})
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
                             cand = dict(base, **variant)
@@ -195,11 +213,11 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                                 stats["runtime_excluded"] += 1
                                 n0 = len(unsupported)
                                 _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp,
-                                           unsupported, [], ustats)
+                                           unsupported, [], ustats, fp8_modules, for_runtime)
                                 unsupported_why.extend([limits[0]] * (len(unsupported) - n0))
                                 continue
                             _cost_mesh(profile, cluster, cand, f, seq_len, global_batch,
-                                       precisions, dp, ranked, rejected, stats)
+                                       precisions, dp, ranked, rejected, stats, fp8_modules, for_runtime)
     ranked.sort(key=lambda e: e.step_time_s)
     # keep the leanest rejections (for "does not fit" messages) and the fastest ones (layouts that
     # would have won with more memory, shown as runner-ups)
@@ -231,12 +249,15 @@ def _recompute_options(profile: ModelProfile, pp: int) -> list:
     return ["none", "selective", *partial, "full"]
 
 
-def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats) -> None:
+def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats,
+               fp8_modules: frozenset | None = None, for_runtime: bool = True) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
     per_dp = global_batch // dp
     # torch.distributed.pipelining (the runtime) needs at least pp micro-batches per step; the
-    # cost model itself prices fewer (Megatron's 1F1B allows it), so a user may still fix mbs
-    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and (base["pp"] == 1 or per_dp // m >= base["pp"])]
+    # cost model itself prices fewer (Megatron's 1F1B allows it), so a user may still fix mbs, and a
+    # plan for another framework (for_runtime=False) may choose it
+    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
+            (base["pp"] == 1 or per_dp // m >= base["pp"] or not for_runtime)]
     for precision in precisions:
         for rc in _opts("recompute", f, _recompute_options(profile, base["pp"])):
             best_here = None
@@ -244,7 +265,8 @@ def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
                 lay = dict(base, mbs=mbs, recompute=rc)
                 try:
                     est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,
-                                           global_batch=global_batch, precision=precision)
+                                           global_batch=global_batch, precision=precision,
+                                           fp8_modules=fp8_modules if precision == "fp8" else None)
                 except MeshplanError:
                     stats["pruned_divisibility"] += 1
                     continue

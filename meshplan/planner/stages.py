@@ -22,6 +22,7 @@ from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, un
 from meshplan.ir.layout import Layout
 from meshplan.cost_models.memory import optimizer_bytes, state_bytes
 from meshplan.cost_models.pipeline import in_flight
+from meshplan.cost_models.ranks import layer_fp8_flags
 from meshplan.errors import MeshplanError
 from meshplan.planner.ilp_stages import assign_stages
 from meshplan.ir.profile import ModelProfile
@@ -29,17 +30,21 @@ from meshplan.ir.profile import ModelProfile
 __all__ = ["refine_stages"]
 
 
-def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, global_batch: int, fp8: bool) -> dict:
+def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, global_batch: int, fp8: bool,
+                  fp8_modules: frozenset | None = None) -> dict:
     ctx = Context.build(cluster, L, seq_len, fp8, unfused_of(profile))
+    # per layer, the precision the estimate prices it in (the plan's FP8 set, at layer granularity)
+    ctxs = {True: ctx, False: Context.build(cluster, L, seq_len, False, unfused_of(profile)) if fp8 else ctx}
+    flags = layer_fp8_flags(profile, fp8, fp8_modules)
     policy = L.recompute
     blocks = profile.layer_blocks()
     T, sp_div = ctx.tokens, (L.tp if L.sp else 1)
     m = global_batch // (L.dp * L.mbs)
     times, acts, static = [], [], []
-    for b in blocks:
-        c = layer_cost(b, ctx, policy=policy)
+    for b, on in zip(blocks, flags):
+        c = layer_cost(b, ctxs[on], policy=policy)
         times.append(c.fwd_s + c.bwd_s + c.recompute_s)
-        acts.append(activation_bytes(b, ctx, policy=policy) / GB)
+        acts.append(activation_bytes(b, ctxs[on], policy=policy) / GB)
         ob = optimizer_bytes(L)
         sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob)
         se = state_bytes(b.expert_params / (L.ep * L.etp), L.edp, L.zero, optimizer_bytes=ob)
@@ -58,13 +63,14 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
 
 
 def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,
-                  time_limit_s: float = 1.0) -> Estimate:
-    """The estimate of `est`'s layout with the ILP's stage split, if that is faster; else `est`."""
+                  time_limit_s: float = 1.0, fp8_modules: frozenset | None = None) -> Estimate:
+    """The estimate of `est`'s layout with the ILP's stage split, if that is faster; else `est`.
+    fp8_modules: the FP8 set `est` was priced with (the search's), so the split is judged alike."""
     L = Layout.from_dict(est.layout)
     if L.pp == 1 or not isinstance(L.recompute, str):
         return est
     try:
-        inputs = _stage_inputs(profile, cluster, L, seq_len, global_batch, est.precision == "fp8")
+        inputs = _stage_inputs(profile, cluster, L, seq_len, global_batch, est.precision == "fp8", fp8_modules)
         sa = assign_stages(**inputs, pp=L.pp, vp=L.vp, memory_cap_gb=cluster.usable_memory_gb,
                            time_limit_s=time_limit_s)
     except MeshplanError:
@@ -73,5 +79,5 @@ def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int
         return est
     lay = dict(est.layout, stage_layers=sa.stage_layers)
     new = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
-                           precision=est.precision)
+                           precision=est.precision, fp8_modules=fp8_modules if est.precision == "fp8" else None)
     return new if new.fits and new.step_time_s < est.step_time_s else est

@@ -224,7 +224,7 @@ def test_grouped_gemm_pays_the_kernel_cost_once_and_pads_rows_to_tiles(h100x8):
 
 def test_layer_charges_experts_as_one_grouped_gemm(h100x8):
     from meshplan.cost_models.compute import gemm_time, grouped_gemm_time
-    from meshplan.cost_models.layer import _gemms
+    from meshplan.cost_models.layer import _gemms, moe_load_factor
     moe = profile_from_config(dict(family="moe", layers=2, hidden=2048, heads=16, kv_heads=4, vocab=32000,
                                    ffn_hidden=4096, experts=64, topk=4, moe_ffn_hidden=768))
     b = next(bl for bl in moe.layer_blocks() if bl.is_moe)
@@ -233,7 +233,8 @@ def test_layer_charges_experts_as_one_grouped_gemm(h100x8):
     want = 0.0
     for li in b.linears:
         if li.role in ("expert_in", "expert_out"):
-            rows = c.tokens * 8 * li.tokens_per_token
+            # the busiest EP rank's rows (routing imbalance: tests/cost_models/test_moe_imbalance.py)
+            rows = c.tokens * 8 * li.tokens_per_token * moe_load_factor(b, c)
             want += grouped_gemm_time(rows, li.out_features, li.in_features, h100x8, groups=li.count / 8)
         elif li.role == "router":
             want += gemm_time(c.tokens, li.out_features, li.in_features, h100x8)
