@@ -122,13 +122,11 @@ def test_trains_in_plan_precision(world2):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_planner_refuses_etp_for_hf_mixtral():
-    """transformers' Mixtral experts run under EP (runtime/hf_experts.py; tests in test_hf_moe_ep.py),
-    but their fused gate|up weight declares no split for expert tensor parallelism: the planner
-    refuses etp > 1 for them with the runtime's reason."""
-    from meshplan.errors import LayoutError
-    with pytest.raises(LayoutError, match="expert tensor parallelism.*etp_split"):
-        _plan("hf-mixtral", 2, (("dp", 2), ("ep", 1), ("etp", 2), ("zero", 3)))
+def test_planner_offers_etp_for_hf_mixtral():
+    """transformers' Mixtral experts run under EP and ETP (runtime/hf_experts.py splits each
+    expert's gate and up halves; numerics in test_hf_moe_ep.py): the planner returns etp > 1."""
+    plan = _plan("hf-mixtral", 2, (("dp", 2), ("ep", 1), ("etp", 2), ("zero", 3)))
+    assert (plan.layout.ep, plan.layout.etp) == (1, 2)
 
 
 def test_experts_not_divisible_by_ep():
