@@ -15,7 +15,8 @@ point. Derived columns:
     ramp-up    (`rampup=(start, increment, samples)`, Megatron's --rampup-batch-size): the
                runtime keeps the layout and runs fewer micro-batches per step, so a step of b
                sequences takes fixed + (step - fixed) x b / B, fixed = the per-step costs that
-               do not shrink with the batch (pipeline bubble, exposed DP communication); the
+               do not shrink with the batch (pipeline bubble, exposed DP communication, the
+               optimizer step, the fixed step overhead); the
                ramp's steps are summed phase by phase, the remaining tokens run at full speed
     GPU-hours  = GPUs x time                               cost = GPU-hours x price per GPU-hour
     headroom   = usable memory - predicted peak per GPU
@@ -312,7 +313,8 @@ def rampup_seconds(est, *, global_batch: int, seq_len: int, rampup: tuple[int, i
         return 0.0, 0.0
     ramp = BatchRampup(*rampup, final=global_batch)
     limits = scaling_limits(est)
-    fixed = min(limits["bubble"] + limits["DP comm"], est.step_time_s)
+    per_step = limits["bubble"] + limits["DP comm"] + est.time_s.get("optimizer", 0.0) + est.time_s.get("overhead", 0.0)
+    fixed = min(per_step, est.step_time_s)
     seconds = done = 0.0
     for (first, _, size), (nxt, _, _) in zip(ramp.phases, ramp.phases[1:]):
         steps = nxt - first
