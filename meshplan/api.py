@@ -13,7 +13,7 @@ from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
 from meshplan.planner.analytic import profile_from_config
-from meshplan.planner.build import _fp8_modules, build_plan
+from meshplan.planner.build import _fp8_modules, block_instances, build_plan
 from meshplan.planner.explain import explain as _explain
 from meshplan.planner.ilp_fp8 import fp8_layer_modules
 from meshplan.planner.search import search
@@ -220,16 +220,12 @@ def _not_swappable_fp8(prof, model, force_in: tuple[str, ...]) -> tuple[str, ...
     module (GPT-2's transposed Conv1D, stacked expert weights). They stay bf16 in the plan, as they
     would in the run; forcing one in is refused here rather than on N ranks."""
     from torch import nn
+    if not all(b.instances for b in prof.blocks):
+        return ()                               # a profile from a config: no modules to look at
     modules = dict(model.named_modules())
-    seen: dict[int, int] = {}
-    out = []
-    for bi in prof.layers:
-        b = prof.blocks[bi]
-        if not b.instances:
-            continue
-        inst = b.instances[min(seen.get(bi, 0), len(b.instances) - 1)]
-        seen[bi] = seen.get(bi, 0) + 1
-        out += [f"{inst}.{li.name}" for li in b.linears if not isinstance(modules.get(f"{inst}.{li.name}"), nn.Linear)]
+    names = [f"{inst}.{li.name}" for inst, bi in zip(block_instances(prof), prof.layers)
+             for li in prof.blocks[bi].linears]
+    out = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
     forced = [n for n in out if n in force_in]      # named exactly (a glob pattern just skips them)
     if forced:
         raise ConfigError(f"fp8_force_in names {', '.join(forced[:3])}, which the FP8 backends cannot run "

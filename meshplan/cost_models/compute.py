@@ -13,7 +13,7 @@ from meshplan.ir.layout import FP8_RECIPES
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
            "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time",
-           "cpu_thread_share", "cpu_speed", "cpu_op_overhead"]
+           "cpu_thread_share", "cpu_speed", "cpu_rate_scale", "cpu_op_overhead"]
 
 
 def is_cpu(cluster) -> bool:
@@ -36,6 +36,12 @@ def cpu_speed(cluster) -> float:
     return per_core / (K.CPU_MICRO_MATMUL_GFLOPS_1T * 1e9)
 
 
+def cpu_rate_scale(cluster) -> float:
+    """This process's rate for CPU work measured on one reference thread (the CPU_* constants):
+    its share of a core times its speed relative to the reference host."""
+    return cpu_thread_share(cluster) * cpu_speed(cluster)
+
+
 def cpu_op_overhead(ops, cluster) -> tuple[float, float]:
     """(forward, backward) seconds of host overhead for a traced op list on a CPU process: views and
     compute ops each pay their measured dispatch + autograd cost, slowed by the core share."""
@@ -43,7 +49,7 @@ def cpu_op_overhead(ops, cluster) -> tuple[float, float]:
         return 0.0, 0.0
     views = sum(1 for o in ops if getattr(o, "kind", "") == "view")
     other = len(ops) - views
-    slow = 1.0 / (cpu_thread_share(cluster) * cpu_speed(cluster))
+    slow = 1.0 / cpu_rate_scale(cluster)
     return ((views * K.CPU_VIEW_FWD_S + other * K.CPU_OP_FWD_S) * slow,
             (views * K.CPU_VIEW_BWD_S + other * K.CPU_OP_BWD_S) * slow)
 
@@ -124,8 +130,7 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
     if flops_fwd <= 0:
         return 0.0
     if is_cpu(cluster):   # PyTorch's CPU flash-attention kernel, measured rates (constants.CPU_SDPA_*)
-        rate = (K.CPU_SDPA_BWD_GFLOPS_1T if backward else K.CPU_SDPA_FWD_GFLOPS_1T) * 1e9 * \
-            cpu_thread_share(cluster) * cpu_speed(cluster)
+        rate = (K.CPU_SDPA_BWD_GFLOPS_1T if backward else K.CPU_SDPA_FWD_GFLOPS_1T) * 1e9 * cpu_rate_scale(cluster)
         return flops_fwd / rate
     try:
         slow = K.ATTN_KERNEL_SLOWDOWN[kernel]
@@ -141,7 +146,7 @@ def elementwise_time(nbytes: float, cluster) -> float:
     if nbytes <= 0:
         return 0.0
     if is_cpu(cluster):   # bf16 element-wise ops on CPU cores run far below the copy bandwidth
-        return nbytes / (K.CPU_ELEMENTWISE_GB_S_1T * 1e9 * cpu_thread_share(cluster) * cpu_speed(cluster))
+        return nbytes / (K.CPU_ELEMENTWISE_GB_S_1T * 1e9 * cpu_rate_scale(cluster))
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
 
 

@@ -34,7 +34,7 @@ Counts (what the runtime does, meshplan/runtime):
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.compute import cpu_speed, cpu_thread_share, is_cpu
+from meshplan.cost_models.compute import cpu_rate_scale, is_cpu
 
 __all__ = ["host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time", "cp_host_time",
            "pp_host_time", "param_tensors", "partial_grad_reduces", "step_host_time",
@@ -45,7 +45,7 @@ __all__ = ["host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time",
 def host_slowdown(cluster) -> float:
     """Wall seconds per reference CPU-second of host work on this process: 1 / (core share x speed),
     as for compute.cpu_op_overhead."""
-    return 1.0 / (cpu_thread_share(cluster) * cpu_speed(cluster))
+    return 1.0 / cpu_rate_scale(cluster)
 
 
 def _instance(b) -> str:

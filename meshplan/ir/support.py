@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelTraits", "runtime_limits", "TP_ROLE_PLACEMENT", "block_placement_limits"]
+__all__ = ["ModelTraits", "runtime_limits", "TP_ROLE_PLACEMENT", "block_placement_limits", "runs_as_ddp",
+           "experts_folded"]
 
 # Tensor parallelism the runtime runs inside a block: Megatron-LM's pattern, one linear role ->
 # one DTensor placement; the attention between a column- and a row-parallel linear is head-local.
@@ -141,14 +142,29 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
     return out
 
 
+def runs_as_ddp(*, zero: int, dp: int, tp: int, pp: int, cp: int, ep: int) -> bool:
+    """Whether the runtime runs a layout's data parallelism as plain DDP (zero=0): replicated fp32
+    weights, one bucketed all-reduce of the gradients overlapped with backward. DDP keeps plain
+    tensors, so it runs without TP, PP, CP and EP; zero=0 with any of those runs through FSDP2 as
+    ZeRO-1 (less memory than planned, never more). The planner offers zero=0 only here."""
+    return zero == 0 and dp > 1 and tp == pp == cp == ep == 1
+
+
+def experts_folded(*, ep: int, etp: int, tp: int, moe: bool) -> bool:
+    """Whether routed experts run on their own (edp, ep, etp) mesh over the dense dp x cp x tp ranks
+    (MoE parallel folding, runtime/mesh.py): with expert or expert-tensor parallelism, or a MoE
+    model under TP (its MoE layers then run on each TP rank's own tokens)."""
+    return ep > 1 or etp > 1 or (moe and tp > 1)
+
+
 def _expert_shard_limits(traits: ModelTraits, *, tp: int, cp: int, ep: int, etp: int, pp: int, dp: int,
                          zero: int) -> list[str]:
     """FSDP2 shards each routed expert weight over the expert-data-parallel ranks (the dense
     dp x cp x tp ranks regrouped as edp x ep x etp, runtime/mesh.py) along a dimension that splits
     evenly; it pads only dim 0, which with fewer local experts than edp ranks would put a whole
     expert on every rank (runtime/fsdp.py). A layout where no dimension divides is not run."""
-    folded = ep > 1 or etp > 1 or (traits.moe and tp > 1)
-    fsdp = dp * cp > 1 and not (zero == 0 and tp == pp == cp == ep == 1)     # not plain DDP
+    folded = experts_folded(ep=ep, etp=etp, tp=tp, moe=traits.moe)
+    fsdp = dp * cp > 1 and not runs_as_ddp(zero=zero, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     edp = dp * cp * tp // max(1, ep * etp)
     if not (traits.expert_shapes and folded and fsdp and edp > 1):
         return []

@@ -181,7 +181,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
                             _opts("zero", f, (0, 1, 3) if dp * cp > 1 else (1,))):
                         if for_runtime and zero == 0 and "zero" not in f and not (tp == cp == pp == ep == 1):
-                            continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/ep (parallel.ddp_runs)
+                            continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/ep (ir.support.runs_as_ddp)
                         etp = f.get("etp", 1)
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))

@@ -13,16 +13,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshplan.ir.support import runs_as_ddp
+
 __all__ = ["ddp_runs", "data_parallel_mode", "wrap_ddp", "autocast_forward"]
 
 
 def ddp_runs(layout) -> bool:
-    """Whether the runtime runs this layout's data parallelism as plain DDP (zero=0): replicated
-    fp32 weights, one bucketed all-reduce of the gradients overlapped with backward. DDP keeps
-    plain tensors, so it runs without TP, PP, CP and EP; zero=0 with any of those runs through
-    FSDP2 as ZeRO-1 (less memory than planned, never more). The planner offers zero=0 only here."""
-    return layout.zero == 0 and layout.dp > 1 and layout.tp == 1 and layout.pp == 1 and layout.cp == 1 \
-        and layout.ep == 1
+    """Whether the runtime runs this layout's data parallelism as plain DDP (ir.support.runs_as_ddp)."""
+    return runs_as_ddp(zero=layout.zero, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
 
 
 def data_parallel_mode(plan) -> str:

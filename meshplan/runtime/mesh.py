@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import init_device_mesh
 
+from meshplan.ir.support import experts_folded
+
 __all__ = ["Meshes", "build_mesh", "hsdp", "folds_experts"]
 
 
@@ -57,7 +59,7 @@ def folds_experts(plan) -> bool:
     """Whether the plan's routed experts run on their own (edp, ep, etp) mesh (Meshes.folded)."""
     lay = plan.layout
     moe = any(label == "expert" for label in plan.placements.values())
-    return lay.ep > 1 or lay.etp > 1 or (moe and lay.tp > 1)
+    return experts_folded(ep=lay.ep, etp=lay.etp, tp=lay.tp, moe=moe)
 
 
 def _fold(root, plan) -> dict:
