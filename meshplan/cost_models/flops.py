@@ -47,6 +47,8 @@ def recompute_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, l
         return 0.0
     if rc == "selective":
         return tokens * sum(attention_fwd_flops_per_token(b, seq_len) for b in blocks)
+    if rc == "norm_act":
+        return 0.0      # norms and the experts' activation are element-wise: no matmul FLOPs are redone
     full = [layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len) for b in blocks]
     if rc == "full":
         return tokens * sum(full)

@@ -52,7 +52,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.errors import MeshplanError
-from meshplan.ir.layout import RECOMPUTE, Layout, split_layers
+from meshplan.ir.layout import Layout, split_layers
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
@@ -223,9 +223,9 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     rc_txt = row.get("recompute").lower()
     recompute = "full" if rc_txt.startswith("full") else "selective" if rc_txt.startswith("selective") else \
         "none" if rc_txt.startswith("none") else None
-    if recompute == "selective" and "norm" in rc_txt and "act" in rc_txt and "norm_act" in RECOMPUTE:
-        # Megatron-Core --recompute-modules layernorm moe_act (cost_models.layer.NORM_ACT); until
-        # Layout takes that policy such rows are priced as Korthikanti's selective recompute
+    if recompute == "selective" and "norm" in rc_txt and "act" in rc_txt:
+        # Megatron-Core --recompute-modules layernorm moe_act: the Layout policy "norm_act" (norms and
+        # routed experts' activation re-run; cost_models.layer.NORM_ACT), not Korthikanti's selective
         recompute = "norm_act"
     if recompute is None and fam in ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero3"):
         recompute = "full"   # Megatron / Megatron-DeepSpeed before 2022 had only full activation recomputation

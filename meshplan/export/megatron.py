@@ -50,7 +50,7 @@ def _pipeline_layout_string(sl: tuple[int, ...]) -> str:
 class _Recompute:
     """Megatron-Core's recompute settings (TransformerConfig recompute_* fields)."""
 
-    granularity: str | None = None     # None | "selective" | "full"
+    granularity: str | None = None     # None | "selective" (also "norm_act") | "full"
     method: str | None = None          # None | "uniform" | "block"
     num_layers: int | None = None
     modules: tuple[str, ...] = ()
@@ -76,6 +76,11 @@ def _megatron_recompute(v: _View, rc: Any) -> _Recompute:
             v.notes.append("recompute: meshplan's selective policy also recomputes the dense MLP activation; "
                            "Megatron's nearest (recompute modules core_attn) keeps it, using a little more memory")
         return _Recompute(granularity="selective", modules=mods)
+    if rc == "norm_act":
+        # the policy is Megatron-Core's own: re-run the two norms of every layer and the routed
+        # experts' activation; "moe_act" is left out for a dense model, where it has nothing to act on
+        moe = v.shape is None or v.shape.experts > 0
+        return _Recompute(granularity="selective", modules=("layernorm",) + (("moe_act",) if moe else ()))
     if rc == "full" or (isinstance(rc, int) and rc >= v.layers_per_rank):
         return _Recompute(granularity="full", method="uniform", num_layers=1)
     # N fully recomputed layers per pipeline rank. Megatron's "block" method recomputes the first

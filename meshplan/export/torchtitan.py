@@ -58,6 +58,16 @@ def _titan_ac(v: _View) -> dict[str, Any]:
         return {"mode": "none"}
     if rc == "full" or (isinstance(rc, int) and rc >= v.layers_per_rank):
         return {"mode": "full"}
+    if rc == "norm_act":
+        # torchtitan's checkpointing wraps whole layers (full, every k-th, or op-level SAC over the
+        # layer); none of its modes stores everything but the norms' and the experts' activation outputs
+        raise ConfigError(
+            "torchtitan has no recompute mode that re-runs only the norms and the MoE activation (plan "
+            "recompute 'norm_act', Megatron-Core's --recompute-modules layernorm moe_act): its activation "
+            "checkpointing is 'none', 'full' or 'selective' (op-level SAC, or every k-th layer). Re-plan with "
+            "fixed={'recompute': 'selective'} (`meshplan plan --fix recompute=selective`: less memory, attention "
+            "recomputed) or fixed={'recompute': 'none'} if it fits, or export this plan to Megatron-LM or NeMo, "
+            "which run it as is")
     if rc == "selective":
         # op-level SAC recomputes the cheap ops and keeps matmul outputs: the closest to meshplan's
         # "recompute core attention + activation" policy

@@ -24,7 +24,13 @@ __all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "OPTIMIZER_DTYPES"
 # (Qi et al., ICLR'24): 1F1B memory, about a third of its bubble; "zbv" is ZB-V (zero bubble,
 # 1x memory, two chunks per rank in a V); "gpipe" keeps every micro-batch in flight.
 SCHEDULES = ("1f1b", "interleaved", "zb", "zbv", "gpipe")
-RECOMPUTE = ("none", "selective", "full")
+# Activation recompute policies (cost_models.layer.activation_bytes prices each, runtime/recompute.py
+# runs each): "selective" re-runs core attention and the MLP activation (Korthikanti et al. 2022);
+# "norm_act" re-runs only the block's norms and the routed experts' activation function (Megatron-Core
+# --recompute-granularity selective --recompute-modules layernorm moe_act): less memory saved than
+# "selective" on a dense model, but almost free to recompute, so it pays where MoE or long-context
+# activations are the limit; "full" keeps only each layer's input.
+RECOMPUTE = ("none", "selective", "norm_act", "full")
 # Gradient buffer / reduction dtype: "fp32" is Megatron-LM's default for bf16 training
 # (accumulate_allreduce_grads_in_fp32) and meshplan's runtime (FSDP2 reduce_dtype=fp32); "bf16" is
 # Megatron's --grad-reduce-in-bf16 and NeMo 1.x's distributed_fused_adam grad_sync_dtype=bf16.
@@ -74,7 +80,7 @@ class Layout:
     dp: int = 1
     zero: int = 1            # 0 DDP, 1 distributed optimizer, 2 + sharded grads, 3 FSDP full shard
     mbs: int = 1
-    recompute: str | int = "none"   # "none" | "selective" | "full" | N = full recompute of N layers per stage
+    recompute: str | int = "none"   # RECOMPUTE ("none" | "selective" | "norm_act" | "full") | N = full recompute of N layers per stage
     schedule: str | None = None     # None: "interleaved" when vp > 1, else "1f1b"; a named one is kept or refused
     sp: bool | None = None   # sequence parallel; default: on whenever tp > 1
     tp_comm_overlap: bool = False   # Megatron --tp-comm-overlap (userbuffers)
@@ -116,6 +122,7 @@ class Layout:
         if isinstance(self.recompute, str):
             if self.recompute not in RECOMPUTE:
                 raise ConfigError(f"layout recompute={self.recompute!r}: use one of {RECOMPUTE} "
+                                  "(\"norm_act\": recompute the norms and the MoE activation only) "
                                   "or a number of fully recomputed layers per stage")
         elif isinstance(self.recompute, bool) or not isinstance(self.recompute, int) or self.recompute < 0:
             raise ConfigError(f"layout recompute={self.recompute!r}: a layer count must be >= 0")
@@ -178,7 +185,7 @@ class Layout:
         return self.pp * self.vp
 
     def recompute_policy(self, index_in_rank: int) -> str:
-        """"none" | "selective" | "full" for the `index_in_rank`-th layer a pipeline rank holds,
+        """"none" | "selective" | "norm_act" | "full" for the `index_in_rank`-th layer a pipeline rank holds,
         counted over all of its virtual stages in execution order. The cost model prices and the
         runtime applies exactly this (an int N recomputes the first N layers of each rank)."""
         rc = self.recompute

@@ -194,9 +194,14 @@ class MoE(nn.Module):
             probs = scores / scores.sum(dim=-1, keepdim=True)
         if self.force_balance:
             # Megatron's forced balance (benchmarking): copy j of token t goes to expert
-            # (t k + j) mod E, the same load on every expert whatever the router learnt
+            # (t k + j) mod E, the same load on every expert whatever the router learnt. The choice
+            # is still a top-k over the router's scores (lifted by 2 at the round-robin experts; the
+            # scores lie in [0, 1]), as Megatron's top-k over replaced logits is: the planner's trace
+            # finds a MoE layer by a top-k fed by a router linear, and prices its dispatch.
             n, e = logits.shape
-            selected = (torch.arange(n * self.topk, device=logits.device) % e).view(n, self.topk)
+            rr = (torch.arange(n * self.topk, device=logits.device) % e).view(n, self.topk)
+            lift = torch.zeros_like(scores).scatter_(1, rr, 2.0)
+            _, selected = (scores.detach() + lift).topk(self.topk, dim=-1)
         elif bias is not None:
             _, selected = (scores + bias).topk(self.topk, dim=-1)
         else:

@@ -32,7 +32,7 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
     if loser.precision != best.precision and k == "compute":
         return f"{slower * 100:.1f}% slower: {loser.precision} GEMMs are slower than {best.precision}"
     if k == "compute":
-        order = {"none": 0, "selective": 1, "full": 2}
+        order = {"none": 0, "norm_act": 0.5, "selective": 1, "full": 2}
         lr, br = loser.layout.get("recompute"), best.layout.get("recompute")
         if order.get(lr, 1) > order.get(br, 1) or (isinstance(lr, int) and br == "none"):
             return (f"{slower * 100:.1f}% slower: recomputation ({lr}) redoes forward work "

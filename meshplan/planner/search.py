@@ -2,7 +2,7 @@
 
 The space (issue "planner search"): every factorisation of the GPU count into tp x cp x pp x dp,
 experts folded over the dense dp x cp x tp ranks as ep (x etp), virtual stages vp, micro-batch
-size, recompute (none / selective / full), ZeRO stage (distributed optimizer or FSDP), schedule
+size, recompute (none / norm_act / selective / full), ZeRO stage (distributed optimizer or FSDP), schedule
 (1F1B, interleaved, zero-bubble) and precision. Pruning, cheapest first:
 1. divisibility (heads, KV heads, FFN, vocab, experts, sequence, batch) and the scale-up domain
    (TP and EP stay inside it unless `allow_cross_domain`);
@@ -41,7 +41,14 @@ PASSED_THROUGH = tuple(k for k in (
     if k in {f.name for f in fields(Layout)})
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
            "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = ("none", "norm_act", "selective", "full")
+# "norm_act" (re-run the norms and the routed experts' activation: element-wise work only) is offered
+# where its memory saving is large or selective's recompute is dear: on MoE models (it drops the
+# experts' activation outputs, topk x moe_ffn_hidden per token, usually the largest MoE activation) and
+# from this sequence length on, where selective re-runs an attention that grows with the sequence.
+# On short dense models it saves only the two norm outputs (4h bytes per token) for about what
+# selective's recompute costs, so it is not tried there (fewer estimates). (judgement, not fitted)
+NORM_ACT_MIN_SEQ = 8192
 MAX_MBS = 8
 # The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
 # latency-bound steps then cost more than the attention they split (judgement, not fitted).
@@ -93,6 +100,26 @@ def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
     return f
 
 
+def _check_fixed_against_model(f: Mapping[str, Any], profile: ModelProfile, experts: int, *, heads: int, kv: int,
+                               ffns: list[int]) -> None:
+    """Fixed degrees the model's shapes rule out, named in its terms (else the search would find no
+    candidate and report that nothing fits)."""
+    ep, etp = int(f.get("ep", 1)), int(f.get("etp", 1))
+    if (ep > 1 or etp > 1) and not experts:
+        raise ConfigError(f"fixed ep={ep}, etp={etp}: {profile.name} has no routed experts (its trace found no "
+                          "router top-k feeding expert weights), so there is nothing to shard over ep / etp; "
+                          "use ep=1, etp=1 (or leave them free)")
+    if ep > 1 and experts % ep:
+        ok = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"fixed ep={ep} does not divide the {experts} experts of {profile.name}; use one of {ok}")
+    tp = int(f.get("tp", 1))
+    bad = [f"{what} {v}" for what, v in (("attention heads", heads), ("kv heads", kv), ("vocabulary", profile.vocab))
+           if v % tp] + [f"FFN width {w}" for w in sorted(set(ffns)) if w % tp]
+    if tp > 1 and bad:
+        raise ConfigError(f"fixed tp={tp} does not divide {profile.name}'s {', '.join(bad)}; choose a tp that "
+                          "divides them (or leave tp free)")
+
+
 def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
     if key in fixed:
         return [fixed[key]]
@@ -139,6 +166,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     def tp_ok(t: int) -> bool:
         return (heads % t == 0 and kv % t == 0 and profile.vocab % t == 0 and all(w % t == 0 for w in ffns)
                 and (allow_cross_domain or t <= domain))
+
+    _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns)
 
     stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "estimates": 0, "runtime_excluded": 0}
     ranked: list[Estimate] = []
@@ -241,12 +270,15 @@ def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) 
     return keep or [{k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}]
 
 
-def _recompute_options(profile: ModelProfile, pp: int) -> list:
-    """none, selective, then full recomputation of a growing number of layers per pipeline rank
-    (Megatron's --recompute-num-layers), then all of them."""
+def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0) -> list:
+    """none, norm_act (MoE or long sequences: NORM_ACT_MIN_SEQ), selective, then full recomputation
+    of a growing number of layers per pipeline rank (Megatron's --recompute-num-layers), then all of
+    them."""
     per_rank = max(1, profile.num_layers // pp)
     partial = sorted({max(1, round(per_rank * q)) for q in (0.25, 0.5, 0.75)} - {per_rank})
-    return ["none", "selective", *partial, "full"]
+    moe = any(b.is_moe for b in profile.layer_blocks())
+    norm_act = ["norm_act"] if moe or seq_len >= NORM_ACT_MIN_SEQ else []
+    return ["none", *norm_act, "selective", *partial, "full"]
 
 
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats,
@@ -259,7 +291,7 @@ def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
     mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
             (base["pp"] == 1 or per_dp // m >= base["pp"] or not for_runtime)]
     for precision in precisions:
-        for rc in _opts("recompute", f, _recompute_options(profile, base["pp"])):
+        for rc in _opts("recompute", f, _recompute_options(profile, base["pp"], seq_len)):
             best_here = None
             for mbs in _opts("mbs", f, mbss):
                 lay = dict(base, mbs=mbs, recompute=rc)
@@ -278,5 +310,7 @@ def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
                 if best_here is not None and est.step_time_s > best_here:
                     break                      # growing mbs stopped paying off
                 best_here = est.step_time_s
-            if best_here is not None and "recompute" not in f:
+            if best_here is not None and "recompute" not in f and rc != "norm_act":
                 break                          # cheapest recompute that fits found; more recompute only adds work
+            # (not after "norm_act": selective saves more and re-runs attention instead of element-wise
+            # work, which at short sequences can be the cheaper recompute; both are ranked)
