@@ -118,6 +118,9 @@ def _register_training_options(t) -> None:
                    help="cosine decay after warm-up, or WSD (warm-up, stable, decay)")
     g.add_argument("--wsd-decay-steps", type=int, default=None, help="WSD: steps of the final decay (default 10%%)")
     g.add_argument("--wsd-decay-style", choices=["linear", "cosine", "minus_sqrt"], default="linear")
+    g.add_argument("--profile", metavar="FIRST:LAST", default=None,
+                   help="run torch.profiler over these steps (e.g. 6:8) on every rank; writes a Chrome trace "
+                        "and an operator table per rank to OUT/profile/")
     g.add_argument("--keep-every", type=int, default=0,
                    help="also keep every checkpoint whose step is a multiple of this (milestones)")
     g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
@@ -218,6 +221,22 @@ def _save_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _profile_steps(text: str | None) -> tuple[int, int] | None:
+    """--profile FIRST:LAST (or one step N) -> (first, last)."""
+    if not text:
+        return None
+    from meshplan.errors import ConfigError
+    parts = text.split(":")
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last:
+        raise ConfigError(f"--profile {text!r}: give the steps to profile as FIRST:LAST with 1 <= FIRST <= LAST, "
+                          "e.g. --profile 6:8 (after the first steps' warm-up)")
+    return first, last
+
+
 def _starts_on_meta(model, args) -> bool:
     """Whether `model` is parallelised from the meta device (each rank allocates only its shards):
     meshplan's models always (their initialisation replays exactly, runtime/materialize.py), and
@@ -246,6 +265,7 @@ def cmd_train(args) -> int:
         # started by `meshplan launch`, a Slurm script or torchrun itself: this process is one rank
         exit_worker(_in_launcher(args))
     _check_nodes(args)
+    _profile_steps(getattr(args, "profile", None))      # a malformed --profile fails before planning
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plan and args.nproc is None:
@@ -356,7 +376,8 @@ def _worker(args, plan=None) -> int:
                           keep_every=getattr(args, "keep_every", 0),
                           rampup_batch_size=tuple(args.rampup_batch_size) if getattr(
                               args, "rampup_batch_size", None) else None,
-                          init_from=getattr(args, "init_from", None))
+                          init_from=getattr(args, "init_from", None),
+                          profile_steps=_profile_steps(getattr(args, "profile", None)))
         try:
             res = train(model, plan, cfg, pm=pm)
         except (RankHangError, MeshplanError) as e:

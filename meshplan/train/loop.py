@@ -100,6 +100,8 @@ class TrainConfig:
     rampup_batch_size: tuple[int, int, int] | None = None   # (start, increment, samples), Megatron's ramp-up
     init_from: str | None = None            # fine-tune start: model weights only (a checkpoint step_N
                                             #   directory or a transformers safetensors directory)
+    profile_steps: tuple[int, int] | None = None   # (first, last) step, 1-based: torch.profiler on every
+                                            #   rank over those steps, written to <out_dir>/profile/
 
     def __post_init__(self) -> None:
         for name in ("steps", "warmup", "checkpoint_every", "keep_checkpoints", "hang_rank"):
@@ -127,6 +129,12 @@ class TrainConfig:
                 raise ConfigError(f"rampup_batch_size must be three whole numbers >= 1 (start, increment, "
                                   f"samples), e.g. (16, 16, 100000); got {r!r}")
             object.__setattr__(self, "rampup_batch_size", tuple(r))
+        p = self.profile_steps
+        if p is not None:
+            if not isinstance(p, (tuple, list)) or len(p) != 2 or any(
+                    isinstance(v, bool) or not isinstance(v, int) for v in p) or not 1 <= p[0] <= p[1]:
+                raise ConfigError(f"profile_steps must be two step numbers 1 <= first <= last, e.g. (6, 8); got {p!r}")
+            object.__setattr__(self, "profile_steps", tuple(p))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +195,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _bound_collectives(pm, config.collective_timeout_s)     # from here on: set-up (tokenising, loading) is done
     heartbeat = _Heartbeat()
+    profiler = _StepProfiler(config.profile_steps, out, rank)
     step = start
     try:
         for step in range(start, config.steps):
@@ -203,6 +212,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             set_lr(opt, lr)
             x, y = sampler.batch(step)
             _set_microbatches(pm, balancer, x.shape[0])
+            profiler.before(step + 1)
+            c0 = time.process_time()
             t0 = time.perf_counter()
             if balancer is not None:
                 balancer.begin_step()
@@ -212,6 +223,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             pm.zero_grad()
             routing = balancer.finish_step() if balancer is not None else {}   # expert-bias update
             dt = time.perf_counter() - t0
+            cpu = time.process_time() - c0
+            profiler.after(step + 1)
             losses[step + 1] = loss
             if rank == 0:
                 # with a ramp-up, the predicted time and MFU are the plan's, at the full batch
@@ -219,6 +232,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 m = StepMetrics(step=step + 1, loss=loss, grad_norm=norm, lr=lr,
                                 tokens_per_s=x.shape[0] * plan.seq_len / dt,
                                 step_time_s=dt, predicted_step_time_s=predicted * full if predicted else None,
+                                cpu_time_s=cpu,
                                 # MFU scales inversely with step time from the plan's own prediction
                                 mfu=(est_mfu * predicted * full / dt) if est_mfu and predicted else None,
                                 peak_memory_gb=peak_memory_gb(pm.device), global_batch=x.shape[0],
@@ -242,12 +256,46 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             raise heartbeat.diagnose(step + 1, e) from e
         raise
     finally:
+        profiler.close()
         if bar:
             bar.close()
         if log:
             log.close()
     return TrainResult(losses=losses, start_step=start, final_step=start + len(losses),
                        checkpoint=str(written) if written else None)
+
+
+class _StepProfiler:
+    """torch.profiler over steps first..last (1-based) on this rank: a Chrome trace
+    (profile/rank<r>.json, open in chrome://tracing or Perfetto) and the operator table sorted by
+    self CPU time (profile/rank<r>.txt). The profiler's own hooks slow each op, so the profiled
+    steps' step_time_s in metrics.jsonl reads high."""
+
+    def __init__(self, steps: tuple[int, int] | None, out: Path, rank: int) -> None:
+        self.steps, self.out, self.rank, self.prof = steps, out, rank, None
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0] and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts, record_shapes=False)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step >= self.steps[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        d = self.out / "profile"
+        d.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(d / f"rank{self.rank}.json"))
+        n = self.steps[1] - self.steps[0] + 1
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
+        (d / f"rank{self.rank}.txt").write_text(f"steps {self.steps[0]}..{self.steps[1]} ({n} steps), rank {self.rank}\n{table}\n")
 
 
 def _rampup(plan, config: TrainConfig):

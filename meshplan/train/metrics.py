@@ -48,6 +48,8 @@ class StepMetrics:
     tokens_per_s: float
     step_time_s: float
     predicted_step_time_s: float | None = None
+    cpu_time_s: float | None = None        # CPU seconds rank 0's process used in the step (all its threads):
+                                           #   on CPU processes the step's work, apart from time-sharing
     mfu: float | None = None               # fraction of peak, 0..1
     peak_memory_gb: float | None = None
     global_batch: int | None = None        # sequences this step (changes during a batch-size ramp-up)

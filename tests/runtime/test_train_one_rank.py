@@ -191,3 +191,27 @@ def test_every_mesh_group_gets_the_training_timeout():
     _bound_collectives(pm, 60.0)                    # back to the fixture's, for the other tests
     assert _group_timeout_s() == 60.0
     dist.destroy_process_group(sub)
+
+
+def test_profiled_steps_write_a_trace_and_an_operator_table(tmp_path):
+    """--profile FIRST:LAST: torch.profiler over those steps only, a Chrome trace and an operator
+    table per rank; every step's metrics carry the process CPU time beside the wall time."""
+    from meshplan import models
+    from meshplan.train.loop import TrainConfig, train
+    model = models.build("tiny-llama", seq_len=SEQ, device="cpu")
+    model.init_weights()
+    train(model, _plan(), TrainConfig(steps=3, warmup=1, out_dir=str(tmp_path), profile_steps=(2, 3), progress=False,
+                                      resume=False, checkpoint_every=0))
+    prof = tmp_path / "profile"
+    assert json.loads((prof / "rank0.json").read_text())["traceEvents"]
+    table = (prof / "rank0.txt").read_text()
+    assert table.startswith("steps 2..3 (2 steps), rank 0") and "aten::mm" in table
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert len(recs) == 3 and all(0 < r["cpu_time_s"] for r in recs)
+
+
+@pytest.mark.parametrize("bad", [(3, 2), (0, 1), (2,), "2:3"])
+def test_bad_profile_steps_are_refused(bad):
+    from meshplan.train.loop import TrainConfig
+    with pytest.raises(ConfigError, match="profile_steps"):
+        TrainConfig(profile_steps=bad)
