@@ -3,7 +3,9 @@
 model's predicted step against the measured step of `meshplan train`, per layout.
 
 For each layout of the default job (tiny-llama, 4 processes, global batch 16 x 128 tokens; EP on
-tiny-moe, the same shapes with 4 experts) this runs `meshplan train --fix <layout> --steps N` with
+tiny-moe, the same shapes with 4 experts, routed with forced balance as Megatron benchmarks MoE
+throughput: the untrained router of a model without a balancing loss sends nearly every token to
+one expert, max/mean 1.96 of a possible 2.0, a state real training does not stay in) this runs `meshplan train --fix <layout> --steps N` with
 gloo on local CPU processes, reads metrics.jsonl, and compares the median measured step (after
 the first `--skip` warm-up steps) with the plan's predicted step. With `--cluster profile.json`
 (written by `meshplan calibrate --nproc 4`) the plan and its prediction use the calibrated machine.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -46,8 +49,11 @@ LAYOUTS = {
     "cp2dp2": ("tiny-llama", "cp=2,dp=2,tp=1,pp=1"),
     "ep2dp2": ("tiny-moe", "ep=2,dp=4,tp=1,pp=1,cp=1"),
 }
+# model options per layout (meshplan train flags and the matching models.build keywords)
+OPTIONS = {"ep2dp2": (["--moe-force-balance"], {"moe_force_balance": True})}
 TARGET = 0.15          # issue #16: within 15% of the measured step
 SEQ, GBS, NPROC = 128, 16, 4
+CORES = os.cpu_count() or 1
 
 
 def _load() -> str:
@@ -69,24 +75,25 @@ def _fix_dict(fix: str) -> dict:
     return {k: int(v) for k, v in (kv.split("=") for kv in fix.split(","))}
 
 
-def predict(model: str, fix: str, cluster: str = "local-cpu"):
+def predict(model: str, fix: str, cluster: str = "local-cpu", **options):
     """The plan's Estimate for the layout, as `meshplan train` would plan it."""
     import meshplan as mp
     from meshplan.cli.train import _cluster
     cl = _cluster(cluster, NPROC)
-    m = mp.models.build(model, device="meta")
+    m = mp.models.build(model, device="meta", **options)
     return mp.plan(m, cl, seq_len=SEQ, global_batch=GBS, fixed=_fix_dict(fix)).estimate
 
 
-def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: int) -> tuple[float, float, list, float]:
-    """(median measured step s, predicted step s, all measured steps, median MoE imbalance or nan) of one
-    `meshplan train` run. The imbalance (busiest expert's rows over the mean, the runtime's
+def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: int,
+            flags: list[str] = ()) -> tuple[float, float, list, float, float]:
+    """(median measured step s, predicted step s, all measured steps, median MoE imbalance or nan,
+    median CPU seconds of rank 0's process per step) of one `meshplan train` run. The imbalance (busiest expert's rows over the mean, the runtime's
     moe_imbalance metric) matters under EP: every EP rank waits for the one holding the busiest
     expert, which the cost model prices only at its statistical floor (layer.moe_load_factor)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "meshplan.cli", "train", "--model", model, "--fix", fix, "--steps", str(steps),
                "--global-batch", str(GBS), "--seq-len", str(SEQ), "--nproc", str(NPROC), "--out", d,
-               "--checkpoint-every", str(10 * steps), "--no-resume", "--cluster", cluster]
+               "--checkpoint-every", str(10 * steps), "--no-resume", "--cluster", cluster, *flags]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         path = Path(d) / "metrics.jsonl"
         if proc.returncode != 0 or not path.exists():
@@ -96,7 +103,9 @@ def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: 
     times = [r["step_time_s"] for r in recs][skip:]
     pred = next((r["predicted_step_time_s"] for r in recs if r.get("predicted_step_time_s")), float("nan"))
     imb = [r["moe_imbalance"] for r in recs[skip:] if r.get("moe_imbalance")]
-    return statistics.median(times), pred, times, (statistics.median(imb) if imb else float("nan"))
+    cpu = [r["cpu_time_s"] for r in recs[skip:] if r.get("cpu_time_s")]
+    return (statistics.median(times), pred, times, (statistics.median(imb) if imb else float("nan")),
+            statistics.median(cpu) if cpu else float("nan"))
 
 
 def main(argv=None) -> int:
@@ -119,7 +128,7 @@ def main(argv=None) -> int:
       f"{NPROC} processes, global batch {GBS} x {SEQ} tokens, cluster "
       f"{'calibrated before each layout' if args.calibrate_each else args.cluster}")
     p(f"{'layout':8s} {'model':10s} {'predicted':>9s} {'measured':>9s} {'error':>7s}  within {TARGET * 100:.0f}%  "
-      f"{'load':>9s}  predicted split")
+      f"{'load':>9s} {'cpu':>6s} {'packed':>6s}  predicted split")
     ok = True
     tmp = tempfile.TemporaryDirectory(prefix="closing-loop-")
     keep = Path(args.keep_profiles or tmp.name)
@@ -131,14 +140,15 @@ def main(argv=None) -> int:
             cluster = str(keep / f"{name}.json")
             subprocess.run([sys.executable, "-m", "meshplan.cli", "calibrate", "--nproc", str(NPROC), "--quick",
                             "--out", cluster], capture_output=True, text=True, check=True, timeout=args.timeout)
-        est = predict(model, fix, cluster)
+        flags, options = OPTIONS.get(name, ([], {}))
+        est = predict(model, fix, cluster, **options)
         split = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in est.time_s.items() if v > 5e-4)
         if args.predict_only:
             p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'-':>9s} {'-':>7s}  {'-':9s}  {split} ms")
             continue
         load0 = _load()
         try:
-            med, pred, _, imb = measure(model, fix, args.steps, args.skip, cluster, args.timeout)
+            med, pred, _, imb, cpu = measure(model, fix, args.steps, args.skip, cluster, args.timeout, flags)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'failed':>9s}  {str(e).splitlines()[0][:80]}")
             ok = False
@@ -148,8 +158,11 @@ def main(argv=None) -> int:
         load = f"{load0}>{_load()}"
         if args.calibrate_each:
             split = f"calibrated {_gflops(cluster):.0f} GFLOP/s/process; " + split
+        # cpu: rank 0's process CPU per step; packed: the step if the 4 processes' CPU work filled the
+        # host's cores with no idle time (wall above it: waits for a peer to be scheduled, or other jobs)
+        packed = cpu * NPROC / CORES
         p(f"{name:8s} {model:10s} {pred:9.3f} {med:9.3f} {err * 100:+6.1f}%  {'yes' if abs(err) <= TARGET else 'NO':9s}  "
-          f"{load:>9s}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
+          f"{load:>9s} {cpu:6.3f} {packed:6.3f}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
         print(lines[-1], flush=True)
     return emit(lines, args.out)
 

@@ -59,6 +59,11 @@ class GPUSpec:
     # model may hide them behind it. False for CPU processes: gloo reduces on the same cores that
     # compute, and with every core busy nothing runs concurrently.
     comm_overlap: bool = True
+    # CPU processes: microseconds one small autograd op (a mul of an 8x8 tensor in a chain of 60)
+    # takes in each process while every process runs them at once, as `meshplan calibrate`
+    # measures it; the cost model scales its host-work rates (dispatch, element-wise, SDPA, gloo
+    # host work) by it (compute.cpu_rate_scale). None: derived from the matmul rate.
+    cpu_op_us: float | None = None
 
     def __post_init__(self) -> None:
         where = f"GPU {self.id!r}"
@@ -71,7 +76,7 @@ class GPUSpec:
         for name in ("bf16_tflops", "hbm_gb", "hbm_tb_s", "scaleup_gb_s", "scaleup_busbw_gb_s",
                      "nic_gbit", "nic_busbw_gb_s"):
             _check_positive(where, name, getattr(self, name))
-        for name in ("fp8_tflops", "nvls_busbw_gb_s", "per_peer_gb_s", "tdp_w", "fp32_tflops"):
+        for name in ("fp8_tflops", "nvls_busbw_gb_s", "per_peer_gb_s", "tdp_w", "fp32_tflops", "cpu_op_us"):
             if getattr(self, name) is not None:
                 _check_positive(where, name, getattr(self, name))
         if self.price_usd_per_hour is not None:

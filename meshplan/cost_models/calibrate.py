@@ -86,6 +86,7 @@ AMID_WORK_S = 1e-3            # per-rank work before each collective of the amid
 # rank, all starting together: the rate each sustains while all of them compute
 CPU_CONCURRENT_SHAPE = (512, 512, 512)
 CPU_CONCURRENT_S = 1.5
+CPU_OP_CHAIN = 60          # ops per chain of the small-op measurement (_concurrent_op_us)
 COLL_TIMEOUT_S = 300.0     # the whole multi-process measurement
 
 
@@ -125,6 +126,7 @@ class Calibration:
     torch_version: str = ""
     host: str = ""
     date: str = ""
+    cpu_op_us: float | None = None   # CPU: small-op time in every process at once (_concurrent_op_us)
     version: int = CALIBRATION_VERSION
 
     def __post_init__(self) -> None:
@@ -285,13 +287,15 @@ def _collective_worker(rank: int, world: int, store: str, backend: str, sizes: t
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
                 size = per_rank * 4 * (world if op == "all_gather" else 1)
                 rows.append(dict(op=op, nbytes=size, world=world, seconds=float(t.item())))
-        process_rate = 0.0
+        process_rate, op_us = 0.0, None
         if backend == "gloo":
             rows.append(dict(op="all_reduce_amid_compute", nbytes=4, world=world,
                              seconds=_amid_compute_latency(iters)))
             process_rate = _concurrent_matmul_tflops(world)
+            op_us = _concurrent_op_us(world)
         if rank == 0:
-            Path(out_path).write_text(json.dumps({"rows": rows, "process_bf16_tflops": process_rate}))
+            Path(out_path).write_text(json.dumps({"rows": rows, "process_bf16_tflops": process_rate,
+                                                  "process_op_us": op_us}))
     finally:
         dist.destroy_process_group()
 
@@ -317,6 +321,33 @@ def _concurrent_matmul_tflops(world: int) -> float:
     rates = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(rates, torch.tensor([rate], dtype=torch.float64))
     return float(statistics.median(float(r.item()) for r in rates))
+
+
+def _concurrent_op_us(world: int) -> float:
+    """Microseconds per small autograd op in one one-thread process while every rank runs them
+    (median over ranks; collective): chains of CPU_OP_CHAIN multiplies of an 8x8 tensor with
+    autograd on, the measurement constants.CPU_OP_FWD_S was defined by. Host work (dispatch,
+    autograd recording, allocator) is what a CPU training process spends most of its time on at
+    small shapes, and it does not follow the matmul rate (compute.cpu_rate_scale)."""
+    import torch
+    import torch.distributed as dist
+
+    def chain() -> None:
+        y = torch.randn(8, 8, requires_grad=True)
+        for _ in range(CPU_OP_CHAIN):
+            y = y * 1.0001
+
+    for _ in range(20):
+        chain()
+    dist.barrier()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < CPU_CONCURRENT_S:
+        chain()
+        count += 1
+    us = (time.perf_counter() - t0) / (count * CPU_OP_CHAIN) * 1e6
+    vals = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(vals, torch.tensor([us], dtype=torch.float64))
+    return float(statistics.median(float(v.item()) for v in vals))
 
 
 def _amid_compute_latency(iters: int) -> float:
@@ -377,7 +408,10 @@ def _collectives(backend: str, nproc: int, quick: bool,
     if process_rate:
         progress(f"  matmul bfloat16 {'x'.join(map(str, CPU_CONCURRENT_SHAPE))} in each of {nproc} processes at once: "
                  f"{process_rate * 1e3:.1f} GFLOP/s per process")
-    return results, process_rate
+    op_us = doc.get("process_op_us")
+    if op_us:
+        progress(f"  small autograd op in each of {nproc} processes at once: {op_us:.2f} us")
+    return results, process_rate, op_us
 
 
 def _human(nbytes: int) -> str:
@@ -408,7 +442,7 @@ def measure(*, device: str = "cpu", nproc: int = 2, quick: bool = False, fp8: bo
     matmul = _matmuls(device, quick, fp8 and device == "cuda", say)
     copy = _copy_rate(device, quick, say)
     backend = "" if nproc == 1 else ("nccl" if device == "cuda" else "gloo")
-    colls, process_rate = _collectives(backend, nproc, quick, say) if backend else ([], 0.0)
+    colls, process_rate, op_us = _collectives(backend, nproc, quick, say) if backend else ([], 0.0, None)
     if process_rate and device == "cpu":
         # the host's rate as nproc one-thread processes get it all at once (see _concurrent_matmul_tflops);
         # best_tflops keeps the higher of it and the two-thread matmuls above
@@ -420,7 +454,8 @@ def measure(*, device: str = "cpu", nproc: int = 2, quick: bool = False, fp8: bo
     return Calibration(device=name, backend=backend, nproc=nproc, threads=torch.get_num_threads(), quick=quick,
                        matmul=tuple(matmul), copy_gb_s=copy, collectives=tuple(colls),
                        seconds=time.perf_counter() - t0, torch_version=torch.__version__,
-                       host=platform.node(), date=datetime.date.today().isoformat())
+                       host=platform.node(), date=datetime.date.today().isoformat(),
+                       cpu_op_us=op_us if device == "cpu" else None)
 
 
 # ---- mapping onto Cluster -----------------------------------------------------------------------------
@@ -472,6 +507,8 @@ def calibrated_cluster(base: Cluster, cal: Calibration) -> Cluster:
                        hbm_tb_s=cal.copy_gb_s / 1000.0 / n, scaleup_gb_s=cal.copy_gb_s / n)
         if ar:
             changes["scaleup_busbw_gb_s"] = ar
+        if cal.cpu_op_us:
+            changes["cpu_op_us"] = cal.cpu_op_us
     else:
         changes["gemm_efficiency"] = min(1.0, bf16 / g.bf16_tflops)
         f8 = cal.best_tflops("float8_e4m3fn")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from meshplan.cluster import CPU_HOST_BF16_TFLOPS
 from meshplan.cost_models import constants as K
+from meshplan.cost_models.attention import AttnShape, shape_penalty, sm_count
 from meshplan.errors import ConfigError
 from meshplan.ir.layout import FP8_RECIPES
 
@@ -38,7 +39,23 @@ def cpu_speed(cluster) -> float:
 
 def cpu_rate_scale(cluster) -> float:
     """This process's rate for CPU work measured on one reference thread (the CPU_* constants):
-    its share of a core times its speed relative to the reference host."""
+    its share of a core times its speed relative to the reference host.
+
+    A calibrated profile that measured the host's small-op time (GPUSpec.cpu_op_us: chains of
+    autograd muls, the op CPU_OP_FWD_S is defined by, run in every process at once) scales the
+    preset's rate by how much slower or faster that op runs than on the quiet reference host
+    (CPU_QUIET_OP_US_1T per op on a core of its own): the host work this scales (dispatch,
+    autograd, gloo's loopback work, small element-wise kernels) follows the host's small-op speed,
+    and the CPU_* constants hold for the quiet host at the preset's rate. (Scaling them by the
+    calibrated matmul rate instead predicted the default job 15% fast on the quiet host: 4
+    one-thread processes sustain 109 GFLOP/s of 512^3 bf16 matmul each there, 1.2x the preset's
+    2-thread 2048^3 rate split 4 ways, while its step matched the preset's prediction, dp4 0.133 s
+    measured against 0.132 predicted, r4.) Otherwise: the matmul-derived share x speed."""
+    op_us = getattr(cluster.gpu, "cpu_op_us", None)
+    if op_us:
+        share = min(1.0, K.CPU_HOST_CORES / max(1, cluster.gpus_per_node))
+        preset_speed = CPU_HOST_BF16_TFLOPS / K.CPU_HOST_CORES * 1e3 / K.CPU_MICRO_MATMUL_GFLOPS_1T
+        return share * preset_speed * (K.CPU_QUIET_OP_US_1T / share) / op_us
     return cpu_thread_share(cluster) * cpu_speed(cluster)
 
 
@@ -123,10 +140,18 @@ def grouped_gemm_time(rows: float, n: float, k: float, cluster, *, groups: float
     return groups * (max(t_compute, t_memory) + extra) + fixed
 
 
-def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "flash") -> float:
-    """Flash attention (BF16) on `flops_fwd` forward FLOPs; backward does ATTN_BWD_FLOP_RATIO x.
+def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "flash",
+                   shape: AttnShape | None = None) -> float:
+    """Flash attention (BF16) on `flops_fwd` forward FLOPs (causal masking already halving them, as
+    flops.attention_fwd_flops_per_token counts); backward does ATTN_BWD_FLOP_RATIO x.
     `kernel` is the implementation (constants.ATTN_KERNEL_SLOWDOWN): "flash" for FlashAttention-2 class
-    CUDA kernels, "triton" for the Triton port of FlashAttention."""
+    CUDA kernels, "triton" for the Triton port of FlashAttention.
+
+    On GPUs the kernel runs at its plateau efficiency (ATTN_FWD_EFF / ATTN_BWD_EFF of the GEMM rate)
+    divided by `shape`'s penalty (attention.shape_penalty: diagonal and ragged tiles, per-CTA fixed
+    work, wave quantisation), plus ATTN_KERNEL_FIXED_S per kernel launched (ATTN_BWD_KERNELS per
+    backward call). `shape` is the calls one GPU runs (attention.layer_calls); without it the
+    plateau rate alone is charged (a caller that does not know the sequence layout)."""
     if flops_fwd <= 0:
         return 0.0
     if is_cpu(cluster):   # PyTorch's CPU flash-attention kernel, measured rates (constants.CPU_SDPA_*)
@@ -138,8 +163,13 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
         raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_SLOWDOWN)}") from None
     rate = matmul_rate(cluster, fp8=False) / slow
     if backward:
-        return flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
-    return flops_fwd / (rate * K.ATTN_FWD_EFF)
+        t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
+    else:
+        t = flops_fwd / (rate * K.ATTN_FWD_EFF)
+    if shape is None:
+        return t
+    launches = shape.kernels * (K.ATTN_BWD_KERNELS if backward else 1)
+    return t * shape_penalty(shape, sm_count(cluster), backward=backward) + launches * K.ATTN_KERNEL_FIXED_S
 
 
 def elementwise_time(nbytes: float, cluster) -> float:

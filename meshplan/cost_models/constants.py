@@ -41,13 +41,19 @@ GEMM_FIXED_S = 12e-6                                                            
 # math. Matters for MoE experts at small per-expert token counts.
 GEMM_TILE_M = 128                                                                   # derived
 
-# Flash-attention efficiency relative to the GPU's achieved dense GEMM rate (fwd; bwd slower).
+# Flash-attention PLATEAU efficiency (a long call: attention.shape_penalty -> 1) relative to the GPU's
+# achieved dense GEMM rate (fwd; bwd slower). Shorter calls, causal diagonal tiles, CP chunks and
+# few CTAs land below it (meshplan.cost_models.attention, constants at the end of this file).
 # FlashAttention-2 reaches ~50-73% of peak fwd on A100/H100 (Dao 2023, Tables); relative to
-# MAMF (~80% of peak) that is roughly 0.7-0.9 for the kernel alone; the fit lands lower (the
-# long-sequence MosaicML rows ran ALiBi attention in Triton, and attention time in a training step
-# includes its layout transposes and softmax-statistics kernels).
-ATTN_FWD_EFF = 0.495                                                                # fitted (0.40 before the Triton kernel was told apart)
-ATTN_BWD_EFF = 0.30                                                                 # fitted (at its lower bound)
+# MAMF (~80% of peak) that is roughly 0.7-0.9 for the kernel alone. Re-fitted 2026-11-24 with the
+# shape mechanism in place (only these two, the other fitted constants as shipped, coordinate descent
+# from the middle of their bounds as the LOSO folds start; 0.495 / 0.30 before; 0.70 / 0.33 fits the
+# fit split equally well): the backward lands well below the kernels' own bwd/fwd plateau ratio
+# (~0.87 for FA2, FA3 and cuDNN, Shah et al. 2024 Fig. 5/6): attention time in a training step
+# includes its layout transposes and softmax-statistics kernels, the MosaicML rows' Triton kernel is
+# slowest in backward at long sequence, and the published rows barely tell the two apart.
+ATTN_FWD_EFF = 0.55                                                                 # fitted
+ATTN_BWD_EFF = 0.35                                                                 # fitted
 # FlashAttention's backward does 5 of the forward's 2 matmul-equivalents => 2.5x fwd FLOPs
 # (Dao et al. 2022, Alg. 2/4), vs Megatron's 2x model-FLOP convention.
 ATTN_BWD_FLOP_RATIO = 2.5                                                           # derived
@@ -182,6 +188,12 @@ CPU_VIEW_BWD_S = 7.4e-6                                                         
 # Cores of that host: local-cpu's rates are host totals over 2 threads; a process gets at most one
 # thread, and nproc processes on 2 cores get 2/nproc of one each.
 CPU_HOST_CORES = 2                                                                  # measured host
+# - the small-op chain above (60 muls of an 8x8 tensor, autograd on) in each of 4 one-thread
+#   processes at once on that host when quiet (2026-11-24, `meshplan calibrate --nproc 4`, load
+#   from other sessions below 1): 7.2 us per op, i.e. 3.6 us on a core of its own. A calibration's
+#   own measurement of it (GPUSpec.cpu_op_us) scales the host-work rates by the ratio
+#   (compute.cpu_rate_scale).
+CPU_QUIET_OP_US_1T = 3.6                                                            # measured
 # ---- CPU processes: host work outside the traced plain ops (meshplan.cost_models.host) ---------
 # CPU seconds at the reference matmul rate (CPU_MICRO_MATMUL_GFLOPS_1T above): each was measured as
 # process CPU time (time.process_time, robust to the other sessions' load) with one thread per
@@ -190,12 +202,19 @@ CPU_HOST_CORES = 2                                                              
 # other sessions; the bf16 matmul (512x128x384, process time) ran at 119 GFLOP/s then, so the raw
 # times below were multiplied by 119/95 = 1.25.
 # - One traced op run on DTensors (the TP-sharded linears; under SP also norms and residual adds),
-#   (forward, backward) seconds: chains of 60 ops on 8x8 DTensors Shard(0) over a 1-rank mesh vs
-#   plain tensors, autograd on. F.linear 47 / 169 us fwd / fwd+bwd (plain 3.5 / 13.3), rms_norm
-#   146 / 530 (plain 14.5 / 49.5), mul 28 / 68 (plain 3.4 / 8.0): ~8-10x a plain op.
-CPU_DTENSOR_LINEAR_S = (58.8e-6, 152.8e-6)                                          # measured
-CPU_DTENSOR_NORM_S = (182.5e-6, 480.3e-6)                                           # measured
-CPU_DTENSOR_OP_S = (35.6e-6, 50.0e-6)                                               # measured
+#   (forward, backward) seconds beyond the same plain op, as the runtime runs them: autocast bf16 (the
+#   weight's cast is a DTensor op too, forward and backward), the default job's shapes (4 x 128
+#   tokens, hidden 128, FFN 384), torch's ColwiseParallel (input made a Replicate DTensor, local
+#   output), RowwiseParallel (Shard(1) DTensor output), SequenceParallel norms on Shard(1) DTensors
+#   and a Shard(1) residual add, on a 1-rank mesh (no data moves; the collectives are the next item).
+#   Process CPU time at 2026-11-24 22:55 UTC with the matmul at 207 GFLOP/s (x 2.18 to reference):
+#   colwise 487 / 1190 us, rowwise 653 / 1003 us (forward / backward), SP rms_norm 320 / 1068,
+#   add 145 / 332. The linear is the mean of colwise and rowwise. (The earlier constants, 59 / 153,
+#   183 / 480 and 36 / 50 us, came from fp32 chains of 8x8 ops: no cast, no autocast dispatch, and
+#   left ~60 ms of the default job's TP step unpriced.) Redistribution is in the collective below.
+CPU_DTENSOR_LINEAR_S = (570e-6, 1097e-6)                                            # measured
+CPU_DTENSOR_NORM_S = (320e-6, 1068e-6)                                              # measured
+CPU_DTENSOR_OP_S = (145e-6, 332e-6)                                                 # measured
 # - One collective as the runtime issues it: the issuing process's own CPU (loopback syscalls, gloo's
 #   worker-thread hand-offs, DTensor redistribution / functional-collective wrapping), which competes
 #   for the cores like compute; comm.py's alpha-beta time stays the (wall) wait for the data.
@@ -219,6 +238,15 @@ CPU_COLLECTIVE_HOST_S = 2.3e-3                                                  
 #   receives (16 x 1.86 ms), over the 16 actions: 2.4 ms each (torch.profiler at 4 processes agrees:
 #   the PP:<stage><F|B><mb> record functions' self time is ~2.8 ms an action); x 1.25.
 CPU_PP_ACTION_HOST_S = 3.0e-3                                                       # measured (A/B)
+# - One FSDP unit per step beyond its collectives (FSDP2's pre/post forward and backward hooks,
+#   the all-gather's copy-in / copy-out and the reduce-scatter's, the bf16 parameter casts):
+#   A/B of dp4 ZeRO-3 (5 units: root + 4 blocks, kept gathered) against dp4 ZeRO-1 (1 unit) on
+#   4 processes, tiny-llama at seq 64 x 32 sequences (not the default job's shapes), process CPU
+#   scaled to the reference rate, 3 runs at 2026-11-24 22:40-23:05 UTC: +30.7, +37.9, +36.6 ms a
+#   step for 4 more units = 8.8 ms a unit, minus what the cost model charges a unit without this
+#   term (its all-gather's and reduce-scatter's host work, 2 x CPU_COLLECTIVE_HOST_S, and wire time:
+#   +24.4 ms over the 4 units, 6.1 a unit) = 2.7 ms.
+CPU_FSDP_UNIT_HOST_S = 2.7e-3                                                       # measured (A/B)
 # - One call of a Python custom op (torch.library.custom_op; meshplan::grouped_mm, the experts'
 #   grouped GEMM off Hopper), (forward, backward) host seconds beyond its aten ops: torch.profiler
 #   of tiny-moe's MoE feed-forward (512 tokens, bf16, 1 thread; matmul 118 GFLOP/s then), self time
@@ -233,3 +261,34 @@ CPU_PY_CUSTOM_OP_S = (121e-6, 304e-6)                                           
 CPU_ADAMW_PARAM_S = 112e-6                                                          # measured
 CPU_ADAMW_DTENSOR_PARAM_S = 248e-6                                                  # measured
 CPU_GRAD_NORM_PARAM_S = 58e-6                                                       # measured
+
+# ---- attention shape dependence on GPUs (meshplan.cost_models.attention, issue #16) ----------------
+# ATTN_FWD_EFF / ATTN_BWD_EFF above are the kernels' plateau efficiency (a long call); these set how
+# far below it a given call lands. Reference curves (H100 SXM5, B*S = 16k tokens, 16 heads of 128,
+# TFLOP/s of masked FLOPs), Shah et al. 2024 (FlashAttention-3, arXiv 2407.08608) Fig. 5/6, at seq
+# 512 / 1k / 2k / 4k / 8k / 16k:
+#   FA3 fwd, no mask:  467 565 625 638 646 648     FA2 fwd, no mask:  309 350 362 368 370 370
+#   FA3 fwd, causal:   292 423 521 579 602 616     FA2 fwd, causal:   191 260 298 319 333 335
+#   FA3 bwd, no mask:  316 424 501 542 559 561     FA2 bwd, no mask:  214 260 291 310 318 322
+# (the pytorch/benchmark FA3 run of PR #2391, the same shapes, reads 430 517 566 590 614 621 fwd).
+# Score tile of the kernels: FA2 picks blocks from {64, 128} x {64, 128} (Dao 2023, arXiv
+# 2307.08691, §3.3); FA3's hd128 kernels use 128-row tiles.
+ATTN_TILE = 128                                                                     # derived
+# Per-CTA work outside the inner loop (load Q, write O + log-sum-exp, pipeline fill and drain), in
+# inner-loop iterations: least squares of attention.call_efficiency (each curve scaled by its own
+# plateau) against the three forward / two backward curves above jointly: 1.25 fits them to 2.9%
+# mean error (FA2 alone 0.75-1, FA3 alone 1.5-2), the backward's 2.5 to 2.6% (FA2 2, FA3 3: its dQ
+# accumulation and dK/dV epilogues weigh more). The causal curves follow from the same constants
+# through the diagonal tiles and the short CTAs near the diagonal.
+ATTN_CTA_FIXED_TILES_FWD = 1.25                                                     # fitted (to the kernel curves)
+ATTN_CTA_FIXED_TILES_BWD = 2.5                                                      # fitted (to the kernel curves)
+# Launch + prologue of one attention kernel; FA2's backward runs three (softmax-gradient
+# preprocessing dot(dO, O), the main dQ/dK/dV loop, the fp32 dQ conversion: flash_bwd_launch_template.h).
+ATTN_KERNEL_FIXED_S = 5e-6                                                          # estimate
+ATTN_BWD_KERNELS = 3                                                                # derived
+# Streaming multiprocessors per GPU (AMD: compute units): NVIDIA A100 / H100 architecture whitepapers
+# (A100 SXM4 108; H100 SXM5 132, PCIe 114; H800 and H200 are H100 dies, 132), Blackwell B200 148,
+# L40S 142 (datasheet); AMD CDNA 3 whitepaper (MI300X / MI325X: 304 CUs).
+GPU_SM_COUNT = {"a100-40gb": 108, "a100-80gb": 108, "h100-sxm": 132, "h100-pcie": 114, "h800": 132,
+                "h200": 132, "b200": 148, "gb200": 148, "mi300x": 304, "mi325x": 304, "l40s": 142}  # measured (spec)
+GPU_SM_COUNT_DEFAULT = 132                                                          # estimate (H100-class)

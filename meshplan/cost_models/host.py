@@ -39,7 +39,7 @@ from meshplan.cost_models.compute import cpu_rate_scale, is_cpu
 __all__ = ["host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time", "cp_host_time",
            "pp_host_time", "param_tensors", "partial_grad_reduces", "step_host_time",
            "tp_collectives_per_layer", "tp_edge_host_time",
-           "ring_blocks", "moe_loop_host_time", "fsdp_collectives"]
+           "ring_blocks", "moe_loop_host_time", "fsdp_collectives", "fsdp_units"]
 
 
 def host_slowdown(cluster) -> float:
@@ -203,28 +203,37 @@ def partial_grad_reduces(profile, layers, layout, *, last: bool) -> int:
     return n
 
 
-def fsdp_collectives(layout, n_moe_layers: int) -> int:
-    """Per-step gloo collectives of ZeRO / FSDP on a CPU process beyond those comm.py prices per
-    parameter group: under ZeRO-1/2 the runtime makes each rank's dense part one FSDP unit on CPU
-    (one all-gather and one reduce-scatter a step) and, with EP, each MoE layer's experts a unit of
-    their own (fsdp.apply_fsdp), each unit's pair a collective of its own. (ZeRO-3's per-block
-    units are priced per unit by comm.py already.)"""
-    if layout.zero < 1 or layout.zero >= 3 or layout.dp * layout.cp <= 1:
+def fsdp_units(layout, n_moe_layers: int, n_layers: int = 0) -> int:
+    """FSDP units a CPU process runs per step: under ZeRO-1/2 the runtime makes each rank's dense
+    part one unit on CPU and, with EP, each MoE layer's experts a unit of their own
+    (fsdp.apply_fsdp); under ZeRO-3 every one of the rank's `n_layers` blocks is a unit too, besides
+    the stage's root unit (embedding, final norm, output layer). None without ZeRO or data parallelism."""
+    if layout.zero < 1 or layout.dp * layout.cp <= 1:
         return 0
     experts = n_moe_layers if layout.ep > 1 else 0
-    return 2 * (1 + experts)
+    return 1 + experts + (n_layers if layout.zero >= 3 else 0)
+
+
+def fsdp_collectives(layout, n_moe_layers: int, n_layers: int = 0) -> int:
+    """Per-step gloo collectives of the FSDP units (fsdp_units), each with its host work: an
+    all-gather and a reduce-scatter per unit, and one more all-gather in backward per ZeRO-3 unit
+    that reshards after forward. comm.py prices the same collectives' wire time."""
+    units = fsdp_units(layout, n_moe_layers, n_layers)
+    return units * (3 if layout.zero >= 3 and layout.reshard_after_forward else 2)
 
 
 def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_reduces: int = 0,
-                   collectives: int = 0) -> float:
+                   collectives: int = 0, fsdp_units: int = 0) -> float:
     """Per-step host seconds of a CPU process outside forward/backward: AdamW's per-parameter loop
     (DTensor ops where the parameters are sharded), the gradient norm's per-parameter ops, the
     per-parameter Partial-gradient all-reduces, `collectives` more gloo collectives (fsdp_collectives),
+    the FSDP units' own host work (`fsdp_units` of them, CPU_FSDP_UNIT_HOST_S each),
     and `sync_s` (the loss and norm all-reduces, priced by the caller with comm.py). Other clusters:
     constants.STEP_OVERHEAD_S."""
     if not is_cpu(cluster):
         return K.STEP_OVERHEAD_S
     sharded = layout.tp > 1 or layout.ep > 1 or (layout.zero >= 1 and layout.dp * layout.cp > 1)
     per = (K.CPU_ADAMW_DTENSOR_PARAM_S if sharded else K.CPU_ADAMW_PARAM_S) + K.CPU_GRAD_NORM_PARAM_S
-    host = n_params * per + (partial_reduces + collectives) * K.CPU_COLLECTIVE_HOST_S
+    host = n_params * per + (partial_reduces + collectives) * K.CPU_COLLECTIVE_HOST_S + \
+        fsdp_units * K.CPU_FSDP_UNIT_HOST_S
     return host * host_slowdown(cluster) + sync_s

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 from meshplan.cost_models import constants as K
+from meshplan.cost_models.attention import AttnShape, layer_calls
 from meshplan.cost_models.comm import (
     Group,
     collective_time,
@@ -34,7 +35,8 @@ from meshplan.ir.profile import BlockProfile
 from meshplan.kernels import fusion as FU  # pure Python, no torch
 
 __all__ = ["Context", "LayerCost", "layer_cost", "gemm_shape", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
-           "cp_kv_gathered_bytes", "moe_load_factor", "expected_max_std_normal", "NORM_ACT"]
+           "cp_kv_gathered_bytes", "attention_shape", "moe_load_factor", "routing_layout", "expected_max_std_normal",
+           "NORM_ACT"]
 
 # Fusions whose fused form the per-layer baseline below already assumes (a norm is one read +
 # one write, silu*mul reads two and writes one, rotary reads and writes q and k once), as Megatron
@@ -142,6 +144,19 @@ def _load_factor(E: int, k: float, c: Context) -> float:
     p = 1.0 / ep
     s = ((1 - p) * (E - k) / ((E - 1) * n_tokens * k * p)) ** 0.5
     return 1.0 + (ep / (ep - 1)) ** 0.5 * expected_max_std_normal(ep) * s
+
+
+def routing_layout(layout, moe_balance: str):
+    """`layout` as its MoE layers are priced for a model routing with `moe_balance`
+    (ModelProfile.moe_balance). Forced balance (round-robin over the experts: Megatron-Core
+    --moe-router-force-load-balancing, meshplan's moe_force_balance) hands every expert exactly its
+    mean rows, whatever the router: `_load_factor`'s capacity factor 1.0, without the statistical
+    excess of a router balanced only in expectation (the layer cost cache keys on that field, so
+    the two are never confused). A layout that sets its own capacity factor, any other balance: as is."""
+    if moe_balance == "forced" and hasattr(layout, "moe_capacity_factor") and layout.moe_capacity_factor is None:
+        import dataclasses
+        return dataclasses.replace(layout, moe_capacity_factor=1.0)
+    return layout
 
 
 def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
@@ -392,13 +407,21 @@ def cp_kv_gathered_bytes(b: BlockProfile, c: Context) -> float:
     return 2 * K.BF16 * c.tokens * (c.layout.cp - 1) * b.kv_dim / c.layout.tp
 
 
+def attention_shape(b: BlockProfile, c: Context) -> AttnShape:
+    """The flash-attention calls one GPU runs for one layer and micro-batch: mbs sequences x the
+    query heads of this TP rank, split by the layout's CP implementation (attention.layer_calls)."""
+    L = c.layout
+    return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=b.causal, cp=L.cp, cp_kind=cp_comm_type(L))
+
+
 def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     L = c.layout
     g_fwd, g_wgrad = _gemms(b, c)
     attn_flops = attention_fwd_flops_per_token(b, c.seq_len) * c.tokens / L.tp
     if L.flash_attention:
-        a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=L.attn_kernel)
-        a_bwd = attention_time(attn_flops, c.cluster, backward=True, kernel=L.attn_kernel)
+        shape = attention_shape(b, c)
+        a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=L.attn_kernel, shape=shape)
+        a_bwd = attention_time(attn_flops, c.cluster, backward=True, kernel=L.attn_kernel, shape=shape)
     else:
         # two batched GEMMs at matmul efficiency (no causal skipping) + memory-bound softmax passes
         full = 2 * attn_flops if b.causal else attn_flops

@@ -29,7 +29,8 @@ from typing import Any, Mapping
 
 from meshplan.ir.layout import Layout
 
-__all__ = ["step_uncertainty", "gain_band", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR"]
+__all__ = ["step_uncertainty", "gain_band", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
+           "worst_ep_load", "routed_expert_s", "imbalance_risk"]
 
 # ---- validated mechanisms (leave-one-source-out, validate_published-2026-11-24) --------------
 # Dense TP x PP x DP with the distributed optimizer (Megatron SC'21, Megatron-Core README,
@@ -119,6 +120,66 @@ def step_uncertainty(time_s: Mapping[str, float], regime: Mapping[str, bool]) ->
     if step <= 0:
         return 0.0, contrib
     return math.sqrt(sum(c * c for c in contrib.values())) / step, contrib
+
+
+# ---- an unbalanced router: a risk the point estimate cannot price ---------------------------
+# A model that trains without load balancing (ModelProfile.moe_balance "none") is priced at the
+# balanced load (where an untrained router collapses is not predictable), and its band widens on the
+# upper side by the worst case: meshplan's own tiny-moe (no aux loss, no bias) measured max/mean
+# expert load 1.96 of a possible 2.0 over its first 20 steps, and its EP2 step ran 2x the prediction
+# (issue #16).
+
+
+def worst_ep_load(experts: int, topk: int, ep: int, capacity: float | None = None) -> float:
+    """The most rows one EP rank can receive, over the mean, with any routing: each token's k
+    choices are distinct experts, so a rank holding E/ep experts gets at most min(k, E/ep) of a
+    token's k copies, against a mean of k/ep. A model's own capacity factor drops copies beyond
+    cf x an expert's mean, which caps it. ep = 1: every expert is on every rank, the rows are fixed."""
+    if ep <= 1 or experts <= 1 or topk < 1:
+        return 1.0
+    worst = min(float(topk), experts / ep) * ep / topk
+    return min(worst, capacity) if capacity else worst
+
+
+def routed_expert_s(profile, cluster, layout, *, seq_len: int, fp8: bool, microbatches: int) -> float:
+    """Seconds of routed-expert GEMMs (forward, data- and weight-gradient; the forward again under
+    full recompute) per step on the pipeline rank holding the most MoE layers, at the balanced load."""
+    from meshplan.cost_models.compute import grouped_gemm_time
+    from meshplan.cost_models.layer import Context, gemm_shape
+    moe = [b for b in profile.layer_blocks() if b.is_moe]
+    if not moe:
+        return 0.0
+    ctx = Context.build(cluster, layout, seq_len, fp8, fp8_recipe=layout.fp8_recipe)
+    passes = 4.0 if layout.recompute == "full" else 3.0
+
+    def one_pass(b) -> float:
+        t = 0.0
+        for li in b.linears:
+            if li.role in ("expert_in", "expert_out"):
+                rows, n, k, groups, _ = gemm_shape(li, ctx)
+                t += grouped_gemm_time(rows, n, k, cluster, groups=groups, fp8=fp8, recipe=ctx.fp8_recipe)
+        return t
+
+    per_layer = [passes * one_pass(b) for b in moe]
+    # an even split of the MoE layers over the pipeline ranks: the band needs the size, not the rank
+    held = -(-len(moe) // max(1, layout.pp))
+    return microbatches * held * max(per_layer)
+
+
+def imbalance_risk(profile, cluster, layout, *, seq_len: int, fp8: bool, microbatches: int, ep_s: float,
+                   step: float) -> tuple[float, float]:
+    """(upper-side widening of the band relative to the step, worst load over the mean on the
+    busiest EP rank) for a model whose routers nothing balances; (0, 1) otherwise, and at ep = 1.
+    The expert part of the step (routed-expert GEMMs + the exposed EP all-to-all, `ep_s`) grows
+    with the busiest rank's rows: by (worst - 1) of itself at worst."""
+    if profile.moe_balance != "none" or layout.ep <= 1 or step <= 0:
+        return 0.0, 1.0
+    worst = max((worst_ep_load(b.experts, b.topk, layout.ep, profile.moe_capacity_factor)
+                 for b in profile.layer_blocks() if b.is_moe), default=1.0)
+    if worst <= 1.0:
+        return 0.0, 1.0
+    expert_s = routed_expert_s(profile, cluster, layout, seq_len=seq_len, fp8=fp8, microbatches=microbatches)
+    return (worst - 1.0) * (expert_s + ep_s) / step, worst
 
 
 def _est_fields(e) -> tuple[dict[str, float], dict[str, bool], float]:

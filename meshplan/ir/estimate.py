@@ -55,11 +55,20 @@ class Estimate:
     uncertainty: float = 0.0
     uncertainty_s: dict[str, float] = field(default_factory=dict)
     regime: dict[str, bool] = field(default_factory=dict)
+    # A risk the point estimate cannot price, on the upper side only: a MoE model trained without load
+    # balancing (moe_balance "none") is priced balanced, and its busiest EP rank may receive up to
+    # moe_worst_load x the mean rows; uncertainty_high is what that adds to the step, relative to it
+    # (meshplan.cost_models.uncertainty.imbalance_risk). moe_balance: the profile's ("" = dense model).
+    uncertainty_high: float = 0.0
+    moe_balance: str = ""
+    moe_worst_load: float = 1.0
 
     @property
     def step_time_range_s(self) -> tuple[float, float]:
-        """(low, high) step time inside the band."""
-        return self.step_time_s * (1 - self.uncertainty), self.step_time_s * (1 + self.uncertainty)
+        """(low, high) step time inside the band; the high end adds the upper-side risk (the worst
+        case is a bound, not a random error, so it adds to the band rather than in quadrature)."""
+        return (self.step_time_s * (1 - self.uncertainty),
+                self.step_time_s * (1 + self.uncertainty + self.uncertainty_high))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -77,13 +86,18 @@ class Estimate:
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
 
+    def _band(self) -> str:
+        if self.uncertainty_high:
+            return f"+{(self.uncertainty + self.uncertainty_high) * 100:.0f}% / -{self.uncertainty * 100:.0f}%"
+        return f"+/- {self.uncertainty * 100:.0f}%"
+
     def summary(self) -> str:
         t = self.time_s
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items() if v > 0)
         mem = ", ".join(f"{k} {v:.1f}" for k, v in self.memory_gb.items() if v > 0.05)
         return (f"{self.model} on {self.num_gpus}x {self.cluster} [{Layout.from_dict(self.layout).short()}] "
                 f"{self.precision}\n"
-                f"  step {self.step_time_s:.3f} s (+/- {self.uncertainty * 100:.0f}%) = {parts}\n"
+                f"  step {self.step_time_s:.3f} s ({self._band()}) = {parts}\n"
                 f"  {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, "
                 f"MFU {self.mfu * 100:.1f}%\n"
                 f"  memory {self.peak_memory_gb:.1f} / {self.capacity_gb:.1f} GB on stage {self.peak_stage} "

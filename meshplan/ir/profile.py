@@ -16,7 +16,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["OpInfo", "LinearInfo", "BlockProfile", "ModelProfile"]
+from meshplan.errors import ConfigError
+
+__all__ = ["OpInfo", "LinearInfo", "BlockProfile", "ModelProfile", "MOE_BALANCES"]
+
+# How the model keeps its routers balanced while it trains (ModelProfile.moe_balance): the cost model
+# prices a dropless MoE layer at the busiest EP rank's load, which depends on it.
+#   "aux_loss"     a load-balancing loss joins the training loss (Switch / Megatron-Core aux loss,
+#                  transformers' router_aux_loss_coef with output_router_logits)
+#   "expert_bias"  auxiliary-loss-free balancing: a per-expert bias steering top-k, updated from the
+#                  loads every step (DeepSeek-V3; meshplan's moe_expert_bias)
+#   "forced"       routing ignores the router: round-robin, exactly equal loads (benchmarking mode,
+#                  Megatron-Core --moe-router-force-load-balancing; meshplan's moe_force_balance)
+#   "none"         nothing balances the router: an untrained one can send most tokens to few experts
+#   "unknown"      not recorded (a model meshplan cannot read it from); priced as balanced
+MOE_BALANCES = ("aux_loss", "expert_bias", "forced", "none", "unknown")
 
 # Op kinds the tracer assigns. The planner's ILPs reason per kind.
 OP_KINDS = (
@@ -160,6 +174,18 @@ class ModelProfile:
     # profile was not traced (then the cost model assumes a framework's usual fused kernels).
     # Set by the tracer from meshplan.planner.fusions.find_fusions.
     fusions: tuple[tuple[str, bool], ...] = ()
+    # MoE routing balance while training (MOE_BALANCES), read by the tracer from the model
+    # (meshplan.planner.traits.moe_balance); meaningless for a dense model
+    moe_balance: str = "unknown"
+    # the model's own expert capacity (tokens beyond cf x an expert's mean rows are dropped), which
+    # bounds how far an unbalanced router can load one EP rank; None = dropless
+    moe_capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.moe_balance not in MOE_BALANCES:
+            raise ConfigError(f"moe_balance {self.moe_balance!r}: one of {', '.join(MOE_BALANCES)}")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ConfigError(f"moe_capacity_factor {self.moe_capacity_factor!r}: a positive number or None")
 
     @property
     def num_layers(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshplan.cost_models.uncertainty import gain_band
 from meshplan.ir.estimate import Estimate
 
-__all__ = ["explain", "why_lost"]
+__all__ = ["explain", "why_lost", "balance_note"]
 
 _NAMES = {"compute": "compute", "tp": "exposed TP comm", "cp": "exposed CP comm", "ep": "expert all-to-all",
           "pp": "pipeline p2p", "dp": "exposed DP comm", "bubble": "pipeline bubble", "optimizer": "optimizer step",
@@ -43,6 +43,22 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
     return f"{slower * 100:.1f}% slower: more {_NAMES.get(k, k)} (+{diffs[k] * 1e3:.1f} ms per step)"
 
 
+def balance_note(model: str, est: Estimate) -> str:
+    """One line when a MoE model trains with nothing balancing its routers (Estimate.moe_balance
+    "none"): the step is priced balanced, and the worst case sits in the band's upper side."""
+    if est.moe_balance != "none":
+        return ""
+    if est.moe_worst_load > 1.0:
+        risk = (f"up to {est.moe_worst_load:.1f}x the balanced load on the busiest EP rank: step up to "
+                f"+{est.uncertainty_high * 100:.0f}%, the band's upper side")
+    else:       # ep = 1: every rank runs every expert, the rows per rank do not change
+        risk = "priced balanced; at ep=1 the step barely changes, an expert-parallel layout would"
+    return (f"{model} trains without load balancing: an untrained router can send most tokens to a few experts "
+            f"({risk}); train with moe_aux_loss_coeff=1e-2 (--moe-aux-loss-coeff 1e-2) or moe_expert_bias=True "
+            "(--moe-expert-bias) (a transformers model: output_router_logits=True, router_aux_loss_coef > 0), "
+            "or force balance for benchmarking (moe_force_balance=True, --moe-force-balance)")
+
+
 def _bar(frac: float, width: int = 30) -> str:
     n = max(0, min(width, round(frac * width)))
     return "#" * n + "." * (width - n)
@@ -74,9 +90,14 @@ def explain(plan) -> str:
         lo, hi = est.step_time_range_s
         worst = sorted(((v, k) for k, v in est.uncertainty_s.items() if v > 0), reverse=True)[:3]
         flags = [k for k, on in est.regime.items() if on and k != "fsdp"]
-        p(f"  uncertainty band +/-{est.uncertainty * 100:.1f}% ({lo:.3f}-{hi:.3f} s), from the validation error "
+        pm = (f"+{(est.uncertainty + est.uncertainty_high) * 100:.1f}%/-{est.uncertainty * 100:.1f}%"
+              if est.uncertainty_high else f"+/-{est.uncertainty * 100:.1f}%")
+        p(f"  uncertainty band {pm} ({lo:.3f}-{hi:.3f} s), from the validation error "
           f"of: " + ", ".join(f"{_NAMES.get(k, k)} {v * 1e3:.1f} ms" for v, k in worst)
           + (f"; less-validated regimes: {', '.join(flags)}" if flags else ""))
+    note = balance_note(plan.model, est)
+    if note:
+        p(f"  {note}")
     if plan.search and plan.search.get("optimizer_note"):
         p(f"  {plan.search['optimizer_note']}")
     if plan.search and plan.search.get("band_choice"):

@@ -36,7 +36,7 @@ from meshplan.ir.profile import BlockProfile, ModelProfile, OpInfo
 from meshplan.planner.block_analysis import analyse_block, weight_of
 from meshplan.planner.blocks import BlockContainer, find_block_containers, join, shrunk
 from meshplan.planner.fusions import find_fusions
-from meshplan.planner.traits import fold_shared_roles
+from meshplan.planner.traits import fold_shared_roles, moe_balance
 from meshplan.planner.trace_export import (
     default_inputs,
     exception_chain,
@@ -265,6 +265,7 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
               else max((b.hidden for b in blocks), default=0))
     cfg = getattr(model, "config", None)
     cfg_name = getattr(cfg, "name", None) or getattr(cfg, "name_or_path", None)
+    balance, capacity = moe_balance(model)      # how the routers stay balanced: the cost model's MoE load
     prof = ModelProfile(
         name=name or (cfg_name if isinstance(cfg_name, str) and cfg_name else type(model).__name__),
         fingerprint=fingerprint(model), seq_len=seq_len, vocab=vocab_size, hidden=hidden,
@@ -276,7 +277,8 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
         post_ops=tuple(_op_info(n, nodes, dtype, md) for n in post),
         embedding_fqn=token.module if token is not None else "",
         head_fqn=head.module if head is not None else "",
-        pre_modules=_param_owners(pre), post_modules=_param_owners(post))
+        pre_modules=_param_owners(pre), post_modules=_param_owners(post),
+        moe_balance=balance, moe_capacity_factor=capacity)
     # shared experts the runtime folds whole over TP (MoE layers without routed(x)): so placed and priced
     prof = fold_shared_roles(prof, model)
     return dataclasses.replace(prof, fusions=find_fusions(prof).applied)

@@ -7,7 +7,7 @@ from meshplan.ir.routed_experts import is_routed_experts
 from meshplan.ir.support import ModelTraits
 from meshplan.planner.tp_probe import tp_probe
 
-__all__ = ["model_traits", "packing", "fold_shared_roles"]
+__all__ = ["model_traits", "packing", "fold_shared_roles", "moe_balance", "balance_from_config"]
 
 
 def packing(block, linear) -> str | None:
@@ -153,3 +153,74 @@ def _expert_shapes(blocks) -> tuple[tuple[int, int, int], ...]:
             elif li.role == "expert_out":
                 out.add((li.count, li.in_features, li.out_features))
     return tuple(sorted(out))
+
+
+# --- MoE routing balance (ModelProfile.moe_balance) --------------------------------------------
+# Several MoE layers reading different settings (not seen in practice) record the least balanced,
+# the one the cost model's worst case must cover.
+_LEAST_BALANCED_FIRST = ("none", "unknown", "aux_loss", "expert_bias", "forced")
+
+
+def balance_from_config(config) -> tuple[str, float | None]:
+    """(moe_balance, capacity factor) of a meshplan `ModelConfig` or its mapping (moe_* keys, as
+    `meshplan.planner.analytic.profile_from_config` reads): forced balance overrides the router,
+    then an auxiliary loss or an updated expert bias balances it; none of them leaves it free; a
+    mapping naming none of them, "unknown"."""
+    get = config.get if hasattr(config, "get") else (lambda k, d=None: getattr(config, k, d))
+    keys = ("moe_force_balance", "moe_aux_loss_coeff", "moe_expert_bias")
+    if hasattr(config, "get") and not any(k in config for k in keys):
+        return "unknown", None           # a mapping that does not say (a published run's shape)
+    cf = get("moe_capacity_factor", None)
+    cf = float(cf) if cf else None
+    if get("moe_force_balance", False):
+        return "forced", cf
+    if float(get("moe_aux_loss_coeff", 0.0) or 0.0) > 0:
+        return "aux_loss", cf
+    if get("moe_expert_bias", False):
+        return "expert_bias", cf
+    return "none", cf
+
+
+def _hf_balance(config) -> str | None:
+    """The balance a transformers config declares, or None when it declares none we know.
+    `router_aux_loss_coef` (Mixtral, Qwen2-MoE, OLMoE, ...) joins the loss only when
+    `output_router_logits` is True (the model's forward adds coef * aux to the loss it returns when
+    given labels; meshplan's runtime computes the loss from the logits and does not add it yet).
+    A DeepSeek-V3 style `e_score_correction_bias` (topk_method "noaux_tc") steers top-k, but
+    transformers never updates it while training: a pretrained checkpoint's bias keeps its router
+    balanced, a zero one from scratch does nothing, and a meta-device model cannot tell which."""
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if coef is not None:
+        if float(coef or 0.0) > 0 and bool(getattr(config, "output_router_logits", False)):
+            return "aux_loss"
+        if getattr(config, "topk_method", None) != "noaux_tc":
+            return "none"
+    return None
+
+
+def moe_balance(module) -> tuple[str, float | None]:
+    """(ModelProfile.moe_balance, the model's expert capacity factor) of an nn.Module: meshplan's
+    MoE layers say it in their options (moe_force_balance, moe_aux_loss_coeff, moe_expert_bias,
+    moe_capacity_factor); a transformers model in its config (`_hf_balance`); anything else, or a
+    dense model, "unknown"."""
+    from meshplan.models.moe import MoE
+    found, caps = set(), set()
+    for m in module.modules():
+        if isinstance(m, MoE):
+            if m.force_balance:
+                found.add("forced")
+            elif m.aux_loss_coeff > 0:
+                found.add("aux_loss")
+            elif m.bias_update:          # a sigmoid router's bias that is never updated balances nothing
+                found.add("expert_bias")
+            else:
+                found.add("none")
+            caps.add(float(m.capacity_factor) if m.capacity_factor else None)
+    if found:
+        # the loosest capacity bounds the worst case; a dropless layer leaves it unbounded
+        cap = None if None in caps else max(caps)
+        return next(b for b in _LEAST_BALANCED_FIRST if b in found), cap
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(module, "can_generate"):      # a transformers PreTrainedModel
+        return _hf_balance(config) or "unknown", None
+    return "unknown", None

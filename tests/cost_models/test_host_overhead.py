@@ -159,15 +159,19 @@ def test_host_terms_follow_the_calibrated_speed(llama):
 
 
 def test_cpu_pipeline_bubble_gives_idle_cores_to_busy_ranks(llama):
-    """4 processes on 2 cores: in the fill / drain about 1 in p ranks has work and gets the idle
-    ranks' cores, so the bubble costs share / min(1, share * p) of its fully shared time."""
+    """4 processes on 2 cores: ranks idling in the fill / drain give their cores to ranks with work,
+    so the step is the larger of the work at the shared rate and the critical path at full speed."""
     from meshplan.cost_models.compute import cpu_thread_share
-    from meshplan.cost_models.estimate import _cpu_bubble_factor
+    from meshplan.cost_models.estimate import _cpu_bubble
     cl = _cpu()
     share = cpu_thread_share(cl)
     assert share == pytest.approx(0.5)
-    assert _cpu_bubble_factor(cl, Layout(pp=2, dp=2)) == pytest.approx(0.5)
-    assert _cpu_bubble_factor(cl, Layout(pp=1, dp=4)) == 1.0
-    assert _cpu_bubble_factor(_h100(), Layout(pp=2, dp=4)) == 1.0
+    # 1F1B, pp2, m = 2: bubble half the busy time -> hidden; m = 1: bubble = busy -> nothing left either
+    assert _cpu_bubble(cl, Layout(pp=2, dp=2), 1.0, 0.5) == 0.0
+    assert _cpu_bubble(cl, Layout(pp=2, dp=2), 1.0, 1.0) == 0.0
+    # a deep pipeline with few micro-batches: the critical path at full speed exceeds the work
+    assert _cpu_bubble(cl, Layout(pp=4, dp=1), 1.0, 3.0) == pytest.approx(0.5 * 4.0 - 1.0)
+    assert _cpu_bubble(cl, Layout(pp=1, dp=4), 1.0, 0.7) == 0.7
+    assert _cpu_bubble(_h100(), Layout(pp=2, dp=4), 1.0, 0.5) == 0.5
     # one process per core: nothing to give
-    assert _cpu_bubble_factor(_cpu(nproc=2), Layout(pp=2, dp=1)) == pytest.approx(1.0)
+    assert _cpu_bubble(_cpu(nproc=2), Layout(pp=2, dp=1), 1.0, 0.5) == pytest.approx(0.5)
