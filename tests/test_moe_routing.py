@@ -171,3 +171,26 @@ def test_torch_grouped_mm_matches_the_loop_on_gpu():
     gm.USE_TORCH_GROUPED_MM = True
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_statistics_deferred_to_the_step_end_match_the_per_microbatch_ones(microbatches):
+    """Without a loss that reads global counts in the forward, the routing statistics are summed
+    locally and reduced once when read; the step's counts, load and drops are the same as when
+    every micro-batch reduces them (a global aux loss forces that path), and at one micro-batch the
+    aux / z values too."""
+    deferred = _moe()
+    eager = _moe(moe_aux_loss_coeff=1e-12)
+    assert deferred._defers_statistics() and not eager._defers_statistics()
+    for moe in (deferred, eager):
+        moe.num_microbatches = microbatches
+        for i in range(microbatches):
+            moe(_x(24) + i)
+    assert deferred.window.pending is not None and eager.window.pending is None
+    a, b = deferred.step_stats(), eager.step_stats()
+    assert a["tokens_per_expert"] == b["tokens_per_expert"]
+    assert a["imbalance"] == b["imbalance"] and a["dropped"] == b["dropped"]
+    if microbatches == 1:
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-9)
+        assert a["z_loss"] == pytest.approx(b["z_loss"], rel=1e-9)
+    assert deferred.window.pending is None and deferred.step_stats() == {}

@@ -107,6 +107,12 @@ class RoutingWindow:
     (mean over micro-batches, global); `dropped` / `copies` count token copies a capacity dropped.
     `replay` keeps each micro-batch's constants for a recomputation in backward (no collective
     there, and the same numbers as the first forward).
+
+    When no loss needs the global counts during the step (no aux loss or z-loss with the global
+    scope) the micro-batches' local statistics are summed in `pending` and all-reduced once, when
+    the step's statistics are read (MoE.step_stats / update_expert_bias): one collective per layer
+    and step instead of a blocking all-reduce in every micro-batch's forward, which on CPU
+    processes made each MoE layer a synchronisation point of all data-parallel ranks.
     """
 
     def __init__(self) -> None:
@@ -120,6 +126,7 @@ class RoutingWindow:
         self.dropped = 0.0
         self.copies = 0.0
         self.replay: list[tuple[Tensor, float]] = []
+        self.pending: Tensor | None = None       # deferred: summed local statistics, not yet reduced
 
 
 def kernel_route(logits: Tensor, moe: "MoE") -> tuple[Tensor, Tensor, Tensor]:
@@ -284,6 +291,14 @@ class MoE(nn.Module):
             local = torch.cat([counts.double(), prob_sum.detach().double(), prob_sum.new_tensor(
                 [float(z_sum.detach()) if z_sum is not None else 0.0, n, dropped, float(self.aux_loss.detach())],
                 dtype=torch.float64)])
+            if self._defers_statistics():
+                # no loss term needs global numbers now: sum locally, reduce once per step
+                w.pending = local if w.pending is None else w.pending + local
+                w.microbatches += 1
+                mean_counts, tokens = counts.float(), float(n)
+                if torch.is_grad_enabled():
+                    w.replay.append((mean_counts, tokens))
+                return self._loss_terms(logits, prob_sum, z_sum, n, mean_counts, tokens)
             group = self.balance_group
             if group is not None:
                 import torch.distributed as dist
@@ -308,6 +323,41 @@ class MoE(nn.Module):
                 w.aux += aux_sum / ranks / m
             if torch.is_grad_enabled():
                 w.replay.append((mean_counts, tokens))
+        return self._loss_terms(logits, prob_sum, z_sum, n, mean_counts, tokens)
+
+    def _defers_statistics(self) -> bool:
+        """Whether this step's statistics can wait for the end of the step (RoutingWindow.pending):
+        only losses with the global scope read global counts or token totals in the forward."""
+        return self.aux_loss_scope != "global" or not (self.aux_loss_coeff or self.z_loss_coeff)
+
+    def _flush_window(self) -> None:
+        """All-reduce the deferred statistics (collective over `balance_group`) into the window's
+        global counts, token copies, drops and loss values."""
+        w = self.window
+        if w.pending is None:
+            return
+        local, w.pending = w.pending, None
+        ranks = 1
+        if self.balance_group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(local, group=self.balance_group)
+            ranks = dist.get_world_size(self.balance_group)
+        E, k, m = self.experts.num_experts, self.topk, max(1, w.microbatches)
+        glob_counts, glob_probs = local[:E], local[E:2 * E]
+        glob_z, tokens, glob_dropped, aux_sum = (float(v) for v in local[2 * E:])
+        w.counts = glob_counts.clone()
+        w.dropped += glob_dropped
+        w.copies += tokens * k
+        per_mb = tokens / m                      # every micro-batch has the same token count
+        w.z += glob_z / per_mb / m if per_mb else 0.0
+        if self.aux_loss_scope == "global":      # the global Switch loss of the step's mean counts
+            w.aux += float(E / (k * per_mb ** 2) * ((glob_counts / m) * (glob_probs / m)).sum()) if per_mb else 0.0
+        else:
+            w.aux += aux_sum / ranks / m
+
+    def _loss_terms(self, logits: Tensor, prob_sum: Tensor, z_sum, n: int, mean_counts: Tensor,
+                    tokens: float) -> Tensor | None:
+        E, k = prob_sum.shape[0], self.topk
         terms = []
         m = self.num_microbatches
         if self.aux_loss_coeff:
@@ -331,6 +381,7 @@ class MoE(nn.Module):
     def step_stats(self, *, reset: bool = True) -> dict[str, float | list[float]]:
         """This step's routing statistics (global): copies per expert, max/mean load, the aux and
         z losses' values, the dropped fraction; starts a new window when `reset`."""
+        self._flush_window()
         w = self.window
         if w.counts is None:
             return {}
@@ -351,6 +402,7 @@ class MoE(nn.Module):
         if self.expert_bias is None:
             return
         if counts is None:
+            self._flush_window()
             counts = self.window.counts if self.window.counts is not None else self.tokens_per_expert
         if counts is None:
             return
