@@ -11,7 +11,7 @@ the first `--skip` warm-up steps) with the plan's predicted step. With `--cluste
 (written by `meshplan calibrate --nproc 4`) the plan and its prediction use the calibrated machine.
 
     python benchmarks/cpu_closing_loop.py [--steps 20] [--only dp4,tp2dp2] [--cluster profile.json] [--out FILE]
-    python benchmarks/cpu_closing_loop.py --calibrate-each [--steps 20]   # re-calibrate before each layout
+    python benchmarks/cpu_closing_loop.py --calibrate-each [--steps 20] [--repeat 3]   # re-calibrate before each run
     python benchmarks/cpu_closing_loop.py --predict-only     # predictions alone, no processes (seconds)
 
 --calibrate-each runs `meshplan calibrate --nproc 4 --quick` right before each layout and plans and
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate-each", action="store_true",
                     help="calibrate (meshplan calibrate --nproc 4 --quick) right before each layout and use that profile")
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds over the layouts (interleaved); the verdict takes each layout's median")
     ap.add_argument("--keep-profiles", help="with --calibrate-each: keep each layout's profile in this folder")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -133,36 +135,53 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="closing-loop-")
     keep = Path(args.keep_profiles or tmp.name)
     keep.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}    # (predicted, measured) per round
+    for rnd in range(1 if args.predict_only else args.repeat):
+        for name in names:
+            model, fix = LAYOUTS[name]
+            cluster = args.cluster
+            if args.calibrate_each and not args.predict_only:
+                cluster = str(keep / f"{name}-{rnd}.json")
+                subprocess.run([sys.executable, "-m", "meshplan.cli", "calibrate", "--nproc", str(NPROC), "--quick",
+                                "--out", cluster], capture_output=True, text=True, check=True, timeout=args.timeout)
+            flags, options = OPTIONS.get(name, ([], {}))
+            est = predict(model, fix, cluster, **options)
+            split = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in est.time_s.items() if v > 5e-4)
+            if args.predict_only:
+                p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'-':>9s} {'-':>7s}  {'-':9s}  {split} ms")
+                continue
+            load0 = _load()
+            try:
+                med, pred, _, imb, cpu = measure(model, fix, args.steps, args.skip, cluster, args.timeout, flags)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'failed':>9s}  {str(e).splitlines()[0][:80]}")
+                ok = False
+                continue
+            runs[name].append((pred, med))
+            err = pred / med - 1
+            load = f"{load0}>{_load()}"
+            if args.calibrate_each:
+                split = f"calibrated {_gflops(cluster):.0f} GFLOP/s/process; " + split
+            # cpu: rank 0's process CPU per step; packed: the step if the 4 processes' CPU work filled the
+            # host's cores with no idle time (wall above it: waits for a peer to be scheduled, or other jobs)
+            packed = cpu * NPROC / CORES
+            tag = f"{name}" + (f"/{rnd + 1}" if args.repeat > 1 else "")
+            p(f"{tag:8s} {model:10s} {pred:9.3f} {med:9.3f} {err * 100:+6.1f}%  {'yes' if abs(err) <= TARGET else 'NO':9s}  "
+              f"{load:>9s} {cpu:6.3f} {packed:6.3f}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
+            print(lines[-1], flush=True)
+    if args.predict_only:
+        return emit(lines, args.out)
+    # the verdict: per layout, the median over rounds of predicted and of measured (a round that met
+    # a burst of other work on the shared host moves the median less than the mean)
+    p(f"# median over {args.repeat} round(s)")
     for name in names:
-        model, fix = LAYOUTS[name]
-        cluster = args.cluster
-        if args.calibrate_each and not args.predict_only:
-            cluster = str(keep / f"{name}.json")
-            subprocess.run([sys.executable, "-m", "meshplan.cli", "calibrate", "--nproc", str(NPROC), "--quick",
-                            "--out", cluster], capture_output=True, text=True, check=True, timeout=args.timeout)
-        flags, options = OPTIONS.get(name, ([], {}))
-        est = predict(model, fix, cluster, **options)
-        split = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in est.time_s.items() if v > 5e-4)
-        if args.predict_only:
-            p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'-':>9s} {'-':>7s}  {'-':9s}  {split} ms")
+        if not runs[name]:
             continue
-        load0 = _load()
-        try:
-            med, pred, _, imb, cpu = measure(model, fix, args.steps, args.skip, cluster, args.timeout, flags)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'failed':>9s}  {str(e).splitlines()[0][:80]}")
-            ok = False
-            continue
+        pred = statistics.median(r[0] for r in runs[name])
+        med = statistics.median(r[1] for r in runs[name])
         err = pred / med - 1
         ok &= abs(err) <= TARGET
-        load = f"{load0}>{_load()}"
-        if args.calibrate_each:
-            split = f"calibrated {_gflops(cluster):.0f} GFLOP/s/process; " + split
-        # cpu: rank 0's process CPU per step; packed: the step if the 4 processes' CPU work filled the
-        # host's cores with no idle time (wall above it: waits for a peer to be scheduled, or other jobs)
-        packed = cpu * NPROC / CORES
-        p(f"{name:8s} {model:10s} {pred:9.3f} {med:9.3f} {err * 100:+6.1f}%  {'yes' if abs(err) <= TARGET else 'NO':9s}  "
-          f"{load:>9s} {cpu:6.3f} {packed:6.3f}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
+        p(f"{name:8s} {LAYOUTS[name][0]:10s} {pred:9.3f} {med:9.3f} {err * 100:+6.1f}%  {'yes' if abs(err) <= TARGET else 'NO'}")
         print(lines[-1], flush=True)
     return emit(lines, args.out)
 

@@ -175,10 +175,34 @@ class ParallelModel:
                     stage.set_requires_gradient_sync(last, recurse=True)
             sync = self.ddp[0].no_sync() if self.ddp and not last else contextlib.nullcontext()
             with sync:
-                loss = loss_fn(_pp.logits_of(forward(xm)), ym)
+                out = forward(xm)
+                loss = loss_fn(_pp.logits_of(out), ym)
+                aux = self._router_aux_loss(out, stage)
+                if aux is not None:
+                    loss = loss + aux
                 loss.backward()
             total += float(loss.detach())
         return total
+
+    def _router_aux_loss(self, out, stage: nn.Module) -> torch.Tensor | None:
+        """transformers MoE models (Mixtral, Qwen2-MoE, ...) return their load-balancing loss as
+        `aux_loss` when config.output_router_logits is set, and add router_aux_loss_coef times it to
+        the loss only when called with labels, which the runtime does not pass (it computes the
+        loss from the logits). Added here as each micro-batch's and data rank's share: the step's
+        loss is then the mean of the model's own (loss + coef x aux) over the global batch.
+        Its routing statistics are the micro-batch's own tokens (transformers' per-call loss), so
+        only layouts that keep a micro-batch's tokens and layers whole on one rank apply it (no tp,
+        cp or pp split); elsewhere `router_aux_loss_note` warns that the run goes without it."""
+        aux = getattr(out, "aux_loss", None)
+        if aux is None or not isinstance(aux, torch.Tensor):
+            return None
+        coef = float(getattr(getattr(stage, "config", None), "router_aux_loss_coef", 0.0) or 0.0)
+        if not coef:
+            return None
+        L = self.plan.layout
+        if L.tp > 1 or L.cp > 1 or L.pp > 1:
+            return None
+        return coef * aux.float() / (self.num_microbatches * L.dp * L.cp)
 
     def _pipeline_step(self, x, y, loss_fn) -> float:
         self._step_loss_fn = loss_fn          # read by the schedule's loss function (see parallelize)
@@ -330,3 +354,17 @@ def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 def _state_keys(module: nn.Module) -> list[str]:
     return list(get_model_state_dict(module).keys())
+
+
+def router_aux_loss_note(model: nn.Module, layout) -> str | None:
+    """Why a transformers MoE model's own load-balancing loss will not be trained under `layout`
+    (see ParallelModel._router_aux_loss), or None."""
+    cfg = getattr(model, "config", None)
+    if not (getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 0.0)):
+        return None
+    split = [f"{k}={getattr(layout, k)}" for k in ("tp", "cp", "pp") if getattr(layout, k) > 1]
+    if not split:
+        return None
+    return (f"the model's router load-balancing loss (output_router_logits=True, router_aux_loss_coef="
+            f"{cfg.router_aux_loss_coef}) is added only when tp, cp and pp are 1; this plan has "
+            f"{', '.join(split)}, so it trains without it (fix tp/cp/pp to 1 to keep it)")

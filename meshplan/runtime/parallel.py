@@ -62,7 +62,7 @@ from meshplan.runtime.ddp import (
 )
 from meshplan.runtime.fused import apply_fused_kernels, choose_kernels
 from meshplan.runtime.mesh import build_mesh, folds_experts
-from meshplan.runtime.model import IGNORE_INDEX, ParallelModel
+from meshplan.runtime.model import IGNORE_INDEX, ParallelModel, router_aux_loss_note
 from meshplan.runtime.recompute import apply_recompute
 from meshplan.runtime.tensor_parallel import apply_tensor_parallel, enable_async_tp
 
@@ -193,6 +193,10 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     world = dist.get_world_size()
     _check(model, plan, world)
     lay = plan.layout
+    note = router_aux_loss_note(model, lay)
+    if note and dist.get_rank() == 0:
+        import warnings
+        warnings.warn("meshplan: " + note, stacklevel=2)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
     if compute_dtype == "plan":
