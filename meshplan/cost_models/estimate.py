@@ -15,6 +15,7 @@ from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per
 from meshplan.cost_models.host import (
     fsdp_collectives,
     fsdp_units,
+    routing_stat_reduces,
     param_tensors,
     partial_grad_reduces,
     pp_host_time,
@@ -185,7 +186,8 @@ def _step_overhead(profile: ModelProfile, cluster, L: Layout, ranks: list[RankWo
     return max(step_host_time(param_tensors(profile, w.layers, first=r == 0, last=r == p - 1), L, cluster,
                               sync_s=sync, partial_reduces=partial_grad_reduces(profile, w.layers, L, last=r == p - 1),
                               collectives=fsdp_collectives(L, sum(1 for i in w.layers if blocks[i].is_moe),
-                                                           len(w.layers)),
+                                                           len(w.layers))
+                              + routing_stat_reduces(L, sum(1 for i in w.layers if blocks[i].is_moe)),
                               fsdp_units=fsdp_units(L, sum(1 for i in w.layers if blocks[i].is_moe), len(w.layers)))
                for r, w in enumerate(ranks))
 

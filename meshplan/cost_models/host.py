@@ -39,7 +39,7 @@ from meshplan.cost_models.compute import cpu_rate_scale, is_cpu
 __all__ = ["host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time", "cp_host_time",
            "pp_host_time", "param_tensors", "partial_grad_reduces", "step_host_time",
            "tp_collectives_per_layer", "tp_edge_host_time",
-           "ring_blocks", "moe_loop_host_time", "fsdp_collectives", "fsdp_units"]
+           "ring_blocks", "moe_loop_host_time", "fsdp_collectives", "fsdp_units", "routing_stat_reduces"]
 
 
 def host_slowdown(cluster) -> float:
@@ -220,6 +220,13 @@ def fsdp_collectives(layout, n_moe_layers: int, n_layers: int = 0) -> int:
     that reshards after forward. comm.py prices the same collectives' wire time."""
     units = fsdp_units(layout, n_moe_layers, n_layers)
     return units * (3 if layout.zero >= 3 and layout.reshard_after_forward else 2)
+
+
+def routing_stat_reduces(layout, n_moe_layers: int) -> int:
+    """Per-step all-reduces of the MoE layers' routing statistics over the data-parallel x
+    context-parallel ranks (models/moe.py RoutingWindow: one per layer and step when no loss needs
+    them in the forward, as in the default job; the balancer reads them after the optimizer step)."""
+    return n_moe_layers if layout.dp * layout.cp > 1 else 0
 
 
 def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_reduces: int = 0,
