@@ -62,7 +62,9 @@ _GPU = (("a100", "a100-80gb"), ("h100", "h100-sxm"), ("h200", "h200"), ("b200", 
 # model-name fragments -> meshplan preset supplying fields the CSV leaves empty (head_dim, vocab)
 _PRESET_FILL = (("qwen3-235b", "qwen3-235b-a22b"), ("qwen3-30b", "qwen3-30b-a3b"),
                 ("mixtral 8x22b", "mixtral-8x22b"), ("mixtral 8x7b", "mixtral-8x7b"),
-                ("llama3-70b", "llama3-70b"), ("llama3-8b", "llama3-8b"), ("deepseek-v3", "deepseek-v3"))
+                ("llama3-70b", "llama3-70b"), ("llama3-8b", "llama3-8b"), ("deepseek-v3", "deepseek-v3"),
+                # the NeMo Llama 2 rows give no vocabulary: Llama 2's is 32000 (its tokenizer)
+                ("llama2-7b", "llama2-7b"), ("llama2-13b", "llama2-13b"), ("llama2-70b", "llama2-70b"))
 
 
 @dataclass
