@@ -53,9 +53,10 @@ def cpu_rate_scale(cluster) -> float:
     measured against 0.132 predicted, r4.) Otherwise: the matmul-derived share x speed."""
     op_us = getattr(cluster.gpu, "cpu_op_us", None)
     if op_us:
-        share = min(1.0, K.CPU_HOST_CORES / max(1, cluster.gpus_per_node))
+        # preset share x preset speed x (the quiet op time at that share, CPU_QUIET_OP_US_1T / share,
+        # over the measured one): the share cancels, the measurement already holds it
         preset_speed = CPU_HOST_BF16_TFLOPS / K.CPU_HOST_CORES * 1e3 / K.CPU_MICRO_MATMUL_GFLOPS_1T
-        return share * preset_speed * (K.CPU_QUIET_OP_US_1T / share) / op_us
+        return preset_speed * K.CPU_QUIET_OP_US_1T / op_us
     return cpu_thread_share(cluster) * cpu_speed(cluster)
 
 

@@ -183,13 +183,14 @@ def _step_overhead(profile: ModelProfile, cluster, L: Layout, ranks: list[RankWo
     sync = 2 * collective_time("all_reduce", 8, group(cluster, L.world, 1), cluster)
     p = L.pp
     blocks = profile.layer_blocks()
-    return max(step_host_time(param_tensors(profile, w.layers, first=r == 0, last=r == p - 1), L, cluster,
-                              sync_s=sync, partial_reduces=partial_grad_reduces(profile, w.layers, L, last=r == p - 1),
-                              collectives=fsdp_collectives(L, sum(1 for i in w.layers if blocks[i].is_moe),
-                                                           len(w.layers))
-                              + routing_stat_reduces(L, sum(1 for i in w.layers if blocks[i].is_moe)),
-                              fsdp_units=fsdp_units(L, sum(1 for i in w.layers if blocks[i].is_moe), len(w.layers)))
-               for r, w in enumerate(ranks))
+
+    def rank_host(r: int, w: RankWork) -> float:
+        moe, last = sum(1 for i in w.layers if blocks[i].is_moe), r == p - 1
+        return step_host_time(param_tensors(profile, w.layers, first=r == 0, last=last), L, cluster, sync_s=sync,
+                              partial_reduces=partial_grad_reduces(profile, w.layers, L, last=last),
+                              collectives=fsdp_collectives(L, moe, len(w.layers)) + routing_stat_reduces(L, moe),
+                              fsdp_units=fsdp_units(L, moe, len(w.layers)))
+    return max(rank_host(r, w) for r, w in enumerate(ranks))
 
 
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,

@@ -299,20 +299,10 @@ class MoE(nn.Module):
                 if torch.is_grad_enabled():
                     w.replay.append((mean_counts, tokens))
                 return self._loss_terms(logits, prob_sum, z_sum, n, mean_counts, tokens)
-            group = self.balance_group
-            if group is not None:
-                import torch.distributed as dist
-                dist.all_reduce(local, group=group)
-                ranks = dist.get_world_size(group)
-            else:
-                ranks = 1
+            ranks = self._all_reduce_statistics(local)
             m = self.num_microbatches
-            glob_counts, glob_probs = local[:E], local[E:2 * E]
-            glob_z, tokens, glob_dropped, aux_sum = (float(v) for v in local[2 * E:])
-            w.counts = glob_counts.clone() if w.counts is None else w.counts + glob_counts
+            glob_counts, glob_probs, glob_z, tokens, aux_sum = self._absorb(local)
             w.microbatches += 1
-            w.dropped += glob_dropped
-            w.copies += tokens * k
             w.z += glob_z / tokens / m
             if self.aux_loss_scope == "global":
                 mean_counts = (w.counts / w.microbatches).float()           # (E,) running mean
@@ -337,23 +327,35 @@ class MoE(nn.Module):
         if w.pending is None:
             return
         local, w.pending = w.pending, None
-        ranks = 1
-        if self.balance_group is not None:
-            import torch.distributed as dist
-            dist.all_reduce(local, group=self.balance_group)
-            ranks = dist.get_world_size(self.balance_group)
+        ranks = self._all_reduce_statistics(local)
         E, k, m = self.experts.num_experts, self.topk, max(1, w.microbatches)
-        glob_counts, glob_probs = local[:E], local[E:2 * E]
-        glob_z, tokens, glob_dropped, aux_sum = (float(v) for v in local[2 * E:])
-        w.counts = glob_counts.clone()
-        w.dropped += glob_dropped
-        w.copies += tokens * k
+        glob_counts, glob_probs, glob_z, tokens, aux_sum = self._absorb(local)
         per_mb = tokens / m                      # every micro-batch has the same token count
         w.z += glob_z / per_mb / m if per_mb else 0.0
         if self.aux_loss_scope == "global":      # the global Switch loss of the step's mean counts
             w.aux += float(E / (k * per_mb ** 2) * ((glob_counts / m) * (glob_probs / m)).sum()) if per_mb else 0.0
         else:
             w.aux += aux_sum / ranks / m
+
+    def _all_reduce_statistics(self, local: Tensor) -> int:
+        """Sum a statistics vector over `balance_group` in place (collective); the group's size."""
+        if self.balance_group is None:
+            return 1
+        import torch.distributed as dist
+        dist.all_reduce(local, group=self.balance_group)
+        return dist.get_world_size(self.balance_group)
+
+    def _absorb(self, glob: Tensor) -> tuple[Tensor, Tensor, float, float, float]:
+        """Add a reduced statistics vector [counts (E), probabilities (E), z, tokens, dropped, aux]
+        to the window's counts, drops and token copies; returns (counts, probabilities, z, tokens,
+        aux) for the loss values."""
+        w, E = self.window, self.experts.num_experts
+        counts, probs = glob[:E], glob[E:2 * E]
+        z, tokens, dropped, aux = (float(v) for v in glob[2 * E:])
+        w.counts = counts.clone() if w.counts is None else w.counts + counts
+        w.dropped += dropped
+        w.copies += tokens * self.topk
+        return counts, probs, z, tokens, aux
 
     def _loss_terms(self, logits: Tensor, prob_sum: Tensor, z_sum, n: int, mean_counts: Tensor,
                     tokens: float) -> Tensor | None:

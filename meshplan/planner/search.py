@@ -110,14 +110,19 @@ def _check_fixed_against_model(f: Mapping[str, Any], profile: ModelProfile, expe
                           "router top-k feeding expert weights), so there is nothing to shard over ep / etp; "
                           "use ep=1, etp=1 (or leave them free)")
     if ep > 1 and experts % ep:
-        ok = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise ConfigError(f"fixed ep={ep} does not divide the {experts} experts of {profile.name}; use one of {ok}")
+        raise ConfigError(f"fixed ep={ep} does not divide the {experts} experts of {profile.name}; "
+                          f"use one of {divisors(experts)}")
     tp = int(f.get("tp", 1))
-    bad = [f"{what} {v}" for what, v in (("attention heads", heads), ("kv heads", kv), ("vocabulary", profile.vocab))
-           if v % tp] + [f"FFN width {w}" for w in sorted(set(ffns)) if w % tp]
+    bad = _tp_indivisible(tp, profile.vocab, heads=heads, kv=kv, ffns=ffns)
     if tp > 1 and bad:
         raise ConfigError(f"fixed tp={tp} does not divide {profile.name}'s {', '.join(bad)}; choose a tp that "
                           "divides them (or leave tp free)")
+
+
+def _tp_indivisible(tp: int, vocab: int, *, heads: int, kv: int, ffns: list[int]) -> list[str]:
+    """The model widths tensor parallelism of degree `tp` would have to split but cannot, named."""
+    return [f"{what} {v}" for what, v in (("attention heads", heads), ("kv heads", kv), ("vocabulary", vocab))
+            if v % tp] + [f"FFN width {w}" for w in sorted(set(ffns)) if w % tp]
 
 
 def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
@@ -164,8 +169,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     domain = cluster.scaleup_domain
 
     def tp_ok(t: int) -> bool:
-        return (heads % t == 0 and kv % t == 0 and profile.vocab % t == 0 and all(w % t == 0 for w in ffns)
-                and (allow_cross_domain or t <= domain))
+        return not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns) and (
+            allow_cross_domain or t <= domain)
 
     _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns)
 

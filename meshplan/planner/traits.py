@@ -185,7 +185,8 @@ def _hf_balance(config) -> str | None:
     """The balance a transformers config declares, or None when it declares none we know.
     `router_aux_loss_coef` (Mixtral, Qwen2-MoE, OLMoE, ...) joins the loss only when
     `output_router_logits` is True (the model's forward adds coef * aux to the loss it returns when
-    given labels; meshplan's runtime computes the loss from the logits and does not add it yet).
+    given labels; meshplan's runtime computes the loss from the logits and adds it itself, under
+    layouts that keep a micro-batch whole: runtime.model.ParallelModel._router_aux_loss).
     A DeepSeek-V3 style `e_score_correction_bias` (topk_method "noaux_tc") steers top-k, but
     transformers never updates it while training: a pretrained checkpoint's bias keeps its router
     balanced, a zero one from scratch does nothing, and a meta-device model cannot tell which."""

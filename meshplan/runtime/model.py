@@ -200,7 +200,7 @@ class ParallelModel:
         if not coef:
             return None
         L = self.plan.layout
-        if L.tp > 1 or L.cp > 1 or L.pp > 1:
+        if _splits_microbatches(L):
             return None
         return coef * aux.float() / (self.num_microbatches * L.dp * L.cp)
 
@@ -362,9 +362,14 @@ def router_aux_loss_note(model: nn.Module, layout) -> str | None:
     cfg = getattr(model, "config", None)
     if not (getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 0.0)):
         return None
-    split = [f"{k}={getattr(layout, k)}" for k in ("tp", "cp", "pp") if getattr(layout, k) > 1]
+    split = _splits_microbatches(layout)
     if not split:
         return None
     return (f"the model's router load-balancing loss (output_router_logits=True, router_aux_loss_coef="
             f"{cfg.router_aux_loss_coef}) is added only when tp, cp and pp are 1; this plan has "
             f"{', '.join(split)}, so it trains without it (fix tp/cp/pp to 1 to keep it)")
+
+
+def _splits_microbatches(layout) -> list[str]:
+    """The degrees of `layout` that split a micro-batch's tokens or layers over ranks ("tp=2", ...)."""
+    return [f"{k}={getattr(layout, k)}" for k in ("tp", "cp", "pp") if getattr(layout, k) > 1]

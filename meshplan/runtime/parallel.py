@@ -38,6 +38,7 @@ rank contributes it, and FSDP sums the partial gradients over dp x cp.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -195,7 +196,6 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     lay = plan.layout
     note = router_aux_loss_note(model, lay)
     if note and dist.get_rank() == 0:
-        import warnings
         warnings.warn("meshplan: " + note, stacklevel=2)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
