@@ -18,6 +18,12 @@ backward products) where the device supports it: CUDA with compute capability >=
 bf16, the matmuls' inner and outer sizes multiples of 8 (16-byte rows). Elsewhere (CPU, older GPUs, fp32) it
 loops over the groups in Python (`offs.tolist()`), which is fine on real tensors in eager mode.
 `USE_TORCH_GROUPED_MM = False` forces the loop.
+
+The op computes in its operands' dtype. Autocast casts the operands of the matmuls it knows, not a
+custom op's, so callers running under autocast cast first (`amp_operands`): without it the expert
+GEMMs of a model trained with autocast (meshplan's DDP path: fp32 master weights) ran their
+forward on bf16 copies of each slice and their backward in fp32, at half the bf16 rate on CPU, and
+on a Hopper GPU missed `torch._grouped_mm` (which takes bf16 only) for the Python loop.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from meshplan.errors import MeshplanError
 
-__all__ = ["grouped_mm", "grouped_mm_backward", "grouped_mm_reference", "torch_grouped_mm_supported"]
+__all__ = ["grouped_mm", "grouped_mm_backward", "grouped_mm_reference", "torch_grouped_mm_supported", "amp_operands"]
 
 USE_TORCH_GROUPED_MM = True
 
@@ -46,8 +52,21 @@ def torch_grouped_mm_supported(*tensors: Tensor) -> bool:
     return torch.cuda.get_device_capability(tensors[0].device) >= (9, 0)
 
 
+def amp_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors as a matmul under the active autocast would see them: floating-point ones cast
+    to the autocast dtype of their device, unchanged when autocast is off (module docstring)."""
+    if not tensors:
+        return tensors
+    dev = tensors[0].device.type
+    if dev == "meta" or not torch.is_autocast_enabled(dev):
+        return tensors
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 def _zero_tail(out: Tensor, offs: Tensor) -> Tensor:
-    # torch._grouped_mm leaves rows past the last group undefined; the contract says 0
+    # rows past the last group are not written (torch._grouped_mm leaves them undefined, the loop
+    # empty); the contract says 0
     end = int(offs[-1]) if offs.numel() else 0
     if end < out.shape[0]:
         out[end:] = 0
@@ -85,11 +104,13 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         _bounds(offs, x.shape[0])
         out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs.to(torch.int32))   # (M, N)
         return _zero_tail(out, offs)
-    out = x.new_zeros(x.shape[0], w.shape[1])                           # (M, N)
-    for g, (start, end) in enumerate(_bounds(offs, x.shape[0])):
-        if end > start:
-            out[start:end] = x[start:end] @ w[g].t()                    # (m_g, K) @ (K, N)
-    return out
+    # each group's product written in place (no zero fill, no copy), in the operands' dtype
+    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)    # (M, N)
+    with torch.autocast(x.device.type, enabled=False):
+        for g, (start, end) in enumerate(_bounds(offs, x.shape[0])):
+            if end > start:
+                torch.mm(x[start:end], w[g].t(), out=out[start:end])   # (m_g, K) @ (K, N)
+    return _zero_tail(out, offs)
 
 
 @grouped_mm.register_fake
@@ -109,13 +130,16 @@ def grouped_mm_backward(grad: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tup
         dw = torch._grouped_mm(grad.t(), x, offs=offs32)                            # (G, N, K)
         empty = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).view(-1, 1, 1)
         return dx, dw.masked_fill(empty, 0)
-    dx = torch.zeros_like(x)                                            # (M, K)
-    dw = torch.zeros_like(w)                                            # (G, N, K)
-    for g, (start, end) in enumerate(_bounds(offs, x.shape[0])):
-        if end > start:
-            dx[start:end] = grad[start:end] @ w[g]                      # (m_g, N) @ (N, K)
-            dw[g] = grad[start:end].t() @ x[start:end]                  # (N, m_g) @ (m_g, K)
-    return dx, dw
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)           # (M, K)
+    dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)           # (G, N, K)
+    with torch.autocast(x.device.type, enabled=False):
+        for g, (start, end) in enumerate(_bounds(offs, x.shape[0])):
+            if end > start:
+                torch.mm(grad[start:end], w[g], out=dx[start:end])             # (m_g, N) @ (N, K)
+                torch.mm(grad[start:end].t(), x[start:end], out=dw[g])         # (N, m_g) @ (m_g, K)
+            else:
+                dw[g].zero_()
+    return _zero_tail(dx, offs), dw
 
 
 @grouped_mm_backward.register_fake

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshplan.models.config import ModelConfig
-from meshplan.models.grouped_mm import grouped_mm
+from meshplan.models.grouped_mm import amp_operands, grouped_mm
 from meshplan.models.layers import FeedForward
 
 __all__ = ["MoE", "GroupedExperts", "RoutingWindow", "load_balancing_loss"]
@@ -75,12 +75,14 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (M, h) sorted by expert; counts (E,) rows per expert -> (M, h)."""
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)            # (E,) row ends
-        h = grouped_mm(x, self.w1, offs)                                   # (M, f)
+        # under autocast the GEMMs run in its dtype, as nn.Linear's do (grouped_mm.amp_operands)
+        x, w1, w2 = amp_operands(x, self.w1, self.w2)
+        h = grouped_mm(x, w1, offs)                                        # (M, f)
         if self.w3 is None:
             h = F.gelu(h)
         else:
-            h = F.silu(h) * grouped_mm(x, self.w3, offs)
-        return grouped_mm(h, self.w2, offs)                                # (M, h)
+            h = F.silu(h) * grouped_mm(x, *amp_operands(self.w3), offs)
+        return grouped_mm(h, w2, offs)                                     # (M, h)
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -248,9 +250,12 @@ class MoE(nn.Module):
             order, kept_counts = self._drop_over_capacity(order, expert_of_copy, counts)
             dropped = expert_of_copy.numel() - order.numel()
         token_of_copy = order // k                                          # (M,) M <= N*k
-        routed = self.experts(tokens.index_select(0, token_of_copy), kept_counts)   # (M, h)
+        # the copies in the experts' GEMM dtype (autocast's): half the bytes gathered and, under
+        # expert parallelism, sent
+        (rows,) = amp_operands(tokens)
+        routed = self.experts(rows.index_select(0, token_of_copy), kept_counts)   # (M, h)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token_of_copy, routed)  # (N, h)
+        out = routed.new_zeros(tokens.shape).index_add(0, token_of_copy, routed)  # (N, h)
         if running:
             # An exported program cannot keep tensors assigned to module attributes (they would
             # hold fake tensors), so the routing statistics and losses only exist when running.
