@@ -85,9 +85,10 @@ def predict(model: str, fix: str, cluster: str = "local-cpu", **options):
 
 
 def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: int,
-            flags: list[str] = ()) -> tuple[float, float, list, float, float]:
+            flags: list[str] = ()) -> tuple[float, float, list, float, float, float]:
     """(median measured step s, predicted step s, all measured steps, median MoE imbalance or nan,
-    median CPU seconds of rank 0's process per step) of one `meshplan train` run. The imbalance (busiest expert's rows over the mean, the runtime's
+    median CPU seconds of rank 0's process per step, and of them after forward and backward) of one
+    `meshplan train` run. The imbalance (busiest expert's rows over the mean, the runtime's
     moe_imbalance metric) matters under EP: every EP rank waits for the one holding the busiest
     expert, which the cost model prices only at its statistical floor (layer.moe_load_factor)."""
     with tempfile.TemporaryDirectory() as d:
@@ -104,8 +105,9 @@ def measure(model: str, fix: str, steps: int, skip: int, cluster: str, timeout: 
     pred = next((r["predicted_step_time_s"] for r in recs if r.get("predicted_step_time_s")), float("nan"))
     imb = [r["moe_imbalance"] for r in recs[skip:] if r.get("moe_imbalance")]
     cpu = [r["cpu_time_s"] for r in recs[skip:] if r.get("cpu_time_s")]
+    upd = [r["cpu_update_s"] for r in recs[skip:] if r.get("cpu_update_s")]
     return (statistics.median(times), pred, times, (statistics.median(imb) if imb else float("nan")),
-            statistics.median(cpu) if cpu else float("nan"))
+            statistics.median(cpu) if cpu else float("nan"), statistics.median(upd) if upd else float("nan"))
 
 
 def main(argv=None) -> int:
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
       f"{NPROC} processes, global batch {GBS} x {SEQ} tokens, cluster "
       f"{'calibrated before each layout' if args.calibrate_each else args.cluster}")
     p(f"{'layout':8s} {'model':10s} {'predicted':>9s} {'measured':>9s} {'error':>7s}  within {TARGET * 100:.0f}%  "
-      f"{'load':>9s} {'cpu':>6s} {'packed':>6s}  predicted split")
+      f"{'load':>9s} {'cpu':>6s} {'update':>6s} {'packed':>6s}  predicted split")
     ok = True
     tmp = tempfile.TemporaryDirectory(prefix="closing-loop-")
     keep = Path(args.keep_profiles or tmp.name)
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
                 continue
             load0 = _load()
             try:
-                med, pred, _, imb, cpu = measure(model, fix, args.steps, args.skip, cluster, args.timeout, flags)
+                med, pred, _, imb, cpu, upd = measure(model, fix, args.steps, args.skip, cluster, args.timeout, flags)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 p(f"{name:8s} {model:10s} {est.step_time_s:9.3f} {'failed':>9s}  {str(e).splitlines()[0][:80]}")
                 ok = False
@@ -162,12 +164,13 @@ def main(argv=None) -> int:
             load = f"{load0}>{_load()}"
             if args.calibrate_each:
                 split = f"calibrated {_gflops(cluster):.0f} GFLOP/s/process; " + split
-            # cpu: rank 0's process CPU per step; packed: the step if the 4 processes' CPU work filled the
-            # host's cores with no idle time (wall above it: waits for a peer to be scheduled, or other jobs)
+            # cpu: rank 0's process CPU per step (update: of it, what follows forward and backward);
+            # packed: the step if the 4 processes' CPU work filled the host's cores with no idle time
+            # (wall above it: waits for a peer to be scheduled, or other jobs)
             packed = cpu * NPROC / CORES
             tag = f"{name}" + (f"/{rnd + 1}" if args.repeat > 1 else "")
             p(f"{tag:8s} {model:10s} {pred:9.3f} {med:9.3f} {err * 100:+6.1f}%  {'yes' if abs(err) <= TARGET else 'NO':9s}  "
-              f"{load:>9s} {cpu:6.3f} {packed:6.3f}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
+              f"{load:>9s} {cpu:6.3f} {upd:6.3f} {packed:6.3f}  {split} ms" + ("" if math.isnan(imb) else f"; measured MoE imbalance {imb:.2f}"))
             print(lines[-1], flush=True)
     if args.predict_only:
         return emit(lines, args.out)

@@ -218,6 +218,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             if balancer is not None:
                 balancer.begin_step()
             loss = pm.forward_backward(x, y)
+            c1 = time.process_time()
             norm = pm.clip_grad_norm(config.grad_clip)
             opt.step()
             pm.zero_grad()
@@ -232,7 +233,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 m = StepMetrics(step=step + 1, loss=loss, grad_norm=norm, lr=lr,
                                 tokens_per_s=x.shape[0] * plan.seq_len / dt,
                                 step_time_s=dt, predicted_step_time_s=predicted * full if predicted else None,
-                                cpu_time_s=cpu,
+                                cpu_time_s=cpu, cpu_update_s=cpu - (c1 - c0),
                                 # MFU scales inversely with step time from the plan's own prediction
                                 mfu=(est_mfu * predicted * full / dt) if est_mfu and predicted else None,
                                 peak_memory_gb=peak_memory_gb(pm.device), global_batch=x.shape[0],

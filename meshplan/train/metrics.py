@@ -50,6 +50,9 @@ class StepMetrics:
     predicted_step_time_s: float | None = None
     cpu_time_s: float | None = None        # CPU seconds rank 0's process used in the step (all its threads):
                                            #   on CPU processes the step's work, apart from time-sharing
+    cpu_update_s: float | None = None      # the part of cpu_time_s after forward and backward (gradient
+                                           #   clipping, optimizer, routing statistics): the cost model's
+                                           #   optimizer + overhead terms, apart from the loss all-reduce
     mfu: float | None = None               # fraction of peak, 0..1
     peak_memory_gb: float | None = None
     global_batch: int | None = None        # sequences this step (changes during a batch-size ramp-up)

@@ -31,7 +31,7 @@ def test_jsonl_log_round_trip_and_fields(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 3
     rec = json.loads(lines[0])
-    assert set(rec) == {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "cpu_time_s",
+    assert set(rec) == {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "cpu_time_s", "cpu_update_s",
                         "predicted_step_time_s", "mfu", "peak_memory_gb"}
     assert rec["step"] == 0 and rec["loss"] == 3.0 and rec["peak_memory_gb"] == 1.5
     assert [r["loss"] for r in read_metrics(path)] == [3.0, 2.0, 1.0]
