@@ -108,7 +108,7 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     nbytes = (m * k + k * n) * elt + m * n * K.BF16
     t_compute = flops / matmul_rate(cluster, fp8)
     t_memory = nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
-    fixed = K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
+    fixed = _gemm_fixed(cluster, fp8)
     extra = 0.0
     if fp8:   # quantise the inputs (fused cast + amax), memory-bound
         cast = m * k + (k * n if weight_cast else 0.0)
@@ -124,9 +124,15 @@ def grouped_gemm_time(rows: float, n: float, k: float, cluster, *, groups: float
     meshplan's experts call; TE GroupedLinear / grouped_gemm under Megatron-Core --moe-grouped-gemm).
     Each group's rows occupy whole GEMM_TILE_M-row tiles, so the math is that of the padded rows; the
     HBM traffic, the FP8 input cast and the per-kernel fixed cost (launch, prologue, last wave) are
-    paid on the real rows and once per kernel, not once per expert as separate GEMMs would."""
+    paid on the real rows and once per kernel, not once per expert as separate GEMMs would.
+
+    On CPU processes there is no grouped kernel: meshplan::grouped_mm loops over the groups, one
+    GEMM call each (models/grouped_mm.py), so each group is a GEMM of its own rows with its own
+    fixed cost (its Python is host.moe_loop_host_time)."""
     if rows <= 0 or n <= 0 or k <= 0 or groups <= 0:
         return 0.0
+    if is_cpu(cluster):
+        return gemm_time(rows, n, k, cluster, count=groups)
     padded = -(-rows // K.GEMM_TILE_M) * K.GEMM_TILE_M if rows >= 1 else K.GEMM_TILE_M
     elt = K.FP8 if fp8 else K.BF16
     hbm = cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF
@@ -137,8 +143,16 @@ def grouped_gemm_time(rows: float, n: float, k: float, cluster, *, groups: float
         extra = rows * k * K.FP8_CAST_BYTES_PER_ELEMENT / hbm
         if recipe != "tensorwise":
             extra *= fp8_recipe_factor(recipe)
-    fixed = K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
-    return groups * (max(t_compute, t_memory) + extra) + fixed
+    return groups * (max(t_compute, t_memory) + extra) + _gemm_fixed(cluster, fp8)
+
+
+def _gemm_fixed(cluster, fp8: bool) -> float:
+    """Fixed seconds of one GEMM call beyond its FLOPs: a GPU kernel's launch, prologue and last
+    wave; on a CPU process the GEMM library's per-call work (constants.CPU_GEMM_CALL_S, at this
+    process's core share and speed)."""
+    if is_cpu(cluster):
+        return K.CPU_GEMM_CALL_S / cpu_rate_scale(cluster)
+    return K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
 
 
 def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "flash",

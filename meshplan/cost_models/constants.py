@@ -253,6 +253,14 @@ CPU_FSDP_UNIT_HOST_S = 2.7e-3                                                   
 #   of meshplan::grouped_mm 97 us a call, of grouped_mm_backward + its two generated autograd
 #   nodes 106 + 113 + 24 us; x 1.25 (see above).
 CPU_PY_CUSTOM_OP_S = (121e-6, 304e-6)                                               # measured
+# - One bf16 GEMM call's own fixed work on CPU (oneDNN's primitive lookup, operand packing, thread
+#   set-up), beyond the dispatch CPU_OP_* charges per traced op: small GEMMs run far below the large
+#   ones' rate (tiny-moe's 256 x 128 x 96 expert GEMMs at ~145 GFLOP/s on a thread that runs
+#   512^3 at ~220). `python benchmarks/cpu_gemm_shapes.py` (results/cpu_gemm_shapes-2026-11-25.txt)
+#   fits t = flops / rate + fixed to 14 shapes on one thread (every shape within 8%; 2% in a second
+#   run): 217 GFLOP/s and 15.1 us a call, minus a plain op's 2.8 us dispatch = 12.3 us, x 217/95 to
+#   the reference rate.
+CPU_GEMM_CALL_S = 28e-6                                                             # measured
 # - Per parameter tensor per step: torch.optim.AdamW on CPU runs its single-tensor loop (~10 ops
 #   per parameter): 3.3-3.7 ms for tiny-llama's 39 plain parameters (DDP, 2 processes) = 90 us,
 #   7.4-7.7 ms for 39 DTensor parameters (FSDP2 / TP shards) and 10.5 ms for tiny-moe's 51

@@ -57,3 +57,23 @@ def test_default_job_estimate_charges_cpu_compute():
     # SDPA backward, element-wise and dispatch put compute well above the matmul FLOPs alone
     flops_time = est.model_tflops_per_gpu * est.step_time_s * 1e12 / (cl.gpu.bf16_tflops * 1e12)
     assert est.time_s["compute"] > 3 * flops_time
+
+
+def test_cpu_gemm_pays_its_call_cost_and_grouped_gemm_is_a_loop_of_calls():
+    from meshplan.cost_models.compute import cpu_rate_scale, gemm_time, grouped_gemm_time, matmul_rate
+    cl = _cpu()
+    call = K.CPU_GEMM_CALL_S / cpu_rate_scale(cl)
+    # a CPU GEMM is its FLOPs at the matmul rate plus the library's fixed work per call
+    t = gemm_time(256, 96, 128, cl)
+    assert t == pytest.approx(2 * 256 * 96 * 128 / matmul_rate(cl, False) + call)
+    # so the small expert GEMMs run well below the large ones' rate, as measured (~145 vs ~220 GFLOP/s)
+    big = gemm_time(512, 512, 512, cl)
+    small_eff = (2 * 256 * 96 * 128 / t) / (2 * 512 ** 3 / big)
+    assert 0.55 < small_eff < 0.8
+    # meshplan::grouped_mm loops over the experts on CPU: one call each, no row tiles
+    assert grouped_gemm_time(256, 96, 128, cl, groups=4) == pytest.approx(4 * t)
+    assert grouped_gemm_time(200, 96, 128, cl, groups=4) < grouped_gemm_time(256, 96, 128, cl, groups=4)
+    # a GPU's grouped kernel still pays its fixed cost once and pads rows to tiles
+    h100 = Cluster(gpu="h100-sxm", num_gpus=8, gpus_per_node=8)
+    assert grouped_gemm_time(1000, 4096, 4096, h100, groups=4) == pytest.approx(
+        grouped_gemm_time(1024, 4096, 4096, h100, groups=4), rel=1e-3)
