@@ -262,13 +262,16 @@ CPU_PY_CUSTOM_OP_S = (121e-6, 304e-6)                                           
 #   the reference rate.
 CPU_GEMM_CALL_S = 28e-6                                                             # measured
 # - Per parameter tensor per step: torch.optim.AdamW on CPU runs its single-tensor loop (~10 ops
-#   per parameter): 3.3-3.7 ms for tiny-llama's 39 plain parameters (DDP, 2 processes) = 90 us,
-#   7.4-7.7 ms for 39 DTensor parameters (FSDP2 / TP shards) and 10.5 ms for tiny-moe's 51
-#   (EP + FSDP2) = 198 us; the gradient norm's per-parameter ops (ParallelModel.clip_grad_norm)
-#   1.8 ms for 39 = 46 us.
-CPU_ADAMW_PARAM_S = 112e-6                                                          # measured
-CPU_ADAMW_DTENSOR_PARAM_S = 248e-6                                                  # measured
-CPU_GRAD_NORM_PARAM_S = 58e-6                                                       # measured
+#   per parameter, DTensor ops where the parameters are FSDP2 / TP / EP shards), and the gradient
+#   norm's per-parameter ops (ParallelModel.clip_grad_norm). Measured in the regime the model prices
+#   them, 4 one-thread gloo processes on the 2 cores (`python benchmarks/cpu_host_costs.py`,
+#   results/cpu_host_costs-2026-11-25.txt: tiny-llama under meshplan.parallelize at dp4 ZeRO-0 and
+#   ZeRO-1, main-thread CPU per parameter tensor x 4/2 x cpu_rate_scale 0.95; median of 3 runs at
+#   2026-11-25 01:10 UTC). Earlier values (112, 248, 58 us) came from 2 processes scaled by 1.25.
+CPU_ADAMW_PARAM_S = 141e-6                                                          # measured
+CPU_ADAMW_DTENSOR_PARAM_S = 322e-6                                                  # measured
+CPU_GRAD_NORM_PARAM_S = 63e-6                                                       # measured
+CPU_GRAD_NORM_DTENSOR_PARAM_S = 129e-6                                              # measured
 
 # ---- attention shape dependence on GPUs (meshplan.cost_models.attention, issue #16) ----------------
 # ATTN_FWD_EFF / ATTN_BWD_EFF above are the kernels' plateau efficiency (a long call); these set how

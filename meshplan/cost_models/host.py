@@ -240,7 +240,8 @@ def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_red
     if not is_cpu(cluster):
         return K.STEP_OVERHEAD_S
     sharded = layout.tp > 1 or layout.ep > 1 or (layout.zero >= 1 and layout.dp * layout.cp > 1)
-    per = (K.CPU_ADAMW_DTENSOR_PARAM_S if sharded else K.CPU_ADAMW_PARAM_S) + K.CPU_GRAD_NORM_PARAM_S
+    per = (K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_DTENSOR_PARAM_S if sharded
+           else K.CPU_ADAMW_PARAM_S + K.CPU_GRAD_NORM_PARAM_S)
     host = n_params * per + (partial_reduces + collectives) * K.CPU_COLLECTIVE_HOST_S + \
         fsdp_units * K.CPU_FSDP_UNIT_HOST_S
     return host * host_slowdown(cluster) + sync_s

@@ -96,7 +96,7 @@ def test_step_overhead_on_cpu_is_the_measured_pieces(llama):
     est = _est(llama, cl)
     n = H.param_tensors(llama, range(llama.num_layers), first=True, last=True)
     assert n == 9 * llama.num_layers + 3          # 9 per block, embedding, final norm, output
-    per = (K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_PARAM_S) * H.host_slowdown(cl)
+    per = (K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_DTENSOR_PARAM_S) * H.host_slowdown(cl)
     assert est.time_s["overhead"] >= n * per
     assert est.time_s["overhead"] != K.STEP_OVERHEAD_S
     # plain (unsharded) parameters run AdamW's loop on plain tensors: cheaper
