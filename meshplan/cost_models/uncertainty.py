@@ -15,6 +15,8 @@ Comparing two layouts of the same job, most of the model's error is shared (the 
 the same NCCL model): what separates them is the error in the components where they DIFFER, plus a
 residual for everything else (`gain_band`). When the gain of the best layout over a simpler,
 better-validated one is inside that band, the planner keeps the simpler one (`prefer_simpler`).
+A risk on the upper side only (`Estimate.uncertainty_high`: a MoE router nothing balances) is
+judged at its worst: a layout whose gain does not survive its own worst case is not "faster".
 
 Derivation of the constants (2026-11-24, benchmarks/results/validate_published-2026-11-24.txt,
 "LOSO error by mechanism"): for rows leaning on mechanism k, the held-out error beyond the dense
@@ -30,7 +32,8 @@ from typing import Any, Mapping
 from meshplan.ir.layout import Layout
 
 __all__ = ["step_uncertainty", "gain_band", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
-           "worst_ep_load", "routed_expert_s", "imbalance_risk"]
+           "worst_ep_load", "routed_expert_s", "imbalance_risk", "upper_risk", "worst_case_gain", "risk_clause",
+           "worst_case_words"]
 
 # ---- validated mechanisms (leave-one-source-out, validate_published-2026-11-24) --------------
 # Dense TP x PP x DP with the distributed optimizer (Megatron SC'21, Megatron-Core README,
@@ -212,6 +215,30 @@ def gain_band(best, other) -> tuple[float, float, dict[str, float]]:
     return To / Tb - 1, math.sqrt(var) / Tb, diff
 
 
+def upper_risk(e) -> float:
+    """`Estimate.uncertainty_high` of an Estimate or its dict (0 where absent: a dense model, a
+    balanced router, or an estimate made before the field existed)."""
+    d = e if isinstance(e, Mapping) else e.__dict__
+    return float(d.get("uncertainty_high") or 0.0)
+
+
+def _worst_load(e) -> float:
+    """`Estimate.moe_worst_load` (1 where absent)."""
+    d = e if isinstance(e, Mapping) else e.__dict__
+    return float(d.get("moe_worst_load") or 1.0)
+
+
+def worst_case_gain(best, other) -> float:
+    """The gain of `best` over `other` with each at the top of its upper-side risk:
+    T_other (1 + high_other) / (T_best (1 + high_best)) - 1. The risk is a bound a router nothing
+    balances can reach (tiny-moe came within 2% of it, see above), not a random error, so it is
+    compared whole, not folded into the band in quadrature. Equal to the gain of `gain_band` when
+    neither carries such a risk."""
+    _, _, tb = _est_fields(best)
+    _, _, to = _est_fields(other)
+    return to * (1 + upper_risk(other)) / (tb * (1 + upper_risk(best))) - 1
+
+
 def complexity(layout: Mapping[str, Any], regime: Mapping[str, bool] | None = None) -> int:
     """How many mechanisms beyond plain data parallelism a layout uses, less-validated ones counted
     twice: the planner's measure of "simpler" when two layouts are within each other's band."""
@@ -225,32 +252,69 @@ def complexity(layout: Mapping[str, Any], regime: Mapping[str, bool] | None = No
 
 def prefer_simpler(ranked: list, *, max_candidates: int = 64):
     """Choose among fitting estimates ranked fastest first. Returns (chosen, note): the fastest
-    unless a simpler (lower `complexity`) and no less certain (band no wider) layout is slower by
-    less than the band of the gain, in which case the simplest such layout (then the fastest of
-    those). `note` says why, or is ''."""
+    unless a simpler (lower `complexity`) and no less certain (band no wider on the upper side)
+    layout is slower by less than the band of the gain, in which case the simplest such layout (then the fastest of
+    those, at its worst case). `note` says why, or is ''.
+
+    The gain is judged at each layout's worst case (`worst_case_gain`): a fastest layout whose
+    step plus its upper-side risk (`Estimate.uncertainty_high`, a MoE router nothing balances on
+    an expert-parallel layout) is not better than a simpler one's by more than the band does not
+    win on its point estimate. For the same reason a layout of the same complexity carrying less of
+    that risk (less expert parallelism) may replace it too. Neither changes anything when no
+    estimate carries such a risk."""
     if not ranked:
         return None, ""
     best = ranked[0]
-    cb = complexity(best.layout, best.regime)
-    pick, pick_key, pick_band = best, None, None
-    for e in ranked[1:max_candidates]:
+    cb, hb, wb = complexity(best.layout, best.regime), upper_risk(best), _worst_load(best)
+    pick, pick_key = best, None
+    # a layout with less of the risk (less expert parallelism) may be well down the point-estimate
+    # ranking and still have the better worst case: past the window, those are considered too
+    beyond = [e for e in ranked[max_candidates:] if upper_risk(e) < hb] if hb > 0 else []
+    for e in ranked[1:max_candidates] + beyond:
         if not e.fits or e.precision != best.precision:
             continue
-        ce = complexity(e.layout, e.regime)
-        if ce >= cb or e.uncertainty > best.uncertainty:
-            continue          # only a simpler AND better-validated layout may replace the fastest
-        gain, band, _ = gain_band(best, e)
-        if gain <= band:
-            key = (ce, e.step_time_s)
+        ce, he = complexity(e.layout, e.regime), upper_risk(e)
+        # only a simpler (or as simple with a lower bound on the busiest rank's load: ep2 against
+        # ep8 when nothing balances, not a recompute variant of the same EP degree) AND no less
+        # certain layout may replace the fastest; "certain" is the band's upper side, the risk
+        # included (the symmetric band alone when neither carries one)
+        safer = ce == cb and he < hb and _worst_load(e) < wb
+        if not (ce < cb or safer) or e.uncertainty + he > best.uncertainty + hb:
+            continue
+        _, band, _ = gain_band(best, e)
+        if worst_case_gain(best, e) <= band:
+            key = (ce, e.step_time_s * (1 + he), e.step_time_s)
             if pick_key is None or key < pick_key:
-                pick, pick_key, pick_band = e, key, (gain, band)
+                pick, pick_key = e, key
     if pick is best:
         return best, ""
-    gain, band = pick_band
-    _, _, diff = gain_band(best, pick)
+    gain, band, diff = gain_band(best, pick)
     edge = ", ".join(f"{k} {d * 1e3:+.0f} ms" for k, d in sorted(diff.items(), key=lambda kv: -kv[1])
                      if d > 1e-3 * best.step_time_s)
-    note = (f"chose the simpler {Layout.from_dict(pick.layout).short()} over the fastest "
-            f"{Layout.from_dict(best.layout).short()}: its predicted gain {gain * 100:.1f}% is inside the "
-            f"band {band * 100:.1f}% of what the model can tell apart (the edge rests on: {edge or 'nothing'})")
-    return pick, note
+    kind = "simpler" if complexity(pick.layout, pick.regime) < cb else "less risky"
+    head = (f"chose the {kind} {Layout.from_dict(pick.layout).short()} over the fastest "
+            f"{Layout.from_dict(best.layout).short()}: its predicted gain {gain * 100:.1f}% ")
+    tail = f" (the edge rests on: {edge or 'nothing'})"
+    if gain <= band:
+        return pick, head + f"is inside the band {band * 100:.1f}% of what the model can tell apart" + tail
+    return pick, head + "does not hold at its worst case: " + worst_case_words(best, pick, band) + tail
+
+
+def risk_clause(e) -> str:
+    """Why an estimate carries an upper-side risk, in words: "its routers train without load
+    balancing (up to 4.0x the mean rows on the busiest EP rank), step up to +85%"."""
+    d = e if isinstance(e, Mapping) else e.__dict__
+    worst = float(d.get("moe_worst_load") or 0.0)
+    load = f" (up to {worst:.1f}x the mean rows on the busiest EP rank)" if worst > 1.0 else ""
+    return f"its routers train without load balancing{load}, step up to +{upper_risk(e) * 100:.0f}%"
+
+
+def worst_case_words(fast, slow, band: float) -> str:
+    """How `fast` compares with `slow` at their worst cases (`worst_case_gain`), in words, for the
+    planner's note and Plan.explain()'s runner-ups."""
+    w = worst_case_gain(fast, slow)
+    who = Layout.from_dict(slow.layout).short()
+    other = f"; {who} itself up to +{upper_risk(slow) * 100:.0f}%" if upper_risk(slow) else ""
+    where = (f"only {w * 100:.1f}% faster than {who}, within the band {band * 100:.1f}%" if w > 0
+             else f"{-w * 100:.1f}% slower than {who}")
+    return f"{risk_clause(fast)}{other}; at worst it is {where}"

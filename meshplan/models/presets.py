@@ -42,32 +42,55 @@ PRESETS: dict[str, dict[str, object]] = {
     "llama3-405b": dict(_LLAMA3, layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248),
     # --- Mixtral (Jiang et al. 2024, arXiv 2401.04088; mistralai/Mixtral-8x7B-v0.1 and
     # Mixtral-8x22B-v0.1 config.json: softmax top-2 of 8, no shared experts) ----------------
+    # Balancing: the paper names no load-balancing loss or coefficient. Mistral's released configs
+    # carry transformers' `router_aux_loss_coef` (0.02 for 8x7B, 0.001 for 8x22B), but transformers'
+    # loss pools every layer's tokens into one loss worth k when balanced, where meshplan (like
+    # Megatron-Core) adds one loss per layer worth 1: 0.02 there pulls each router as ~0.02 k / L =
+    # 0.00125 does here. Taken instead: Megatron-LM's own Mixtral recipe (examples/mixtral,
+    # --moe-aux-loss-coeff 1e-2 per layer, the normalisation meshplan uses), per micro-batch
+    # ("local", as both frameworks compute it).
     "mixtral-8x7b": dict(
         family="moe", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000,
-        seq_len=32768, rope_theta=1e6, experts=8, topk=2, norm_eps=1e-5),
+        seq_len=32768, rope_theta=1e6, experts=8, topk=2, norm_eps=1e-5,
+        moe_aux_loss_coeff=0.01, moe_aux_loss_scope="local"),
     "mixtral-8x22b": dict(
         family="moe", layers=56, hidden=6144, heads=48, kv_heads=8, ffn_hidden=16384, vocab=32000,
-        seq_len=65536, rope_theta=1e6, experts=8, topk=2, norm_eps=1e-5),
+        seq_len=65536, rope_theta=1e6, experts=8, topk=2, norm_eps=1e-5,
+        moe_aux_loss_coeff=0.01, moe_aux_loss_scope="local"),
     # --- Qwen3 MoE (Qwen3 technical report, arXiv 2505.09388, Table 2; Qwen/Qwen3-30B-A3B and
     # Qwen3-235B-A22B config.json: head_dim 128, 128 experts, top-8 renormalised, no shared
     # expert). Not modelled: the per-head RMSNorm on q and k (2 * 128 weights per layer).
+    # Balancing: the report (Sec. 2) trains with the global-batch load-balancing loss (Qiu et al.
+    # 2025, arXiv 2501.11873): expert counts gathered over the whole global batch, i.e. meshplan's
+    # scope "global" (Megatron's global_aux_loss); the coefficient, absent from the report, is the
+    # config.json's router_aux_loss_coef 0.001 (also transformers' Qwen3MoeConfig default).
     "qwen3-30b-a3b": dict(
         family="moe", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn_hidden=6144,
         moe_ffn_hidden=768, experts=128, topk=8, vocab=151936, seq_len=32768, rope_theta=1e6,
-        norm_eps=1e-6),
+        norm_eps=1e-6, moe_aux_loss_coeff=0.001, moe_aux_loss_scope="global"),
     "qwen3-235b-a22b": dict(
         family="moe", layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn_hidden=12288,
         moe_ffn_hidden=1536, experts=128, topk=8, vocab=151936, seq_len=32768, rope_theta=1e6,
-        norm_eps=1e-6),
+        norm_eps=1e-6, moe_aux_loss_coeff=0.001, moe_aux_loss_scope="global"),
     # --- DeepSeek-V3 (arXiv 2412.19437, Sec. 4.2; deepseek-ai/DeepSeek-V3 config.json):
     # 61 layers, first 3 dense (ffn 18432), then 256 routed experts (top-8, sigmoid scores with
     # a selection bias) + 1 shared expert of 2048. MLA is approximated by GQA with 128 query
     # heads of 128 and 8 key/value heads (see docs/models.md); the MTP module is not included.
+    # Balancing (Sec. 2.1.2 and 4.2): auxiliary-loss-free, the selection bias moved by
+    # gamma = 0.001 per step against each expert's load (meshplan's moe_expert_bias, same sign
+    # rule; the paper's gamma = 0 for the last 500B tokens is a schedule not modelled), plus the
+    # complementary sequence-wise balance loss alpha = 0.0001 (same normalisation as meshplan's
+    # loss, over the sigmoid scores normalised per token). meshplan has no per-sequence scope: the
+    # nearest is "local", each rank's micro-batch, one sequence per micro-batch at mbs 1.
     "deepseek-v3": dict(
         family="moe", layers=61, hidden=7168, heads=128, kv_heads=8, head_dim=128, ffn_hidden=18432,
         moe_ffn_hidden=2048, experts=256, topk=8, shared_experts=1, dense_layers=3, router="sigmoid",
-        vocab=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6),
+        vocab=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
+        moe_expert_bias=True, moe_bias_update_rate=0.001, moe_aux_loss_coeff=0.0001, moe_aux_loss_scope="local"),
     # --- Tiny models for CPU training and tests (byte-level vocabulary) ---------------------
+    # tiny-moe ships with nothing balancing its router, on purpose: it is the unbalanced case the
+    # tests and the imbalance band are calibrated on (cost_models/uncertainty.py); pass
+    # moe_aux_loss_coeff / moe_expert_bias / moe_force_balance to train it balanced.
     "tiny-gpt": dict(family="gpt", layers=4, hidden=128, heads=4, vocab=256, seq_len=256),
     "tiny-llama": dict(
         family="llama", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=384, vocab=256, seq_len=256),

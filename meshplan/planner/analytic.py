@@ -19,6 +19,11 @@ __all__ = ["profile_from_config"]
 _KEYS = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "experts", "topk",
          "moe_ffn_hidden", "shared_experts", "dense_layers", "head_dim", "gated", "norm", "bias",
          "tie_embeddings", "position", "seq_len", "name", "max_positions")
+# ModelConfig's MoE routing options (meshplan.models.config, not imported: it would bring torch):
+# they shape no weight, so they stay out of the fingerprint, but how the routers are balanced is
+# read from them (ModelProfile.moe_balance), as the tracer reads it from the built model.
+_MOE_OPTION_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_scope", "moe_z_loss_coeff", "moe_expert_bias",
+                    "moe_bias_update_rate", "moe_capacity_factor", "moe_force_balance")
 
 
 def _dense_block(h: int, heads: int, kv: int, hd: int, f: int, gated: bool, bias: bool, norm: str) -> dict[str, Any]:
@@ -47,13 +52,16 @@ def _mlp(prefix: str, h: int, f: int, gated: bool, bias: bool, role_in: str, rol
 def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = None) -> ModelProfile:
     """Build a profile from config names (`layers, hidden, ffn_hidden, heads, kv_heads, vocab,
     experts, topk, moe_ffn_hidden, shared_experts, dense_layers`, plus `head_dim, gated, norm,
-    bias, tie_embeddings, position`). Accepts a mapping or any object with those attributes."""
+    bias, tie_embeddings, position`). Accepts a mapping or any object with those attributes.
+    A MoE config's routing options (`moe_aux_loss_coeff`, `moe_expert_bias`, `moe_force_balance`,
+    `moe_capacity_factor`, ...) set `moe_balance` and `moe_capacity_factor` as a trace of the built
+    model would; a mapping that names none of them leaves the balance "unknown"."""
     if not isinstance(cfg, Mapping):
-        cfg = {k: getattr(cfg, k) for k in (*_KEYS, "activation", "family") if hasattr(cfg, k)}
+        cfg = {k: getattr(cfg, k) for k in (*_KEYS, *_MOE_OPTION_KEYS, "activation", "family") if hasattr(cfg, k)}
     c = {k: v for k, v in dict(cfg).items() if v is not None}
-    unknown = sorted(set(c) - set(_KEYS) - {"activation", "family"})
+    unknown = sorted(set(c) - set(_KEYS) - set(_MOE_OPTION_KEYS) - {"activation", "family"})
     if unknown:
-        raise ConfigError(f"unknown model config key(s) {unknown}; known: {sorted(_KEYS)}")
+        raise ConfigError(f"unknown model config key(s) {unknown}; known: {sorted(_KEYS + _MOE_OPTION_KEYS)}")
     try:
         L, h, heads, vocab = int(c["layers"]), int(c["hidden"]), int(c["heads"]), int(c["vocab"])
     except KeyError as e:
@@ -106,6 +114,7 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
     name = str(c.get("name") or f"custom-{L}L-{h}h")
     fp = hashlib.sha1(json.dumps({k: c.get(k) for k in _KEYS if k != "name"}, sort_keys=True,
                                  default=str).encode()).hexdigest()[:16]
+    balance, capacity = _balance(c) if E else ("unknown", None)
     # traced FLOPs are filled from the architecture so the profile is self-consistent
     out = []
     for b in blocks:
@@ -117,4 +126,13 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
                         other_params=other, blocks=tuple(out), layers=layers,
                         embedding_fqn="tok_embeddings", head_fqn="output",
                         pre_modules=("tok_embeddings",) + (("pos_embeddings",) if c.get("position") == "learned" else ()),
-                        post_modules=("norm",) + (() if tie else ("output",)))
+                        post_modules=("norm",) + (() if tie else ("output",)),
+                        moe_balance=balance, moe_capacity_factor=capacity)
+
+
+def _balance(c: Mapping[str, Any]) -> tuple[str, float | None]:
+    """(moe_balance, capacity factor) of a MoE config mapping: the tracer's reading of the same
+    options (meshplan.planner.traits.balance_from_config), imported here and only for MoE configs
+    because that module imports torch, which dense what-if sweeps never need."""
+    from meshplan.planner.traits import balance_from_config
+    return balance_from_config(c)

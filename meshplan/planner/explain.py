@@ -3,7 +3,7 @@ stage against capacity, the runner-ups and why each lost, and the bottleneck."""
 
 from __future__ import annotations
 
-from meshplan.cost_models.uncertainty import gain_band
+from meshplan.cost_models.uncertainty import gain_band, upper_risk, worst_case_words
 from meshplan.ir.estimate import Estimate
 
 __all__ = ["explain", "why_lost", "balance_note"]
@@ -23,10 +23,15 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
     k = max(diffs, key=diffs.get)
     slower = loser.step_time_s / best.step_time_s - 1
     if slower < 0:
-        # faster by the model, yet not chosen: its edge is inside the uncertainty band (prefer_simpler)
+        # faster by the model, yet not chosen: its edge is inside the uncertainty band, or does not
+        # survive its own upper-side risk (prefer_simpler)
         gain, band, d = gain_band(loser, best)
         rests = ", ".join(f"{_NAMES.get(c, c)} {v * 1e3:.0f} ms" for c, v in sorted(d.items(), key=lambda kv: -kv[1])
                           if v > 1e-3 * loser.step_time_s)
+        if gain > band and upper_risk(loser) > 0:
+            return (f"predicted {-slower * 100:.1f}% faster, but not at its worst case: "
+                    f"{worst_case_words(loser, best, band)}; the chosen layout is simpler or carries less of "
+                    f"that risk; its edge rests on: {rests or 'nothing'}")
         return (f"predicted {-slower * 100:.1f}% faster, but the gain is inside the band ({band * 100:.1f}%) and "
                 f"the layout is less simple or less validated; its edge rests on: {rests or 'nothing'}")
     if loser.precision != best.precision and k == "compute":

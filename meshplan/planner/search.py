@@ -259,8 +259,18 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     fastest = sorted(rejected, key=lambda e: e.step_time_s)[:8]
     stats["seconds"] = time.perf_counter() - t0
     excluded = sorted(zip(unsupported, unsupported_why), key=lambda t: t[0].step_time_s)[:3]
-    return SearchResult(ranked=ranked[:keep], rejected=leanest, rejected_fast=fastest, stats=stats,
-                        unsupported=excluded)
+    # past the `keep` fastest, the fastest fitting layout of each expert-parallel degree the head
+    # lacks: a router nothing balances widens the upper band of EP layouts (Estimate.uncertainty_high),
+    # and the planner may then prefer less expert parallelism ranked far down (uncertainty.prefer_simpler)
+    head = ranked[:keep]
+    seen = {(e.layout.get("ep", 1), e.precision) for e in head}
+    tail: dict[tuple[int, str], Estimate] = {}
+    for e in ranked[keep:]:
+        key = (e.layout.get("ep", 1), e.precision)
+        if key not in seen:
+            tail.setdefault(key, e)
+    return SearchResult(ranked=head + sorted(tail.values(), key=lambda e: e.step_time_s), rejected=leanest,
+                        rejected_fast=fastest, stats=stats, unsupported=excluded)
 
 
 def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) -> list[dict]:
