@@ -13,7 +13,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.layout import FP8_RECIPES
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "is_cpu",
-           "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time",
+           "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time", "permute_time",
            "cpu_thread_share", "cpu_speed", "cpu_rate_scale", "cpu_op_overhead"]
 
 
@@ -193,6 +193,17 @@ def elementwise_time(nbytes: float, cluster) -> float:
     if is_cpu(cluster):   # bf16 element-wise ops on CPU cores run far below the copy bandwidth
         return nbytes / (K.CPU_ELEMENTWISE_GB_S_1T * 1e9 * cpu_rate_scale(cluster))
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
+
+
+def permute_time(nbytes: float, cluster) -> float:
+    """A MoE token permutation's bytes (gather into expert order, scatter-add back): memory-bound on
+    a GPU like any element-wise pass; on CPU cores the eager index_select / mul / index_add run at
+    their own measured rate (constants.CPU_PERMUTE_GB_S_1T)."""
+    if nbytes <= 0:
+        return 0.0
+    if is_cpu(cluster):
+        return nbytes / (K.CPU_PERMUTE_GB_S_1T * 1e9 * cpu_rate_scale(cluster))
+    return elementwise_time(nbytes, cluster)
 
 
 def fp8_weight_cast_time(weight_elements: float, cluster, recipe: str = "tensorwise") -> float:

@@ -178,6 +178,13 @@ CPU_SDPA_BWD_GFLOPS_1T = 1.42                                                   
 #   pow/mean/rsqrt/mul; rotary: mul/add/cat; SwiGLU: silu/mul; residual adds) is about half of each
 #   kind by bytes: harmonic mean of 11 and 2.8 = 4.5 GB/s.
 CPU_ELEMENTWISE_GB_S_1T = 4.5                                                       # measured (mix derived)
+# - the MoE token permutation (MoE.routed: index_select gather, routing-weight mul, index_add
+#   scatter; backward their transposes), priced on layer._elementwise_bytes' permute term (4 k h T
+#   bf16 bytes forward, twice that backward): `python benchmarks/cpu_moe_permute.py`
+#   (results/cpu_moe_permute-2026-11-25.txt): 3.7 GB/s at the reference rate for tiny-moe's 512
+#   tokens x 128, top-2 of 4, in two runs (3.1 and 4.7 at 2048 x 512, top-2 of 8), where a plain
+#   bf16 mul streams 13.
+CPU_PERMUTE_GB_S_1T = 3.7                                                           # measured
 # - per-op host overhead (dispatch, autograd recording, allocator) of small ops: a chain of 60
 #   multiplies of an 8x8 tensor costs 7.7 us per op forward with autograd on, 18.4 us forward +
 #   backward; a view/transpose/reshape chain 3.5 us forward, 10.9 us forward + backward.

@@ -29,6 +29,7 @@ from meshplan.cost_models.compute import (
     grouped_gemm_time,
     is_cpu,
     matmul_rate,
+    permute_time,
 )
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.ir.profile import BlockProfile
@@ -265,14 +266,23 @@ def _elementwise_bytes(b: BlockProfile, c: Context) -> float:
     act_passes = 3 if b.gated else 2              # gated: read gate+up, write out; GELU: read, write
     if b.ffn_hidden:
         nbytes += act_passes * K.BF16 * b.ffn_hidden * T / L.tp
-    if b.is_moe:
+    if b.is_moe:        # (the token permutation: _permute_bytes)
         tok = T / sp_div * moe_load_factor(b, c)                           # the busiest EP rank's rows
-        nbytes += 4 * b.topk * K.BF16 * h * tok                           # permute + unpermute (r+w)
         nbytes += act_passes * K.BF16 * b.moe_ffn_hidden * b.topk * tok / L.etp
         if b.shared_ffn_hidden:
             nbytes += act_passes * K.BF16 * b.shared_ffn_hidden * T / L.tp
     # eager forms: charged a third in forward, and twice that in backward (layer_cost)
     return nbytes + _unfused_bytes(b, c) / 3
+
+
+def _permute_bytes(b: BlockProfile, c: Context) -> float:
+    """Forward bytes of a MoE layer's token permutation on one GPU: each token's top-k copies
+    gathered into expert order and scattered back (read + write each way)."""
+    if not b.is_moe:
+        return 0.0
+    L = c.layout
+    tok = c.tokens / (L.tp if L.sp else 1) * moe_load_factor(b, c)       # the busiest EP rank's rows
+    return 4 * b.topk * K.BF16 * b.hidden * tok
 
 
 def _norm_act_bytes(b: BlockProfile, c: Context) -> float:
@@ -428,7 +438,7 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         score_bytes = K.EAGER_ATTN_BYTES_PER_SCORE * (b.heads / L.tp) * c.tokens * c.seq_len
         a_fwd = full / matmul_rate(c.cluster, False) + elementwise_time(score_bytes, c.cluster)
         a_bwd = 2 * a_fwd
-    e_fwd = elementwise_time(_elementwise_bytes(b, c), c.cluster)
+    e_fwd = elementwise_time(_elementwise_bytes(b, c), c.cluster) + permute_time(_permute_bytes(b, c), c.cluster)
     o_fwd = o_bwd = K.LAYER_OVERHEAD_S
     if is_cpu(c.cluster) and b.ops:      # CPU processes: host dispatch + autograd cost of every traced op
         o_fwd, o_bwd = cpu_op_overhead(b.ops, c.cluster)

@@ -77,3 +77,13 @@ def test_cpu_gemm_pays_its_call_cost_and_grouped_gemm_is_a_loop_of_calls():
     h100 = Cluster(gpu="h100-sxm", num_gpus=8, gpus_per_node=8)
     assert grouped_gemm_time(1000, 4096, 4096, h100, groups=4) == pytest.approx(
         grouped_gemm_time(1024, 4096, 4096, h100, groups=4), rel=1e-3)
+
+
+def test_moe_permutation_runs_at_its_own_cpu_rate_and_gpu_unchanged():
+    from meshplan.cost_models.compute import cpu_rate_scale, permute_time
+    cl = _cpu()
+    nbytes = 1e6
+    assert permute_time(nbytes, cl) == pytest.approx(nbytes / (K.CPU_PERMUTE_GB_S_1T * 1e9 * cpu_rate_scale(cl)))
+    h100 = Cluster(gpu="h100-sxm", num_gpus=8, gpus_per_node=8)
+    assert permute_time(nbytes, h100) == elementwise_time(nbytes, h100)
+    assert permute_time(0, cl) == 0.0
