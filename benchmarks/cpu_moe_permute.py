@@ -54,7 +54,7 @@ def permute_step(n: int, h: int, k: int, e: int):
     def step():
         rows = tokens.index_select(0, token_of_copy)               # gather, (n k, h)
         routed = rows * weights.flatten()[order].unsqueeze(-1).to(rows.dtype)
-        out = routed.new_zeros(tokens.shape).index_add(0, token_of_copy, routed)   # scatter-add
+        out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, token_of_copy, routed)   # scatter-add
         out.float().sum().backward()
     return step
 

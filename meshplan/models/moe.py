@@ -255,7 +255,7 @@ class MoE(nn.Module):
         (rows,) = amp_operands(tokens)
         routed = self.experts(rows.index_select(0, token_of_copy), kept_counts)   # (M, h)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        out = routed.new_zeros(tokens.shape).index_add(0, token_of_copy, routed)  # (N, h)
+        out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, token_of_copy, routed)  # (N, h)
         if running:
             # An exported program cannot keep tensors assigned to module attributes (they would
             # hold fake tensors), so the routing statistics and losses only exist when running.
