@@ -16,7 +16,6 @@ constants use (CPU_MICRO_MATMUL_GFLOPS_1T): x fitted rate / reference rate.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import median_cpu_s  # noqa: E402
 from _report import emit  # noqa: E402
 
 # (m, k, n): tiny-llama's linears at 512 tokens, tiny-moe's experts (256 rows each: 512 tokens x
@@ -32,18 +32,6 @@ from _report import emit  # noqa: E402
 SHAPES = [(512, 128, 128), (512, 128, 256), (512, 128, 384), (512, 384, 128), (128, 512, 384),
           (256, 128, 96), (256, 96, 128), (96, 256, 128), (128, 256, 96), (512, 128, 96),
           (1024, 128, 96), (1024, 512, 512), (512, 512, 512), (2048, 512, 512)]
-
-
-def _time(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    ts = []
-    for _ in range(5):
-        t0 = time.process_time()
-        for _ in range(reps):
-            fn()
-        ts.append((time.process_time() - t0) / reps)
-    return statistics.median(ts)
 
 
 def small_op_s(reps: int) -> float:
@@ -54,7 +42,7 @@ def small_op_s(reps: int) -> float:
         y = x
         for _ in range(60):
             y = y * 1.0001
-    return _time(chain, max(1, reps // 10)) / 60
+    return median_cpu_s(chain, samples=5, calls=max(1, reps // 10), warmup=10) / 60
 
 
 def main(argv=None) -> int:
@@ -71,7 +59,7 @@ def main(argv=None) -> int:
         for m, k, n in SHAPES:
             a = torch.randn(m, k, dtype=torch.bfloat16)
             b = torch.randn(k, n, dtype=torch.bfloat16)
-            t = _time(lambda: torch.mm(a, b), args.reps)
+            t = median_cpu_s(lambda: torch.mm(a, b), samples=5, calls=args.reps, warmup=10)
             rows.append((2.0 * m * n * k, t))
             lines.append(f"{m:5d} {k:5d} {n:5d} {t * 1e6:9.1f} {2 * m * n * k / t / 1e9:8.1f}")
     # least squares of the RELATIVE error of t = flops / rate + fixed (each shape counts alike; plain

@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import torchrun_json  # noqa: E402
 from _report import emit  # noqa: E402
 
 NPROC = 4
@@ -94,15 +93,7 @@ def main(argv=None) -> int:
              f"x cpu_rate_scale {scale:.2f} = x {to_ref:.2f}",
              f"{'parameters':26s} {'mode':5s} {'n':>3s} {'clip us':>8s} {'ref':>6s} {'AdamW us':>9s} {'ref':>6s}"]
     for label, fix in LAYOUTS.items():
-        with tempfile.TemporaryDirectory() as d:
-            res = Path(d) / "r.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
-                   __file__, "--worker", fix, str(args.steps), str(res)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if proc.returncode != 0 or not res.exists():
-                raise SystemExit(f"{label} failed:\n{proc.stderr[-2000:]}")
-            r = json.loads(res.read_text())
+        r = torchrun_json(__file__, [fix, str(args.steps)], NPROC, label)
         lines.append(f"{label:26s} {r['mode']:5s} {r['params']:3d} {r['clip'] * 1e6:8.0f} {r['clip'] * 1e6 * to_ref:6.0f} "
                      f"{r['adamw'] * 1e6:9.0f} {r['adamw'] * 1e6 * to_ref:6.0f}")
     lines.append(f"# constants: CPU_GRAD_NORM_PARAM_S {K.CPU_GRAD_NORM_PARAM_S * 1e6:.0f}, CPU_GRAD_NORM_DTENSOR_PARAM_S "

@@ -18,7 +18,6 @@ GFLOP/s / CPU_MICRO_MATMUL_GFLOPS_1T), next to a plain bf16 multiply's rate meas
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,20 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import median_cpu_s  # noqa: E402
 from _report import emit  # noqa: E402
 
 SHAPES = [(512, 128, 2, 4), (2048, 512, 2, 8)]      # tokens, hidden, top-k, experts
-
-
-def _median_time(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        ts.append(time.process_time() - t0)
-    return statistics.median(ts)
 
 
 def permute_step(n: int, h: int, k: int, e: int):
@@ -73,7 +62,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from meshplan.cost_models import constants as K
     a = torch.randn(512, 512, dtype=torch.bfloat16)
-    gflops = 2 * 512 ** 3 / _median_time(lambda: a @ a, args.reps) / 1e9
+    gflops = 2 * 512 ** 3 / median_cpu_s(lambda: a @ a, samples=args.reps) / 1e9
     scale = gflops / K.CPU_MICRO_MATMUL_GFLOPS_1T        # reference seconds = seconds x scale
     lines = [f"# MoE permutation on one thread, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"512^3 bf16 matmul {gflops:.0f} GFLOP/s (x {scale:.2f} to the reference rate)",
@@ -81,9 +70,9 @@ def main(argv=None) -> int:
              f"{'mul GB/s ref':>12s}"]
     for n, h, k, e in SHAPES:
         fwd_bytes = 4 * k * 2 * h * n                      # layer._elementwise_bytes' permute term
-        t = _median_time(permute_step(n, h, k, e), args.reps)
+        t = median_cpu_s(permute_step(n, h, k, e), samples=args.reps)
         rate = 3 * fwd_bytes / (t * scale) / 1e9
-        tm = _median_time(mul_step(n * k, h), args.reps)
+        tm = median_cpu_s(mul_step(n * k, h), samples=args.reps)
         mul_rate = 3 * 2 * n * k * h / (tm * scale) / 1e9
         lines.append(f"{n:6d} {h:5d} {k:2d} {e:3d} {fwd_bytes / 1e6:7.2f} {t * 1e6:10.0f} {rate:9.2f} {mul_rate:12.2f}")
     lines.append(f"# constants: CPU_PERMUTE_GB_S_1T {K.CPU_PERMUTE_GB_S_1T}, CPU_ELEMENTWISE_GB_S_1T "

@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import torchrun_json  # noqa: E402
 from _report import emit  # noqa: E402
 
 NPROC, CORES = 4, 2
@@ -84,15 +83,7 @@ def main(argv=None) -> int:
     for kind in ("all_reduce", "pair all_to_all"):
         base = None
         for w in WORK_MS:
-            with tempfile.TemporaryDirectory() as d:
-                res = Path(d) / "r.json"
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
-                       __file__, "--worker", kind.split()[-1], str(w), str(args.iters), str(res)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-                if proc.returncode != 0 or not res.exists():
-                    raise SystemExit(f"{kind} {w} ms failed:\n{proc.stderr[-2000:]}")
-                parts = json.loads(res.read_text())
+            parts = torchrun_json(__file__, [kind.split()[-1], str(w), str(args.iters)], NPROC, f"{kind} {w} ms")
             wall = statistics.fmean(p["wall"] for p in parts)
             cpu = statistics.fmean(p["cpu"] for p in parts)
             packed = cpu * NPROC / CORES

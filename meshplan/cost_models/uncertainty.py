@@ -185,8 +185,13 @@ def imbalance_risk(profile, cluster, layout, *, seq_len: int, fp8: bool, microba
     return (worst - 1.0) * (expert_s + ep_s) / step, worst
 
 
+def _as_dict(e) -> Mapping[str, Any]:
+    """An Estimate's fields, from the Estimate or its dict."""
+    return e if isinstance(e, Mapping) else e.__dict__
+
+
 def _est_fields(e) -> tuple[dict[str, float], dict[str, bool], float]:
-    d = e if isinstance(e, Mapping) else e.__dict__
+    d = _as_dict(e)
     return d["time_s"], d.get("regime") or {}, d["step_time_s"]
 
 
@@ -218,13 +223,13 @@ def gain_band(best, other) -> tuple[float, float, dict[str, float]]:
 def upper_risk(e) -> float:
     """`Estimate.uncertainty_high` of an Estimate or its dict (0 where absent: a dense model, a
     balanced router, or an estimate made before the field existed)."""
-    d = e if isinstance(e, Mapping) else e.__dict__
+    d = _as_dict(e)
     return float(d.get("uncertainty_high") or 0.0)
 
 
 def _worst_load(e) -> float:
     """`Estimate.moe_worst_load` (1 where absent)."""
-    d = e if isinstance(e, Mapping) else e.__dict__
+    d = _as_dict(e)
     return float(d.get("moe_worst_load") or 1.0)
 
 
@@ -303,7 +308,7 @@ def prefer_simpler(ranked: list, *, max_candidates: int = 64):
 def risk_clause(e) -> str:
     """Why an estimate carries an upper-side risk, in words: "its routers train without load
     balancing (up to 4.0x the mean rows on the busiest EP rank), step up to +85%"."""
-    d = e if isinstance(e, Mapping) else e.__dict__
+    d = _as_dict(e)
     worst = float(d.get("moe_worst_load") or 0.0)
     load = f" (up to {worst:.1f}x the mean rows on the busiest EP rank)" if worst > 1.0 else ""
     return f"its routers train without load balancing{load}, step up to +{upper_risk(e) * 100:.0f}%"
