@@ -194,3 +194,37 @@ def test_statistics_deferred_to_the_step_end_match_the_per_microbatch_ones(micro
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-9)
         assert a["z_loss"] == pytest.approx(b["z_loss"], rel=1e-9)
     assert deferred.window.pending is None and deferred.step_stats() == {}
+
+
+def test_deferred_statistics_of_several_layers_are_reduced_in_one_collective(monkeypatch):
+    """flush_windows reduces every layer's pending statistics with one all-reduce (the layers'
+    vectors concatenated) and leaves each layer the statistics a flush of its own gives; here the
+    'all-reduce' doubles the vector, as two ranks with the same tokens would."""
+    from meshplan.models.moe import flush_windows
+    calls = []
+
+    def fake_reduce(self, local):
+        calls.append(local.numel())
+        local.mul_(2)
+        return 2
+
+    monkeypatch.setattr(MoE, "_all_reduce_statistics", fake_reduce)
+
+    def layers():
+        out = [_moe(), _moe(moe_z_loss_coeff=0.0)]
+        torch.nn.init.normal_(out[1].router.weight, std=1.0)     # different routing in layer 2
+        for moe in out:
+            moe(_x(24))
+        return out
+
+    alone = [m.step_stats() for m in layers()]                  # one reduce per layer
+    assert len(calls) == 2
+    calls.clear()
+    together = layers()
+    flush_windows(together)
+    assert len(calls) == 1 and calls[0] == 2 * (2 * 4 + 4)       # [counts E, probs E, z, tokens, dropped, aux] x 2
+    assert all(m.window.pending is None for m in together)
+    got = [m.step_stats() for m in together]
+    assert len(calls) == 1                                      # nothing left to reduce
+    assert got == alone
+    assert got[0]["tokens_per_expert"] != got[1]["tokens_per_expert"]

@@ -65,10 +65,14 @@ CPU_HOST_MEM_TB_S = 0.044
 # cpu_platform.md §2 saw 27 ms on a quieter run. The reduction is CPU work shared by all ranks, so
 # the host moves a roughly constant ~2.3 GB/s of busbw in total and each rank gets 1/nproc of it.
 CPU_HOST_LOOPBACK_BUSBW_GB_S = 2.3
-# A 4-byte all_reduce took 0.33-0.95 ms (world 2) and 1.1-2.2 ms (world 4): about 100 us of fixed
-# cost plus ~175 us per ring hop (2(n-1) hops).
-CPU_LOOPBACK_BASE_US = 100.0
-CPU_LOOPBACK_HOP_US = 175.0
+# A 4-byte all_reduce took 0.33-0.95 ms (world 2) and 1.1-2.2 ms (world 4) between barriers. As
+# training meets it (amid compute, 4 processes on the 2 cores, the wall beyond the collective's own
+# CPU work; `meshplan calibrate --nproc 4 --quick`, 3 runs at 2026-11-25 04:20 UTC): 1.11-1.20 ms
+# over all four ranks and 0.67-1.17 ms within pairs that cross (as TP x DP / EP x DP pair them).
+# The wait is mostly the peers' rescheduling, not ring steps: base 850 us + 50 us per hop puts the
+# world all-reduce at 1.15 ms (as the earlier 100 + 6 x 175 did) and a pair's at 0.95 ms (it was 0.45).
+CPU_LOOPBACK_BASE_US = 850.0
+CPU_LOOPBACK_HOP_US = 50.0
 # Estimate: gloo between hosts over TCP, per hop (kernel network stack + gloo's own pair protocol).
 CPU_NET_HOP_US = 250.0
 # Estimate: gloo across hosts over 10 Gb Ethernet (1.25 GB/s line rate, ~90 % achieved), shared by

@@ -26,12 +26,16 @@ How they map onto `Cluster` / `GPUSpec` fields (docs/exports.md, "calibrate"):
 - Latency: the smallest all-reduce's time t0 on n ranks is base + 2(n-1) hops (NCCL ring steps).
   On CPU, t0 is measured the way training meets it ("all_reduce_amid_compute"): each rank does
   AMID_WORK_S of matmul work and then the all-reduce, with no barrier in between, and t0 is the
-  iteration time minus the work alone. With more processes than cores a collective completes
-  only when every peer has been scheduled again; a barrier-synchronised benchmark hides that (on
-  the 2-core host with 4 processes: ~1.1 ms amid compute against ~0.3 ms idle, 2026-11-24,
-  benchmarks/cpu_collective_sync.py), and TP / EP / CP / PP issue one per layer and micro-batch.
-  The base's base_latency_us is kept and the per-hop latency fitted; when t0 is below the base
-  latency, half of t0 is taken as base and the rest spread over the hops.
+  iteration time minus the work alone, less the collective's own CPU work packed onto the cores
+  (host work the model charges per collective, host.py: the latency is the wait beyond it). With
+  more processes than cores a collective completes only when every peer has been scheduled again;
+  a barrier-synchronised benchmark hides that (on the 2-core host with 4 processes: ~1.1 ms amid
+  compute against ~0.3 ms idle, 2026-11-24, benchmarks/cpu_collective_sync.py), and TP / EP / CP
+  / PP issue one per layer and micro-batch. With >= 4 ranks the same is measured for an
+  all-reduce within pairs, alternating two pairings that cross ("pair_all_reduce_amid_compute",
+  as TP x DP or EP x DP pair the ranks), and base and hop are fitted to the two points; else the
+  base's base_latency_us is kept and the per-hop latency fitted (when t0 is below the base
+  latency, half of t0 is taken as base and the rest spread over the hops).
 - Not measured (one host cannot): the network (nic_gb_s, net_latency_us), memory capacity.
 """
 
@@ -81,6 +85,7 @@ CUDA_COLL_BYTES = (4, 1 << 20, 64 << 20, 512 << 20)
 COLL_ITERS_QUICK, COLL_ITERS = 5, 10
 COLL_WARMUP = 2
 AMID_WORK_S = 1e-3            # per-rank work before each collective of the amid-compute measurement
+AMID_ITERS, AMID_ROUNDS = 40, 5   # iterations per round (at least), rounds with / without the collective
 # CPU: the per-process matmul measured in every rank at once (_concurrent_matmul_tflops): 512^3 bf16
 # (~1.4 ms on one idle core of the local-cpu host) repeated for CPU_CONCURRENT_S seconds in every
 # rank, all starting together: the rate each sustains while all of them compute
@@ -155,6 +160,10 @@ class Calibration:
     def training_latency_us(self) -> float | None:
         """The smallest all-reduce as training meets it: amid compute where measured (CPU), else idle."""
         return self.small_latency_us("all_reduce_amid_compute") or self.small_latency_us("all_reduce")
+
+    def pair_latency_us(self) -> float | None:
+        """A small all-reduce between two ranks amid compute, pairs crossing (CPU, >= 4 ranks)."""
+        return self.small_latency_us("pair_all_reduce_amid_compute")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -291,6 +300,10 @@ def _collective_worker(rank: int, world: int, store: str, backend: str, sizes: t
         if backend == "gloo":
             rows.append(dict(op="all_reduce_amid_compute", nbytes=4, world=world,
                              seconds=_amid_compute_latency(iters)))
+            pairs = _coupled_pairs(rank, world)
+            if pairs is not None:
+                rows.append(dict(op="pair_all_reduce_amid_compute", nbytes=4, world=2,
+                                 seconds=_amid_compute_latency(iters, pairs)))
             process_rate = _concurrent_matmul_tflops(world)
             op_us = _concurrent_op_us(world)
         if rank == 0:
@@ -350,9 +363,31 @@ def _concurrent_op_us(world: int) -> float:
     return float(statistics.median(float(v.item()) for v in vals))
 
 
-def _amid_compute_latency(iters: int) -> float:
+def _coupled_pairs(rank: int, world: int):
+    """This rank's groups in two pairings of the ranks that cross each other, as EP x DP, TP x DP
+    or CP x DP pair them ((0,1)(2,3)... and (0,n/2)(1,n/2+1)...), or None where there is no second
+    pairing (fewer than 4 ranks, or an odd count). Collective: every rank creates every group."""
+    import torch.distributed as dist
+    if world < 4 or world % 2:
+        return None
+    h = world // 2
+    mine = []
+    for ranks in [[2 * i, 2 * i + 1] for i in range(h)] + [[i, i + h] for i in range(h)]:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine.append(g)
+    return mine
+
+
+def _amid_compute_latency(iters: int, groups=None) -> float:
     """Seconds a small all-reduce adds to an iteration of ~AMID_WORK_S of matmul work, no barrier
-    between iterations (see the module docstring); the slowest rank's median (collective)."""
+    between iterations (see the module docstring); the slowest rank's median (collective).
+
+    With `groups` (_coupled_pairs), the all-reduce alternates between the rank's two pair groups:
+    pairs that cross each other keep all the ranks in step, as in training, where a pair
+    collective then stalls the host like a world one (each process waits for its peer to be
+    scheduled again, and the others wait in theirs); pairs of one pairing alone drift out of phase
+    and fill each other's waits, which training's layouts do not."""
     import torch
     import torch.distributed as dist
     a, x = torch.randn(64, 64), torch.zeros(1)
@@ -361,17 +396,25 @@ def _amid_compute_latency(iters: int) -> float:
         a @ a
     reps = max(1, round(AMID_WORK_S / ((time.perf_counter() - t0) / 10)))
 
+    n = max(AMID_ITERS, 4 * iters)
+
     def per_iteration(with_collective: bool) -> float:
+        """Wall seconds per iteration beyond the process's CPU seconds packed onto the cores."""
         dist.barrier()
-        t = time.perf_counter()
-        for _ in range(4 * iters):
+        t, c = time.perf_counter(), time.process_time()
+        for i in range(n):
             for _ in range(reps):
                 a @ a
             if with_collective:
-                dist.all_reduce(x)
-        return (time.perf_counter() - t) / (4 * iters)
+                dist.all_reduce(x, group=groups[i % 2] if groups else None)
+        return (time.perf_counter() - t - (time.process_time() - c) * packing) / n
 
-    extra = max(1e-6, per_iteration(True) - per_iteration(False))
+    # the collective's own CPU work (gloo's loopback syscalls and hand-offs) is host work the cost
+    # model charges per collective where the runtime issues it (host.py); the latency is the wait
+    # beyond it. Rounds with and without the collective alternate and the median difference is
+    # kept: one round of each swung by 2x between runs on the shared host (2026-11-25).
+    packing = max(1.0, dist.get_world_size() / (os.cpu_count() or 1))
+    extra = max(1e-6, statistics.median(per_iteration(True) - per_iteration(False) for _ in range(AMID_ROUNDS)))
     t = torch.tensor([extra], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
@@ -475,11 +518,24 @@ def base_cluster(base: str | Cluster, nproc: int) -> Cluster:
 
 
 def _fit_latency(base: Cluster, cal: Calibration) -> tuple[float, float]:
-    """(base_latency_us, scaleup_latency_us) from the smallest all-reduce (see module docstring)."""
+    """(base_latency_us, scaleup_latency_us) from the smallest all-reduce (see module docstring).
+
+    With a pair all-reduce measured too (CPU, >= 4 ranks), both come from the two points: t_pair =
+    base + 2 hops, t_world = base + 2(n-1) hops. On an oversubscribed host the base dominates (a
+    blocked peer waits to be scheduled again whatever the group's size: 2026-11-25, 4 processes on
+    2 cores, 0.7-1.2 ms for a pair against 1.1-1.2 ms for all four), which a base kept from the
+    preset and the rest spread over the hops put at a fraction of that for the pairs TP, EP and CP
+    use. Least squares with hops >= 0: a pair measured no faster than the world gives one base."""
     t0 = cal.training_latency_us()
     if t0 is None or cal.nproc < 2:
         return base.base_latency_us, base.scaleup_latency_us
     hops = 2 * (cal.nproc - 1)
+    tp = cal.pair_latency_us()
+    if tp is not None and hops > 2:
+        if tp >= t0:                 # no growth with the group's size: one base fits both points
+            return (tp + t0) / 2, 0.0
+        hop = (t0 - tp) / (hops - 2)
+        return tp - 2 * hop, hop
     if t0 > base.base_latency_us:
         return base.base_latency_us, (t0 - base.base_latency_us) / hops
     return t0 / 2, t0 / 2 / hops

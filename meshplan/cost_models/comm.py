@@ -116,7 +116,10 @@ def p2p_time(nbytes: float, cluster, *, cross_domain: bool) -> float:
         return cluster.net_latency_us * 1e-6 + nbytes / (cluster.nic_gb_s * 1e9)
     gpu = cluster.gpu
     link = (gpu.per_peer_gb_s or gpu.scaleup_gb_s) * P2P_EFF
-    return cluster.scaleup_latency_us * 1e-6 + nbytes / (link * 1e9)
+    # gloo between CPU processes: a send/recv waits for its peer to be scheduled again like any
+    # collective (the base latency, calibrate._fit_latency), not only a hop's transfer
+    base = cluster.base_latency_us if getattr(gpu, "scaleup", "") == "loopback" else 0.0
+    return (base + cluster.scaleup_latency_us) * 1e-6 + nbytes / (link * 1e9)
 
 
 def _p_none(experts: int, topk: int, held: float) -> float:

@@ -224,9 +224,10 @@ def fsdp_collectives(layout, n_moe_layers: int, n_layers: int = 0) -> int:
 
 def routing_stat_reduces(layout, n_moe_layers: int) -> int:
     """Per-step all-reduces of the MoE layers' routing statistics over the data-parallel x
-    context-parallel ranks (models/moe.py RoutingWindow: one per layer and step when no loss needs
-    them in the forward, as in the default job; the balancer reads them after the optimizer step)."""
-    return n_moe_layers if layout.dp * layout.cp > 1 else 0
+    context-parallel ranks (models/moe.py RoutingWindow: when no loss needs them in the forward, as
+    in the default job, the balancer reads them after the optimizer step, all of a stage's layers
+    in one all-reduce, models/moe.flush_windows)."""
+    return 1 if n_moe_layers and layout.dp * layout.cp > 1 else 0
 
 
 def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_reduces: int = 0,

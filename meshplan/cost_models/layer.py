@@ -351,6 +351,16 @@ def _ep_comm(b: BlockProfile, c: Context) -> float:
         collective_time("all_to_all", size, c.ep, c.cluster)
 
 
+def _ep_counts_comm(b: BlockProfile, c: Context) -> float:
+    """Seconds of the all-to-all of tokens-per-expert counts the all-to-all dispatcher runs before
+    the rows move (forward only: its sizes are known to the backward): each rank sends every EP
+    peer its int64 count for each of that peer's experts (runtime/expert_parallel.py; Megatron-Core's
+    MoEAlltoAllTokenDispatcher.preprocess). Latency-bound; a CPU host's rescheduling wait dominates."""
+    if not b.is_moe or c.layout.ep == 1 or c.layout.moe_dispatcher == "deepep":
+        return 0.0
+    return collective_time("all_to_all", 8 * b.experts, c.ep, c.cluster)
+
+
 def cp_comm_type(layout) -> str:
     """The layout's CP attention implementation (Layout.cp_comm_type; Megatron-Core --cp-comm-type,
     Transformer Engine's AttnFuncWithCPAndKVP2P / ...KVAllGather / ...QKVOA2A)."""
@@ -448,11 +458,12 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     tp_one = _tp_comm(b, c)
     tp_hidden = K.TP_OVERLAP_HIDDEN if L.tp_comm_overlap and c.cluster.gpu.comm_overlap else 0.0
     ep_one = _ep_comm(b, c)
+    ep_fwd = ep_one + _ep_counts_comm(b, c)
     cp_f, cp_fx, cp_b, cp_bx = cp_comm(b, c, a_fwd, a_bwd)
 
     if policy == "full":
-        recompute = compute_fwd + tp_one * (1 - tp_hidden) + ep_one + cp_fx
-        rc_comm = {"tp": tp_one, "ep": ep_one, "cp": cp_f}
+        recompute = compute_fwd + tp_one * (1 - tp_hidden) + ep_fwd + cp_fx
+        rc_comm = {"tp": tp_one, "ep": ep_fwd, "cp": cp_f}
     elif policy == "selective":
         recompute = a_fwd
         rc_comm = {}
@@ -463,12 +474,12 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         recompute = 0.0
         rc_comm = {}
     comm = {"tp": 2 * tp_one + rc_comm.get("tp", 0.0),
-            "ep": 2 * ep_one + rc_comm.get("ep", 0.0),
+            "ep": ep_fwd + ep_one + rc_comm.get("ep", 0.0),
             "cp": cp_f + cp_b + rc_comm.get("cp", 0.0)}
     exposed = {"tp": comm["tp"] * (1 - tp_hidden),
                "ep": comm["ep"],
                "cp": cp_fx + cp_bx + (cp_fx if policy == "full" else 0.0)}
-    fwd = compute_fwd + tp_one * (1 - tp_hidden) + ep_one + cp_fx
+    fwd = compute_fwd + tp_one * (1 - tp_hidden) + ep_fwd + cp_fx
     bwd = compute_bwd + tp_one * (1 - tp_hidden) + ep_one + cp_bx
     return LayerCost(fwd_s=fwd, bwd_s=bwd, recompute_s=recompute, wgrad_s=g_wgrad,
                      comm_s=comm, exposed_s=exposed,

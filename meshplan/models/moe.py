@@ -51,7 +51,7 @@ from meshplan.models.config import ModelConfig
 from meshplan.models.grouped_mm import amp_operands, grouped_mm
 from meshplan.models.layers import FeedForward
 
-__all__ = ["MoE", "GroupedExperts", "RoutingWindow", "load_balancing_loss"]
+__all__ = ["MoE", "GroupedExperts", "RoutingWindow", "flush_windows", "load_balancing_loss"]
 
 
 class GroupedExperts(nn.Module):
@@ -328,13 +328,13 @@ class MoE(nn.Module):
     def _flush_window(self) -> None:
         """All-reduce the deferred statistics (collective over `balance_group`) into the window's
         global counts, token copies, drops and loss values."""
+        flush_windows([self])
+
+    def _absorb_window(self, glob: Tensor, ranks: int) -> None:
+        """Take this step's reduced statistics (the sum of `pending` over `ranks` ranks) into the window."""
         w = self.window
-        if w.pending is None:
-            return
-        local, w.pending = w.pending, None
-        ranks = self._all_reduce_statistics(local)
         E, k, m = self.experts.num_experts, self.topk, max(1, w.microbatches)
-        glob_counts, glob_probs, glob_z, tokens, aux_sum = self._absorb(local)
+        glob_counts, glob_probs, glob_z, tokens, aux_sum = self._absorb(glob)
         per_mb = tokens / m                      # every micro-batch has the same token count
         w.z += glob_z / per_mb / m if per_mb else 0.0
         if self.aux_loss_scope == "global":      # the global Switch loss of the step's mean counts
@@ -425,6 +425,26 @@ class MoE(nn.Module):
             self.experts.w3.normal_(0.0, std, generator=generator)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+def flush_windows(layers) -> None:
+    """All-reduce the deferred routing statistics of several routed layers with one collective per
+    balance group (the layers' vectors concatenated), instead of one per layer: each is a blocking
+    all-reduce over every data-parallel rank, and at the end of the step nothing hides its wait
+    (4 processes on 2 cores, tiny-moe's 3 layers: 17.7 ms of the step, 2026-11-25). Collective:
+    every rank of a group passes its layers in the same order (the model's)."""
+    groups: dict[int, list] = {}
+    for m in layers:
+        if m.window.pending is not None:
+            groups.setdefault(id(m.balance_group), []).append(m)
+    for ms in groups.values():
+        parts = [m.window.pending for m in ms]
+        for m in ms:
+            m.window.pending = None
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        ranks = ms[0]._all_reduce_statistics(flat)
+        for m, glob in zip(ms, flat.split([p.numel() for p in parts])):
+            m._absorb_window(glob, ranks)
 
 
 def _is_fake(t: Tensor) -> bool:

@@ -406,6 +406,8 @@ class MoEBalancer:
         expert, "imbalance_mean", "aux_loss" and "z_loss" (mean over layers), "dropped"} (empty
         when the model has no routed layer). Collective over the pipeline ranks when pp > 1."""
         import torch.distributed as dist
+        from meshplan.models.moe import flush_windows
+        flush_windows([m for _, m in self.layers])    # one all-reduce for all the layers
         if update_bias:
             for _, m in self.layers:
                 if m.bias_update:

@@ -345,11 +345,34 @@ def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
             dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             entry = groups.setdefault((id(g.device_mesh), dims), [g.device_mesh, dims, plain.new_zeros(())])
             entry[2] += g.to_local().float().pow(2).sum().double()
+    world = []                          # sums whose sharded dimensions together span every rank
     for mesh, dims, local in groups.values():
+        if _spans_world(mesh, dims):
+            world.append(local)
+            continue
         for d in dims:
             dist.all_reduce(local, group=mesh.get_group(d))
         plain += local
+    if world:
+        # one all-reduce for all of them (EP x DP: the experts' dp x ep shards and the dense dp
+        # shards, 5 collectives before, each a blocking wait on every rank)
+        both = torch.stack(world)
+        dist.all_reduce(both)
+        plain += both.sum()
     return plain
+
+
+def _spans_world(mesh, dims: tuple[int, ...]) -> bool:
+    """Whether reducing over `dims` of `mesh` reaches every rank of the world: this rank's slice of
+    the mesh along them holds all the ranks (the same answer on every rank of a pp = 1 run; under
+    PP each stage's meshes leave the other stages out)."""
+    if not dims or not dist.is_initialized():
+        return False
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return False
+    index = tuple(slice(None) if i in dims else c for i, c in enumerate(coord))
+    return mesh.mesh[index].numel() == dist.get_world_size()
 
 
 def _state_keys(module: nn.Module) -> list[str]:

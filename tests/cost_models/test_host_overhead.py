@@ -179,12 +179,13 @@ def test_cpu_pipeline_bubble_gives_idle_cores_to_busy_ranks(llama):
 def test_fsdp_units_and_routing_statistics_follow_the_runtime():
     """ZeRO-1/2: one dense unit (+ one per MoE layer's experts under EP); ZeRO-3: every block and
     the root too, kept-gathered units one all-gather fewer; the routing statistics are all-reduced
-    once per MoE layer and step over dp x cp ranks."""
+    once per step over dp x cp ranks, all the stage's MoE layers together (moe.flush_windows)."""
     assert H.fsdp_units(Layout(dp=4, zero=1), 0, 4) == 1
     assert H.fsdp_units(Layout(dp=4, zero=3), 0, 4) == 5
     assert H.fsdp_units(Layout(dp=4, ep=2, zero=1), 3, 4) == 4
     assert H.fsdp_units(Layout(dp=1, tp=4, zero=1), 0, 4) == 0
     assert H.fsdp_collectives(Layout(dp=4, zero=3), 0, 4) == 15
     assert H.fsdp_collectives(Layout(dp=4, zero=3, reshard_after_forward=False), 0, 4) == 10
-    assert H.routing_stat_reduces(Layout(dp=4, ep=2), 3) == 3
+    assert H.routing_stat_reduces(Layout(dp=4, ep=2), 3) == 1
+    assert H.routing_stat_reduces(Layout(dp=4, ep=2), 0) == 0
     assert H.routing_stat_reduces(Layout(dp=1, tp=4), 3) == 0
