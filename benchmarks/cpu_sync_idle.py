@@ -1,15 +1,21 @@
 #!/usr/bin/env python
-"""Idle time a blocking collective costs when processes outnumber cores (constants.CPU_SYNC_IDLE_S).
+"""Idle time a blocking collective costs when processes outnumber cores.
 
 4 one-thread gloo processes on the host's 2 cores each run a chunk of CPU work (bf16 matmuls,
-~W ms of CPU) and then block in a collective: an all-reduce of one number over all 4 ranks, or
-an all-to-all within pairs (as expert parallelism's dispatch). The scheduler keeps both cores
-busy while at least two processes can run; near a synchronisation point the last process to
-arrive runs alone and the other core idles. Per iteration: wall seconds minus what the processes'
-CPU time fills on the cores (process CPU x nproc / cores, the `packed` step of
-cpu_closing_loop.py), less the collective's own host work measured on its own (the same loop with
-no work chunk, whose wall time is all collective): the idle per synchronisation point. Reported
-for several W; the model takes it per blocking collective when processes outnumber cores.
+~W ms of CPU) and then block in a collective: an all-reduce of one number over all 4 ranks; an
+all-to-all within pairs (0,1)(2,3), as expert parallelism's dispatch alone; or the same pair
+all-to-all alternating with an all-reduce within the crossing pairs (0,2)(1,3), as EP x DP, TP x DP
+and CP x DP pair the ranks. The scheduler keeps both cores busy while at least two processes can
+run; near a synchronisation point the last process to arrive runs alone and the other core idles.
+Per iteration: wall seconds minus what the processes' CPU time fills on the cores (process CPU x
+nproc / cores, the `packed` step of cpu_closing_loop.py), less the collective's own host work
+measured on its own (the same loop with no work chunk, whose wall time is all collective): the
+idle per synchronisation point. Reported for several W.
+
+What it showed (2026-11-25): pairs of one pairing alone drift out of phase and fill each other's
+waits (idle ~0), but pairs that cross keep every rank in step and stall the host like an
+all-reduce over all four. `meshplan calibrate` measures that wait amid compute for both
+(cost_models/cpu_probes.amid_compute_latency) and fits the loopback base and hop latency to the two.
 
     python benchmarks/cpu_sync_idle.py [--iters 300] [--out FILE]
 """
@@ -41,6 +47,7 @@ def worker(kind: str, work_ms: float, iters: int, out: str) -> None:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
+    crossing = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     a = torch.randn(128, 128, dtype=torch.bfloat16)
     t0 = time.process_time()
     for _ in range(50):
@@ -56,6 +63,8 @@ def worker(kind: str, work_ms: float, iters: int, out: str) -> None:
             a @ a
         if kind == "all_reduce":
             dist.all_reduce(one)
+        elif kind == "crossing" and i % 2:
+            dist.all_reduce(one, group=crossing)
         else:
             dist.all_to_all_single(recv, send, group=pair)
         samples.append((time.perf_counter() - w0, time.process_time() - c0))
@@ -80,7 +89,7 @@ def main(argv=None) -> int:
     lines = [f"# idle per blocking collective, {NPROC} one-thread gloo processes on {os.cpu_count()} cores, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"{'collective':22s} {'work ms':>7s} {'wall ms':>8s} {'cpu ms':>7s} {'packed ms':>9s} {'idle ms':>8s}"]
-    for kind in ("all_reduce", "pair all_to_all"):
+    for kind in ("all_reduce", "pair all_to_all", "pairs crossing"):
         base = None
         for w in WORK_MS:
             parts = torchrun_json(__file__, [kind.split()[-1], str(w), str(args.iters)], NPROC, f"{kind} {w} ms")

@@ -3,6 +3,8 @@ Cluster (pure, synthetic numbers), the profile JSON, and one real --quick run on
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import time
@@ -41,7 +43,7 @@ def _cal(*, device="cpu", nproc=2, bf16=0.8, fp32=0.3, fp8=None, copy=88.0, ar_b
 
 
 def test_cpu_mapping_follows_the_local_cpu_convention():
-    base = Cluster.preset("local-cpu", nproc=2)
+    base = Cluster.preset("local-cpu", nproc=2, base_latency_us=100.0, scaleup_latency_us=175.0)
     c = cb.calibrated_cluster(base, _cal())
     g = c.gpu
     assert g.bf16_tflops == pytest.approx(0.8 / 2) and g.fp32_tflops == pytest.approx(0.3 / 2)
@@ -54,6 +56,34 @@ def test_cpu_mapping_follows_the_local_cpu_convention():
     assert "calibrate" in g.sources and c.name == "local-cpu-calibrated"
     fast = cb.calibrated_cluster(base, _cal(small_us=40.0))       # below the base latency
     assert fast.base_latency_us + 2 * fast.scaleup_latency_us == pytest.approx(40.0)
+
+
+def _with_pair(cal: cb.Calibration, world_us: float, pair_us: float) -> cb.Calibration:
+    rows = [r for r in cal.collectives if r.nbytes != 4] + [
+        cb.CollectiveResult(op="all_reduce_amid_compute", nbytes=4, world=cal.nproc, seconds=world_us * 1e-6,
+                            algbw_gb_s=0.0, busbw_gb_s=0.0),
+        cb.CollectiveResult(op="pair_all_reduce_amid_compute", nbytes=4, world=2, seconds=pair_us * 1e-6,
+                            algbw_gb_s=0.0, busbw_gb_s=0.0)]
+    return dataclasses.replace(cal, collectives=tuple(rows))
+
+
+def test_cpu_latency_is_fitted_to_the_world_and_the_crossing_pairs():
+    """With 4 ranks, calibrate also measures an all-reduce within pairs that cross amid compute;
+    base + 2 hops is the pair's time and base + 6 hops the world's. A pair no faster than the
+    world (the host's rescheduling wait dominates) gives one base and no hop. The preset base is
+    not kept: a pair costs ~0.9 ms on the 2-core host with 4 processes, not 0.45."""
+    base = Cluster.preset("local-cpu", nproc=4)
+    c = cb.calibrated_cluster(base, _with_pair(_cal(nproc=4), world_us=1200.0, pair_us=900.0))
+    assert c.base_latency_us + 2 * c.scaleup_latency_us == pytest.approx(900.0)
+    assert c.base_latency_us + 6 * c.scaleup_latency_us == pytest.approx(1200.0)
+    assert c.scaleup_latency_us == pytest.approx(75.0)
+    flat = cb.calibrated_cluster(base, _with_pair(_cal(nproc=4), world_us=1100.0, pair_us=1300.0))
+    assert flat.scaleup_latency_us == 0.0 and flat.base_latency_us == pytest.approx(1200.0)
+    # a gloo send/recv (CP ring, PP) waits for the base as well on CPU; on GPUs only the hop
+    from meshplan.cost_models.comm import p2p_time
+    assert p2p_time(4, c, cross_domain=False) == pytest.approx((c.base_latency_us + c.scaleup_latency_us) * 1e-6, rel=1e-3)
+    h100 = Cluster.preset("dgx-h100")
+    assert p2p_time(4, h100, cross_domain=False) == pytest.approx(h100.scaleup_latency_us * 1e-6, rel=1e-2)
 
 
 def test_estimate_uses_the_measured_numbers():

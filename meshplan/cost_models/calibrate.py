@@ -25,7 +25,7 @@ How they map onto `Cluster` / `GPUSpec` fields (docs/exports.md, "calibrate"):
   scaleup_busbw_gb_s = all-gather busbw, since NVLS reduces in the switch).
 - Latency: the smallest all-reduce's time t0 on n ranks is base + 2(n-1) hops (NCCL ring steps).
   On CPU, t0 is measured the way training meets it ("all_reduce_amid_compute"): each rank does
-  AMID_WORK_S of matmul work and then the all-reduce, with no barrier in between, and t0 is the
+  cpu_probes.AMID_WORK_S of matmul work and then the all-reduce, with no barrier in between, and t0 is the
   iteration time minus the work alone, less the collective's own CPU work packed onto the cores
   (host work the model charges per collective, host.py: the latency is the wait beyond it). With
   more processes than cores a collective completes only when every peer has been scheduled again;
@@ -56,6 +56,13 @@ from typing import Any, Callable
 
 from meshplan.cluster import CLUSTER_JSON_VERSION, Cluster
 from meshplan.cost_models.constants import HBM_EFF, NVLS_MIN_GPUS
+from meshplan.cost_models.cpu_probes import (
+    CPU_CONCURRENT_SHAPE,
+    amid_compute_latency,
+    concurrent_matmul_tflops,
+    concurrent_op_us,
+    coupled_pairs,
+)
 from meshplan.errors import ConfigError
 
 __all__ = ["MatmulResult", "CollectiveResult", "Calibration", "measure", "calibrated_cluster", "calibrate",
@@ -84,14 +91,6 @@ COLL_BYTES = (4, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 CUDA_COLL_BYTES = (4, 1 << 20, 64 << 20, 512 << 20)
 COLL_ITERS_QUICK, COLL_ITERS = 5, 10
 COLL_WARMUP = 2
-AMID_WORK_S = 1e-3            # per-rank work before each collective of the amid-compute measurement
-AMID_ITERS, AMID_ROUNDS = 40, 5   # iterations per round (at least), rounds with / without the collective
-# CPU: the per-process matmul measured in every rank at once (_concurrent_matmul_tflops): 512^3 bf16
-# (~1.4 ms on one idle core of the local-cpu host) repeated for CPU_CONCURRENT_S seconds in every
-# rank, all starting together: the rate each sustains while all of them compute
-CPU_CONCURRENT_SHAPE = (512, 512, 512)
-CPU_CONCURRENT_S = 1.5
-CPU_OP_CHAIN = 60          # ops per chain of the small-op measurement (_concurrent_op_us)
 COLL_TIMEOUT_S = 300.0     # the whole multi-process measurement
 
 
@@ -131,7 +130,7 @@ class Calibration:
     torch_version: str = ""
     host: str = ""
     date: str = ""
-    cpu_op_us: float | None = None   # CPU: small-op time in every process at once (_concurrent_op_us)
+    cpu_op_us: float | None = None   # CPU: small-op time in every process at once (cpu_probes.concurrent_op_us)
     version: int = CALIBRATION_VERSION
 
     def __post_init__(self) -> None:
@@ -299,125 +298,18 @@ def _collective_worker(rank: int, world: int, store: str, backend: str, sizes: t
         process_rate, op_us = 0.0, None
         if backend == "gloo":
             rows.append(dict(op="all_reduce_amid_compute", nbytes=4, world=world,
-                             seconds=_amid_compute_latency(iters)))
-            pairs = _coupled_pairs(rank, world)
+                             seconds=amid_compute_latency(iters)))
+            pairs = coupled_pairs(rank, world)
             if pairs is not None:
                 rows.append(dict(op="pair_all_reduce_amid_compute", nbytes=4, world=2,
-                                 seconds=_amid_compute_latency(iters, pairs)))
-            process_rate = _concurrent_matmul_tflops(world)
-            op_us = _concurrent_op_us(world)
+                                 seconds=amid_compute_latency(iters, pairs)))
+            process_rate = concurrent_matmul_tflops(world)
+            op_us = concurrent_op_us(world)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"rows": rows, "process_bf16_tflops": process_rate,
                                                   "process_op_us": op_us}))
     finally:
         dist.destroy_process_group()
-
-
-def _concurrent_matmul_tflops(world: int) -> float:
-    """bf16 matmul TFLOP/s of one one-thread process while every rank runs the same matmuls
-    (median over ranks; collective). On a shared CPU host this is the rate a training process
-    gets: a two-thread matmul in one process (the `matmul` rows) needs both cores at once and
-    falls far further behind when other work shares the host (2026-11-24, 2-core VM with other
-    sessions' jobs: 73 GFLOP/s over 2 threads against 421 idle)."""
-    import torch
-    import torch.distributed as dist
-    m, n, k = CPU_CONCURRENT_SHAPE
-    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
-    a @ b
-    dist.barrier()
-    # sustained, not best-of: a single short matmul may find a core to itself while the others wait
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < CPU_CONCURRENT_S:
-        a @ b
-        count += 1
-    rate = 2.0 * m * n * k * count / (time.perf_counter() - t0) / 1e12
-    rates = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(rates, torch.tensor([rate], dtype=torch.float64))
-    return float(statistics.median(float(r.item()) for r in rates))
-
-
-def _concurrent_op_us(world: int) -> float:
-    """Microseconds per small autograd op in one one-thread process while every rank runs them
-    (median over ranks; collective): chains of CPU_OP_CHAIN multiplies of an 8x8 tensor with
-    autograd on, the measurement constants.CPU_OP_FWD_S was defined by. Host work (dispatch,
-    autograd recording, allocator) is what a CPU training process spends most of its time on at
-    small shapes, and it does not follow the matmul rate (compute.cpu_rate_scale)."""
-    import torch
-    import torch.distributed as dist
-
-    def chain() -> None:
-        y = torch.randn(8, 8, requires_grad=True)
-        for _ in range(CPU_OP_CHAIN):
-            y = y * 1.0001
-
-    for _ in range(20):
-        chain()
-    dist.barrier()
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < CPU_CONCURRENT_S:
-        chain()
-        count += 1
-    us = (time.perf_counter() - t0) / (count * CPU_OP_CHAIN) * 1e6
-    vals = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(vals, torch.tensor([us], dtype=torch.float64))
-    return float(statistics.median(float(v.item()) for v in vals))
-
-
-def _coupled_pairs(rank: int, world: int):
-    """This rank's groups in two pairings of the ranks that cross each other, as EP x DP, TP x DP
-    or CP x DP pair them ((0,1)(2,3)... and (0,n/2)(1,n/2+1)...), or None where there is no second
-    pairing (fewer than 4 ranks, or an odd count). Collective: every rank creates every group."""
-    import torch.distributed as dist
-    if world < 4 or world % 2:
-        return None
-    h = world // 2
-    mine = []
-    for ranks in [[2 * i, 2 * i + 1] for i in range(h)] + [[i, i + h] for i in range(h)]:
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine.append(g)
-    return mine
-
-
-def _amid_compute_latency(iters: int, groups=None) -> float:
-    """Seconds a small all-reduce adds to an iteration of ~AMID_WORK_S of matmul work, no barrier
-    between iterations (see the module docstring); the slowest rank's median (collective).
-
-    With `groups` (_coupled_pairs), the all-reduce alternates between the rank's two pair groups:
-    pairs that cross each other keep all the ranks in step, as in training, where a pair
-    collective then stalls the host like a world one (each process waits for its peer to be
-    scheduled again, and the others wait in theirs); pairs of one pairing alone drift out of phase
-    and fill each other's waits, which training's layouts do not."""
-    import torch
-    import torch.distributed as dist
-    a, x = torch.randn(64, 64), torch.zeros(1)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    reps = max(1, round(AMID_WORK_S / ((time.perf_counter() - t0) / 10)))
-
-    n = max(AMID_ITERS, 4 * iters)
-
-    def per_iteration(with_collective: bool) -> float:
-        """Wall seconds per iteration beyond the process's CPU seconds packed onto the cores."""
-        dist.barrier()
-        t, c = time.perf_counter(), time.process_time()
-        for i in range(n):
-            for _ in range(reps):
-                a @ a
-            if with_collective:
-                dist.all_reduce(x, group=groups[i % 2] if groups else None)
-        return (time.perf_counter() - t - (time.process_time() - c) * packing) / n
-
-    # the collective's own CPU work (gloo's loopback syscalls and hand-offs) is host work the cost
-    # model charges per collective where the runtime issues it (host.py); the latency is the wait
-    # beyond it. Rounds with and without the collective alternate and the median difference is
-    # kept: one round of each swung by 2x between runs on the shared host (2026-11-25).
-    packing = max(1.0, dist.get_world_size() / (os.cpu_count() or 1))
-    extra = max(1e-6, statistics.median(per_iteration(True) - per_iteration(False) for _ in range(AMID_ROUNDS)))
-    t = torch.tensor([extra], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _collectives(backend: str, nproc: int, quick: bool,
@@ -487,7 +379,7 @@ def measure(*, device: str = "cpu", nproc: int = 2, quick: bool = False, fp8: bo
     backend = "" if nproc == 1 else ("nccl" if device == "cuda" else "gloo")
     colls, process_rate, op_us = _collectives(backend, nproc, quick, say) if backend else ([], 0.0, None)
     if process_rate and device == "cpu":
-        # the host's rate as nproc one-thread processes get it all at once (see _concurrent_matmul_tflops);
+        # the host's rate as nproc one-thread processes get it all at once (cpu_probes);
         # best_tflops keeps the higher of it and the two-thread matmuls above
         m_, n_, k_ = CPU_CONCURRENT_SHAPE
         matmul.append(MatmulResult(dtype="bfloat16", m=m_, n=n_, k=k_, seconds=2.0 * m_ * n_ * k_ / (process_rate * 1e12),

@@ -143,8 +143,13 @@ def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int) -> t
         ar = _collective_pair("all_reduce", gb * w.dparams, gb * w.eparams, g, cluster, dense_group=g.full)
         return ar, max(0.0, ar - eta * w.t_b)
     if L.zero in (1, 2):
-        ag = _collective_pair("all_gather", K.PARAM_BYTES * w.dparams, K.PARAM_BYTES * w.eparams, g, cluster)
-        rs = _collective_pair("reduce_scatter", gb * w.dparams, gb * w.eparams, g, cluster)
+        # CPU processes: the runtime's FSDP units (host.fsdp_units) gather and reduce-scatter one
+        # at a time, each MoE layer's experts apart under EP, so each unit pays its own latency
+        units_e = sum(1 for i in w.layers if blocks[i].is_moe) if is_cpu(cluster) and L.ep > 1 else 1
+        ag = collective_time("all_gather", K.PARAM_BYTES * w.dparams, g.dp, cluster) + \
+            units_e * collective_time("all_gather", K.PARAM_BYTES * w.eparams / max(1, units_e), g.edp, cluster)
+        rs = collective_time("reduce_scatter", gb * w.dparams, g.dp, cluster) + \
+            units_e * collective_time("reduce_scatter", gb * w.eparams / max(1, units_e), g.edp, cluster)
         return ag + rs, max(0.0, rs - eta * w.t_b) + max(0.0, ag - eta * w.t_f)
     return _zero3_comm(w, blocks, L, g, cluster, m, gb)
 
