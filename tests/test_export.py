@@ -40,7 +40,9 @@ MEGATRON_FLAGS = {
     "--swiglu", "--position-embedding-type", "--rotary-base", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
-    "--moe-router-score-function",
+    "--moe-router-score-function", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+    "--moe-z-loss-coeff", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "--moe-expert-capacity-factor", "--moe-router-force-load-balancing",
 }
 # torchtitan v0.2.2 (2026-02-20) torchtitan/config/job_config.py: the fields of each section.
 TITAN_KEYS = {
@@ -77,7 +79,9 @@ STRATEGY = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtu
 DDP = {"overlap_grad_reduce", "overlap_param_gather", "data_parallel_sharding_strategy", "use_distributed_optimizer",
        "use_megatron_fsdp"}
 TRANSFORMER = {"recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-               "seq_length", "pipeline_model_parallel_layout"} | STRATEGY - {"fsdp", "ddp"}
+               "seq_length", "pipeline_model_parallel_layout", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+               "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+               "moe_expert_capacity_factor", "moe_router_force_load_balancing"} | STRATEGY - {"fsdp", "ddp"}
 PRECISION = {"precision", "fp8", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
              "num_layers_at_end_in_bf16"}
 NEMO_PREFIXES = {"trainer.strategy.": STRATEGY, "trainer.strategy.ddp.": DDP, "model.config.": TRANSFORMER,
@@ -168,6 +172,47 @@ def test_megatron_fp8_moe_and_fsdp(plans):
     assert (_flag(m, "--num-experts"), _flag(m, "--moe-router-topk")) == ("8", "2")
     assert _flag(m, "--data-parallel-sharding-strategy") in ("optim_grads_params", "optim_grads")
     assert _flag(m, "--ckpt-format") == "fsdp_dtensor" and moe.env == {}   # Megatron-FSDP wants it unset
+
+
+@pytest.mark.parametrize("preset, fields", [
+    # Megatron-LM's Mixtral recipe: a per-micro-batch loss of 1e-2 (models/presets.py)
+    ("mixtral-8x7b", {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-2}),
+    ("qwen3-30b-a3b", {"moe_router_load_balancing_type": "global_aux_loss", "moe_aux_loss_coeff": 1e-3}),
+    ("deepseek-v3", {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-4,
+                     "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}),
+    ("tiny-moe", {"moe_router_load_balancing_type": "none"}),
+])
+def test_exports_train_the_routers_balanced_as_the_preset_does(preset, fields):
+    """A MoE preset's balancing reaches Megatron-LM's flags and the NeMo / Megatron-Bridge model
+    config: without it Megatron trains with its default (aux_loss at coefficient 0, i.e. none)."""
+    from meshplan.export.shape import ModelShape
+    cfg = models.config(preset)
+    got = ModelShape.from_config(cfg).balancing.megatron_fields()
+    assert {k: got[k] for k in fields} == pytest.approx(fields)
+    assert set(got) == set(fields)                      # nothing else switched on
+    import dataclasses
+    pl = _plan("mixtral-8x7b", mp.Cluster.preset("dgx-h100", nodes=2), seq_len=4096, global_batch=64,
+               ep=8, tp=1, pp=1, zero=1)
+    as_plan = dataclasses.replace(cfg, layers=32)            # the plan's layer count: the shape is kept
+    args = list(ex.megatron_export(pl, as_plan).args)
+    for name, value in fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in args
+        if value is not True:
+            got_value = _flag(args, flag)
+            assert got_value == value if isinstance(value, str) else float(got_value) == pytest.approx(value)
+    assert {a for a in args if a.startswith("--")} <= MEGATRON_FLAGS
+    for flavor, prefix in (("nemo", "model.config."), ("megatron-bridge", "model.")):
+        data = ex.nemo_export(pl, as_plan, flavor=flavor).data
+        assert {k: data[prefix + k] for k in fields} == pytest.approx(fields)
+    # variants the presets do not use: capacity dropping, z-loss, forced balance
+    var = dataclasses.replace(cfg, moe_capacity_factor=1.25, moe_z_loss_coeff=1e-3, moe_force_balance=True)
+    extra = ModelShape.from_config(var).balancing.megatron_fields()
+    assert extra["moe_expert_capacity_factor"] == 1.25 and extra["moe_z_loss_coeff"] == 1e-3
+    assert extra["moe_router_force_load_balancing"] is True
+    # a shape read from a profile knows only the kind of balancing, not its settings: no flags
+    prof = mp.profile_from_config(cfg, seq_len=4096)
+    assert ModelShape.from_profile(prof).balancing is None
 
 
 def test_megatron_rejects_zero_bubble_and_notes_gpipe(plans):

@@ -146,6 +146,9 @@ def _megatron_model(v: _View, seq_len: int) -> list[str]:
             out += ["--moe-layer-freq", f"([0]*{s.dense_layers}+[1]*{s.layers - s.dense_layers})"]
         if s.sigmoid_router:
             out += ["--moe-router-score-function", "sigmoid"]
+        for name, value in (s.balancing.megatron_fields() if s.balancing else {}).items():
+            flag = "--" + name.replace("_", "-")
+            out += [flag] if value is True else [flag, str(value)]
     return out
 
 

@@ -100,6 +100,10 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
             o[P["mp"] + "first_last_layers_bf16"] = True
             o[P["mp"] + "num_layers_at_start_in_bf16"] = lead
             o[P["mp"] + "num_layers_at_end_in_bf16"] = tail
+    # the routers' balancing (a preset or a given config): the recipe's own may differ
+    bal = v.shape.balancing if v.shape is not None else None
+    for name, value in (bal.megatron_fields() if bal else {}).items():
+        o[P["model"] + name] = value
     if lay.tp_comm_overlap:
         if flavor == "nemo":
             v.notes.append("TP communication overlap is a callback in NeMo 2: add "

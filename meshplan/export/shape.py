@@ -13,7 +13,48 @@ from typing import Any, Mapping
 from meshplan.errors import ConfigError, UnknownNameError
 from meshplan.ir.profile import ModelProfile
 
-__all__ = ["ModelShape", "model_shape"]
+__all__ = ["ModelShape", "MoEBalancing", "model_shape"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEBalancing:
+    """A routed model's balancing settings (models.ModelConfig moe_*), as the exports pass them on."""
+
+    aux_loss_coeff: float = 0.0
+    aux_loss_scope: str = "global"    # "global": over dp x cp ranks and micro-batches; "local": per rank
+    z_loss_coeff: float = 0.0
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    capacity_factor: float | None = None
+    force_balance: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "MoEBalancing":
+        return cls(aux_loss_coeff=cfg.moe_aux_loss_coeff, aux_loss_scope=cfg.moe_aux_loss_scope,
+                   z_loss_coeff=cfg.moe_z_loss_coeff, expert_bias=cfg.moe_expert_bias,
+                   bias_update_rate=cfg.moe_bias_update_rate, capacity_factor=cfg.moe_capacity_factor,
+                   force_balance=cfg.moe_force_balance)
+
+    def megatron_fields(self) -> dict[str, Any]:
+        """Megatron-Core TransformerConfig fields (also its `--` flags, with dashes) that train the
+        model balanced as meshplan does: the loss's scope maps to `aux_loss` (per micro-batch on
+        each rank) or `global_aux_loss` (counts over the data-parallel ranks); no loss is `none`,
+        not Megatron's default `aux_loss` at coefficient 0, so the choice is explicit."""
+        kind = ("global_aux_loss" if self.aux_loss_scope == "global" else "aux_loss") if self.aux_loss_coeff \
+            else "none"
+        out: dict[str, Any] = {"moe_router_load_balancing_type": kind}
+        if self.aux_loss_coeff:
+            out["moe_aux_loss_coeff"] = self.aux_loss_coeff
+        if self.z_loss_coeff:
+            out["moe_z_loss_coeff"] = self.z_loss_coeff
+        if self.expert_bias:
+            out["moe_router_enable_expert_bias"] = True
+            out["moe_router_bias_update_rate"] = self.bias_update_rate
+        if self.capacity_factor is not None:
+            out["moe_expert_capacity_factor"] = self.capacity_factor
+        if self.force_balance:
+            out["moe_router_force_load_balancing"] = True
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +80,9 @@ class ModelShape:
     shared_ffn_hidden: int = 0
     dense_layers: int = 0         # leading layers with a dense MLP in an MoE model
     sigmoid_router: bool = False
+    # how the routers are kept balanced while training (ModelConfig's moe_* options); None where the
+    # shape came from a profile, which records only the kind (ModelProfile.moe_balance)
+    balancing: "MoEBalancing | None" = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -57,7 +101,9 @@ class ModelShape:
                    moe_ffn_hidden=cfg.moe_ffn_hidden if cfg.experts else 0,
                    shared_ffn_hidden=cfg.shared_experts * cfg.moe_ffn_hidden if cfg.experts else 0,
                    dense_layers=cfg.dense_layers if cfg.experts else 0,
-                   sigmoid_router=cfg.router == "sigmoid", source=source or f"model config {cfg.name!r}")
+                   sigmoid_router=cfg.router == "sigmoid",
+                   balancing=MoEBalancing.from_config(cfg) if cfg.experts else None,
+                   source=source or f"model config {cfg.name!r}")
 
     @classmethod
     def from_profile(cls, prof: Any) -> "ModelShape":
