@@ -5,7 +5,6 @@ from __future__ import annotations
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.routed_experts import is_routed_experts
 from meshplan.ir.support import ModelTraits
-from meshplan.planner.tp_probe import tp_probe
 
 __all__ = ["model_traits", "packing", "fold_shared_roles", "moe_balance", "balance_from_config"]
 
@@ -135,10 +134,14 @@ def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
         if b.heads and b.ops:     # analytic profiles (from a config, no graph) are meshplan's SDPA models
             sdpa = [o for o in b.ops if o.kind == "attention" and "scaled_dot_product" in o.target]
             sdpa_causal = sdpa_causal and bool(sdpa) and b.causal
+    tp_forward = ""
+    if module is not None:      # torch only when a module is probed: config-built profiles stay torch-free
+        from meshplan.planner.tp_probe import tp_probe
+        tp_forward = tp_probe(module, profile)
     return ModelTraits(moe=any(b.is_moe for b in blocks), fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
                        partly_fused_qkv=partly_fused_qkv, sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
                        ep_experts=_ep_experts(module), moe_tp_fold=_moe_tp_fold(profile, module),
-                       layers=profile.num_layers, tp_forward=tp_probe(module, profile) if module is not None else "",
+                       layers=profile.num_layers, tp_forward=tp_forward,
                        expert_shapes=_expert_shapes(blocks))
 
 
