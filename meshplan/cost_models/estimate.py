@@ -191,10 +191,11 @@ def _step_overhead(profile: ModelProfile, cluster, L: Layout, ranks: list[RankWo
 
     def rank_host(r: int, w: RankWork) -> float:
         moe, last = sum(1 for i in w.layers if blocks[i].is_moe), r == p - 1
+        experts = sum(1 for i in w.layers for li in blocks[i].linears if li.role in ("expert_in", "expert_out"))
         return step_host_time(param_tensors(profile, w.layers, first=r == 0, last=last), L, cluster, sync_s=sync,
                               partial_reduces=partial_grad_reduces(profile, w.layers, L, last=last),
                               collectives=fsdp_collectives(L, moe, len(w.layers)) + routing_stat_reduces(L, moe),
-                              fsdp_units=fsdp_units(L, moe, len(w.layers)))
+                              fsdp_units=fsdp_units(L, moe, len(w.layers)), expert_params=experts)
     return max(rank_host(r, w) for r, w in enumerate(ranks))
 
 

@@ -231,7 +231,7 @@ def routing_stat_reduces(layout, n_moe_layers: int) -> int:
 
 
 def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_reduces: int = 0,
-                   collectives: int = 0, fsdp_units: int = 0) -> float:
+                   collectives: int = 0, fsdp_units: int = 0, expert_params: int = 0) -> float:
     """Per-step host seconds of a CPU process outside forward/backward: AdamW's per-parameter loop
     (DTensor ops where the parameters are sharded), the gradient norm's per-parameter ops, the
     per-parameter Partial-gradient all-reduces, `collectives` more gloo collectives (fsdp_collectives),
@@ -240,9 +240,15 @@ def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_red
     constants.STEP_OVERHEAD_S."""
     if not is_cpu(cluster):
         return K.STEP_OVERHEAD_S
-    sharded = layout.tp > 1 or layout.ep > 1 or (layout.zero >= 1 and layout.dp * layout.cp > 1)
-    per = (K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_DTENSOR_PARAM_S if sharded
-           else K.CPU_ADAMW_PARAM_S + K.CPU_GRAD_NORM_PARAM_S)
-    host = n_params * per + (partial_reduces + collectives) * K.CPU_COLLECTIVE_HOST_S + \
+    plain = K.CPU_ADAMW_PARAM_S + K.CPU_GRAD_NORM_PARAM_S
+    dtensor = K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_DTENSOR_PARAM_S
+    if layout.zero == 0 and layout.ep > 1 and layout.tp == layout.cp == layout.pp == layout.etp == 1:
+        # DDP with expert parallelism (ir.support.runs_as_ddp): only the `expert_params` EP shards
+        # are DTensors, the dense weights plain replicated tensors
+        params = (n_params - expert_params) * plain + expert_params * dtensor
+    else:
+        sharded = layout.tp > 1 or layout.ep > 1 or (layout.zero >= 1 and layout.dp * layout.cp > 1)
+        params = n_params * (dtensor if sharded else plain)
+    host = params + (partial_reduces + collectives) * K.CPU_COLLECTIVE_HOST_S + \
         fsdp_units * K.CPU_FSDP_UNIT_HOST_S
     return host * host_slowdown(cluster) + sync_s

@@ -142,12 +142,15 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
     return out
 
 
-def runs_as_ddp(*, zero: int, dp: int, tp: int, pp: int, cp: int, ep: int) -> bool:
+def runs_as_ddp(*, zero: int, dp: int, tp: int, pp: int, cp: int, ep: int, etp: int = 1) -> bool:
     """Whether the runtime runs a layout's data parallelism as plain DDP (zero=0): replicated fp32
     weights, one bucketed all-reduce of the gradients overlapped with backward. DDP keeps plain
-    tensors, so it runs without TP, PP, CP and EP; zero=0 with any of those runs through FSDP2 as
-    ZeRO-1 (less memory than planned, never more). The planner offers zero=0 only here."""
-    return zero == 0 and dp > 1 and tp == pp == cp == ep == 1
+    tensors, so it runs without TP, PP and CP; with expert parallelism DDP leaves the experts (EP
+    DTensors) alone and their gradients are all-reduced over the expert-data-parallel ranks after
+    backward, as Megatron's DDP does without the distributed optimizer. zero=0 with TP, PP, CP or
+    expert TP runs through FSDP2 as ZeRO-1 (less memory than planned, never more). The planner
+    offers zero=0 only here."""
+    return zero == 0 and dp > 1 and tp == pp == cp == etp == 1
 
 
 def experts_folded(*, ep: int, etp: int, tp: int, moe: bool) -> bool:
@@ -164,7 +167,7 @@ def _expert_shard_limits(traits: ModelTraits, *, tp: int, cp: int, ep: int, etp:
     evenly; it pads only dim 0, which with fewer local experts than edp ranks would put a whole
     expert on every rank (runtime/fsdp.py). A layout where no dimension divides is not run."""
     folded = experts_folded(ep=ep, etp=etp, tp=tp, moe=traits.moe)
-    fsdp = dp * cp > 1 and not runs_as_ddp(zero=zero, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    fsdp = dp * cp > 1 and not runs_as_ddp(zero=zero, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     edp = dp * cp * tp // max(1, ep * etp)
     if not (traits.expert_shapes and folded and fsdp and edp > 1):
         return []

@@ -25,7 +25,7 @@ from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.ir.profile import ModelProfile
-from meshplan.ir.support import runtime_limits
+from meshplan.ir.support import runs_as_ddp, runtime_limits
 from meshplan.planner.traits import model_traits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
@@ -214,9 +214,10 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     for ep, schedule, zero in itertools.product(
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
                             _opts("zero", f, (0, 1, 3) if dp * cp > 1 else (1,))):
-                        if for_runtime and zero == 0 and "zero" not in f and not (tp == cp == pp == ep == 1):
-                            continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/ep (ir.support.runs_as_ddp)
                         etp = f.get("etp", 1)
+                        if for_runtime and zero == 0 and "zero" not in f and \
+                                not runs_as_ddp(zero=0, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp):
+                            continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/etp
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
                         if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero,

@@ -20,7 +20,8 @@ __all__ = ["ddp_runs", "data_parallel_mode", "wrap_ddp", "autocast_forward"]
 
 def ddp_runs(layout) -> bool:
     """Whether the runtime runs this layout's data parallelism as plain DDP (ir.support.runs_as_ddp)."""
-    return runs_as_ddp(zero=layout.zero, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
+    return runs_as_ddp(zero=layout.zero, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                       etp=layout.etp)
 
 
 def data_parallel_mode(plan) -> str:
@@ -39,7 +40,11 @@ def _sum_allreduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap_ddp(stage: nn.Module, group, device: torch.device) -> nn.Module:
+def wrap_ddp(stage: nn.Module, group, device: torch.device, *, ignore: list[str] = ()) -> nn.Module:
+    """DDP over `group`; `ignore`: parameter names DDP leaves alone (expert-parallel DTensors, whose
+    gradients are reduced over their own data-parallel ranks: moe_folding.reduce_expert_grads)."""
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, list(ignore))
     with warnings.catch_warnings():     # broadcast_buffers=False: buffers are derived (rope tables), never synced
         warnings.simplefilter("ignore", FutureWarning)
         ddp = DistributedDataParallel(stage, process_group=group, broadcast_buffers=False,

@@ -139,12 +139,18 @@ def reduce_expert_grads(stages, experts_by_stage: list[list[str]], edp_mesh) -> 
     from torch.distributed.tensor import DTensor
     if edp_mesh is None or edp_mesh.size() == 1:
         return
-    for stage, fqns in zip(stages, experts_by_stage):
-        for fqn in fqns:
-            for p in stage.get_submodule(fqn).parameters():
-                if p.grad is not None:
-                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    dist.all_reduce(g, group=edp_mesh.get_group())
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for stage, fqns in zip(stages, experts_by_stage) for fqn in fqns
+             for p in stage.get_submodule(fqn).parameters() if p.grad is not None]
+    # one all-reduce per dtype for all of them (each is a blocking wait on every edp rank)
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for gs in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=edp_mesh.get_group())
+        for g, part in zip(gs, flat.split([g.numel() for g in gs])):
+            g.copy_(part.view_as(g))
 
 
 def etp_compute(compute, etp_mesh):

@@ -292,7 +292,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             # contract tests count each rank's shards against the cost model without memory
             _mat.materialize([stage], reference, device, rng_state=rng_start)
         if dp_mode == "ddp" and (materialize or not deferred):     # DDP checks real tensors
-            ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device))
+            ignore = [f"{fqn}.{n}" for fqn in experts for n, _ in stage.get_submodule(fqn).named_parameters()]
+            ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device, ignore=ignore))
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
                        fused_modules=fused_modules, meshes=meshes, kernels=kernels, data_parallel=dp_mode,

@@ -131,7 +131,7 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     stats = [tuple(m.tokens_per_expert.tolist()) for st in pm.stages for m in st.modules()
              if getattr(m, "tokens_per_expert", None) is not None]
     return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "local_experts": local_experts,
-            "tokens_per_expert": stats}
+            "tokens_per_expert": stats, "data_parallel": pm.data_parallel}
 
 
 def _local(p):

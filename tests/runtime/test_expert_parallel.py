@@ -24,10 +24,13 @@ CASES_2 = {
     "ep2_shared_dense": ("moe-shared", dict(ep=2, dp=2, tp=1, cp=1, pp=1, zero=3, mbs=4)),
     # recompute re-runs both all-to-alls in backward, in the same order on every EP rank
     "ep2_recompute_full": ("moe", dict(ep=2, dp=2, tp=1, cp=1, pp=1, zero=3, mbs=2, recompute="full")),
+    # zero=0: DDP for the dense weights, the experts' gradients all-reduced over their edp ranks
+    "ep2_dp2_zero0_accum2": ("moe", dict(ep=2, dp=2, tp=1, cp=1, pp=1, zero=0, mbs=2)),
 }
 CASES_4 = {
     "ep2_edp2_zero3": ("moe", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=1)),
     "ep2_edp2_zero1": ("moe-shared", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=1, mbs=1)),
+    "ep2_edp2_zero0": ("moe-shared", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=0, mbs=1)),
     "ep4": ("moe", dict(ep=4, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=2)),
     "ep2_pp2": ("moe-shared", dict(ep=2, dp=2, pp=2, vp=1, schedule="1f1b", tp=1, cp=1, mbs=1)),
     # zero-bubble V: two virtual stages per rank, weight gradients computed apart from input ones
@@ -85,10 +88,15 @@ def world4():
     return _run(4, cases)
 
 
+def _data_parallel(table: dict, name: str) -> str:
+    return "ddp" if table[name][1]["zero"] == 0 else "fsdp"
+
+
 @pytest.mark.parametrize("name", sorted(CASES_2))
 def test_two_ranks(world2, name):
     _ok(world2[name])
     r0 = world2[name][0]
+    assert r0["data_parallel"] == _data_parallel(CASES_2, name)
     assert {r["loss"] for r in world2[name]} == {r0["loss"]}, "ranks disagree on the loss"
     assert all(shape[0] == 2 for shape in r0["local_experts"].values()), r0["local_experts"]   # 4 experts / ep 2
 
@@ -97,6 +105,8 @@ def test_two_ranks(world2, name):
 def test_four_ranks(world4, name):
     _ok(world4[name])
     r0 = world4[name][0]
+    if "zero" in CASES_4[name][1]:
+        assert r0["data_parallel"] == _data_parallel(CASES_4, name)
     assert {r["loss"] for r in world4[name]} == {r0["loss"]}, "ranks disagree on the loss"
 
 

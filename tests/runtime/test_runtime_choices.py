@@ -41,6 +41,9 @@ def test_search_offers_plain_ddp():
                    fixed={"dp": 4, "zero": 0})
     assert plan.layout.zero == 0 and ddp_runs(plan.layout)
     assert not ddp_runs(Layout(tp=2, dp=2, zero=0)) and not ddp_runs(Layout(dp=4, zero=1))
+    # expert parallelism runs under DDP too (experts' gradients reduced over their edp ranks);
+    # expert tensor parallelism does not
+    assert ddp_runs(Layout(dp=4, ep=2, zero=0)) and not ddp_runs(Layout(dp=4, ep=2, etp=2, zero=0))
 
 
 def test_fused_kernels_only_where_faster(monkeypatch):
