@@ -9,7 +9,7 @@ the stage root takes what is left (embedding, final norm, head). How the plan's 
 | zero=3, fsdp_shard < dp    | HSDP: 2-D mesh (replicate, shard); shard over fsdp_shard ranks   |
 | zero=2                     | reshard_after_forward=False, gradients reduce-scattered per micro-batch |
 | zero=1                     | reshard_after_forward=False, gradients accumulated unsharded and reduce-scattered once per step (see parallel.py) |
-| zero=0                     | DDP (parallel.py) where `ddp_runs`; else as zero=1                |
+| zero=0                     | DDP (parallel.py) where `ddp_runs` (also with EP: experts reduced apart); else as zero=1 |
 
 ZeRO-1/2 gather the weights once per step: `ParallelModel` keeps them gathered after every
 micro-batch's backward but the last (`set_reshard_after_backward`).
