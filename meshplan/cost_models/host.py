@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import cpu_rate_scale, is_cpu
+from meshplan.ir.support import runs_as_ddp
 
 __all__ = ["host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time", "cp_host_time",
            "pp_host_time", "param_tensors", "partial_grad_reduces", "step_host_time",
@@ -242,7 +243,8 @@ def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_red
         return K.STEP_OVERHEAD_S
     plain = K.CPU_ADAMW_PARAM_S + K.CPU_GRAD_NORM_PARAM_S
     dtensor = K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_DTENSOR_PARAM_S
-    if layout.zero == 0 and layout.ep > 1 and layout.tp == layout.cp == layout.pp == layout.etp == 1:
+    if layout.ep > 1 and runs_as_ddp(zero=layout.zero, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                                     ep=layout.ep, etp=layout.etp):
         # DDP with expert parallelism (ir.support.runs_as_ddp): only the `expert_params` EP shards
         # are DTensors, the dense weights plain replicated tensors
         params = (n_params - expert_params) * plain + expert_params * dtensor
