@@ -212,6 +212,8 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
         out = _emulated_fp8_plan(prof, cl, out, seq_len=seq_len, global_batch=global_batch, **forces)
     elif run_as and run_as != out.precision:
         out = dataclasses.replace(out, precision=run_as)
+    if isinstance(model, str):
+        out = dataclasses.replace(out, model_source=model)
     return Plan.of(out)
 
 

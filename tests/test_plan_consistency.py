@@ -26,7 +26,6 @@ from meshplan.cost_models.validation import DEFAULT_CSV, load_rows
 from meshplan.planner.analytic import profile_from_config
 from meshplan.planner.ilp_fp8 import fp8_layer_modules
 
-pytestmark = pytest.mark.skipif(not Path(DEFAULT_CSV).exists(), reason="shared/data/published_runs.csv not present")
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -24,7 +24,6 @@ def _bench(name: str = "validate_published"):
 _VP = _bench()
 run_row, model_config = _VP.run_row, _VP.model_config
 
-pytestmark = pytest.mark.skipif(not Path(DEFAULT_CSV).exists(), reason="shared/data/published_runs.csv not present")
 
 
 def _rows():

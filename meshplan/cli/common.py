@@ -35,6 +35,8 @@ def cluster_from_args(args):
     if args.cluster.endswith(".json"):
         return Cluster.load(args.cluster)
     opts = {}
-    if args.nodes:
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise MeshplanError(f"--nodes must be >= 1, got {args.nodes}")
         opts["nodes"] = args.nodes
     return Cluster.preset(args.cluster, **opts)

@@ -10,6 +10,7 @@ runs the training loop (meshplan.train.loop).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ from meshplan.train.launch import (
 from meshplan.train.spawn import exit_worker
 
 DEFAULT_MODEL = "tiny-llama"
+DEFAULT_SEQ, DEFAULT_BATCH = 128, 16
 # Start-up (rendezvous, rank 0 tokenising the data while the others wait, model set-up) may take
 # longer than a step's collectives; --timeout bounds the collectives of the training loop.
 SETUP_TIMEOUT_S = 300.0
@@ -38,13 +40,16 @@ _FAILURE = "failure-rank"                   # out/failure-rank<N>.txt: why a wor
 def register(sub) -> None:
     t = sub.add_parser("train", help="plan and train a model on local processes (default: a tiny Llama "
                                      "on the embedded corpus with 4 CPU processes)")
-    t.add_argument("--model", default=DEFAULT_MODEL,
-                   help="preset name, path/to/file.py:factory, or a transformers config.json")
+    t.add_argument("--model", default=None,
+                   help="preset name, path/to/file.py:factory, or a transformers config.json (default: the "
+                        f"model --plan was made for, else {DEFAULT_MODEL})")
     t.add_argument("--data", default=None, help="directory of text files or a uint16/uint32 token file "
                                                 "(default: the corpus shipped with meshplan)")
     t.add_argument("--steps", type=int, default=100)
-    t.add_argument("--global-batch", type=int, default=16, help="sequences per step")
-    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--global-batch", type=int, default=None,
+                   help=f"sequences per step (default: the plan's with --plan, else {DEFAULT_BATCH})")
+    t.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence (default: the plan's with --plan, else {DEFAULT_SEQ})")
     t.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16", "fp8", "auto"],
                    help="planning: the precision to plan for (default bf16; plan() takes the same names). "
                         "With --plan: the plan's precision by default; another value is an explicit override "
@@ -174,14 +179,14 @@ def _plan(args, world_size: int | None = None):
         fixed["optimizer_dtype"] = args.optimizer_dtype
     if getattr(args, "fp8_recipe", None) in ("tensorwise", "rowwise"):
         fixed["fp8_recipe"] = args.fp8_recipe       # priced as run ("delayed" costs as tensorwise)
-    return _with_options(mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
-                                 precision=getattr(args, "precision", None) or "bf16"), args)
+    plan = mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
+                   precision=getattr(args, "precision", None) or "bf16")
+    return _with_options(dataclasses.replace(plan, model_source=args.model), args)
 
 
 def _with_options(plan, args):
     """--optimizer-dtype applied to the plan's layout; an FP8 plan whose backend package is
     missing fails here, before any process is launched, naming the package to install."""
-    import dataclasses
     check_fp8_backend(plan, args)
     want = getattr(args, "optimizer_dtype", None)
     if want and plan.layout.optimizer_dtype != want:
@@ -265,17 +270,20 @@ def cmd_train(args) -> int:
         # started by `meshplan launch`, a Slurm script or torchrun itself: this process is one rank
         exit_worker(_in_launcher(args))
     _check_nodes(args)
-    _profile_steps(getattr(args, "profile", None))      # a malformed --profile fails before planning
+    saved = _model_from_plan(args)
+    train_config(args)                  # every training option is checked before planning
+    _check_data(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.plan and args.nproc is None:
-        if Path(args.plan).is_file():
-            _, args.nproc = layout_from_plan(Plan.load(args.plan), nnodes=args.nnodes)
+    if saved is not None and args.nproc is None:
+        _, args.nproc = layout_from_plan(saved, nnodes=args.nnodes)
     where = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
     print(f"planning {args.model} for {args.nproc or 4} processes{where} on {args.cluster} ...",
           file=sys.stderr, flush=True)
     plan = _plan(args)
     args.nproc = plan.world_size // args.nnodes
+    if saved is not None:
+        _check_model_matches(plan, args)
     if args.node_rank == 0:
         print(plan.explain())
     plan_path = out / "plan.json"
@@ -306,6 +314,96 @@ def cmd_train(args) -> int:
     return code
 
 
+# ---- checks made before any process starts ------------------------------------------------------
+_WHOLE = (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("checkpoint_every", 0),
+          ("keep", 0), ("keep_every", 0), ("max_restarts", 0))
+
+
+def train_config(args):
+    """The training loop's config from the command line, every option checked (ConfigError names
+    the flag and a value that works). Called before launching and again by each worker."""
+    from meshplan.train.loop import TrainConfig
+    for name, low in _WHOLE:
+        v = getattr(args, name, None)
+        if v is not None and v < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    for name in ("lr", "timeout", "rdzv_timeout"):
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if getattr(args, "init_from", None) and not Path(args.init_from).exists():
+        raise ConfigError(f"--init-from {args.init_from!r} does not exist; give a checkpoint's step_N directory "
+                          "or a directory of safetensors files")
+    return TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
+                       data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+                       keep_checkpoints=getattr(args, "keep", 2),
+                       async_checkpoint=getattr(args, "async_checkpoint", False),
+                       resume=not args.no_resume, collective_timeout_s=args.timeout,
+                       fail_at_step=args.fail_at_step, hang_at_step=getattr(args, "hang_at_step", None),
+                       hang_rank=getattr(args, "hang_rank", 1),
+                       lr_schedule=getattr(args, "lr_schedule", "cosine"),
+                       wsd_decay_steps=getattr(args, "wsd_decay_steps", None),
+                       wsd_decay_style=getattr(args, "wsd_decay_style", "linear"),
+                       keep_every=getattr(args, "keep_every", 0),
+                       rampup_batch_size=tuple(args.rampup_batch_size) if getattr(
+                           args, "rampup_batch_size", None) else None,
+                       init_from=getattr(args, "init_from", None),
+                       profile_steps=_profile_steps(getattr(args, "profile", None)))
+
+
+def _check_data(args) -> None:
+    """Open --data as rank 0 will (a text folder is tokenised into the cache the ranks then read)
+    and check it holds one global batch of sequences."""
+    from meshplan.train.data import TokenDataset
+    if args.data is None:
+        return
+    ds = TokenDataset.open(args.data)
+    need = args.seq_len + 1
+    if len(ds) < need:
+        raise ConfigError(f"--data {args.data!r} holds {len(ds)} tokens, fewer than one sequence of "
+                          f"--seq-len {args.seq_len} (+1 target); give more data or a shorter --seq-len")
+
+
+def _model_from_plan(args) -> Plan | None:
+    """With --plan: the saved plan (checked readable here), and --model taken from it when not given.
+    Without: --model defaults to the tiny Llama."""
+    if not args.plan:
+        args.model = args.model or DEFAULT_MODEL
+        args.seq_len = DEFAULT_SEQ if args.seq_len is None else args.seq_len
+        args.global_batch = DEFAULT_BATCH if args.global_batch is None else args.global_batch
+        return None
+    if not Path(args.plan).is_file():
+        raise ConfigError(f"plan file {args.plan!r} does not exist; write one with "
+                          "`meshplan plan ... --json plan.json`")
+    plan = Plan.load(args.plan)
+    for name in ("seq_len", "global_batch"):
+        given, planned = getattr(args, name), getattr(plan, name)
+        if given is not None and given != planned:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {given} differs from the plan's {planned} ({args.plan}); leave {flag} out "
+                              f"to train the plan as made, or re-plan with {flag} {given}")
+        setattr(args, name, planned)
+    if args.model is None:
+        source = plan.model_source or plan.model
+        from meshplan import models
+        if not (plan.model_source or source in models.presets()):
+            raise ConfigError(f"the plan {args.plan!r} was made for model {plan.model!r}, which names no preset "
+                              "and no file; pass the model with --model (path/to/file.py:factory or a config JSON)")
+        args.model = source
+    return plan
+
+
+def _check_model_matches(plan, args) -> None:
+    """The model this job builds is the one the plan was made for (structure fingerprint), checked
+    on the meta device before launching rather than on every rank after."""
+    from meshplan.ir.fingerprint import fingerprint
+    fp = fingerprint(_load(args, "meta"))
+    if fp != plan.model_fingerprint:
+        raise ConfigError(f"--plan {args.plan!r} was made for model {plan.model!r} "
+                          f"(seq_len {plan.seq_len}), but --model {args.model} builds another structure; "
+                          "pass the plan's model (or leave --model out), or re-plan for this model")
+
+
 def _check_nodes(args) -> None:
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes must be >= 1, got {args.nnodes}")
@@ -322,6 +420,7 @@ def _in_launcher(args) -> int:
     """`meshplan train` run by torchrun on every rank: plan (or load --plan) for the job's world
     size, rank 0 writes plan.json, then train as a worker."""
     world = int(os.environ["WORLD_SIZE"])
+    _model_from_plan(args)
     plan = _plan(args, world_size=world)
     out = Path(args.out)
     if int(os.environ["RANK"]) == 0:
@@ -338,7 +437,7 @@ def _worker(args, plan=None) -> int:
     import torch.distributed as dist
 
     from meshplan.runtime.parallel import parallelize
-    from meshplan.train.loop import RankHangError, TrainConfig, train
+    from meshplan.train.loop import RankHangError, train
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -363,21 +462,7 @@ def _worker(args, plan=None) -> int:
                          fp8_backend=getattr(args, "fp8_backend", "auto"),
                          fp8_recipe=getattr(args, "fp8_recipe", None),
                          compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"))
-        cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
-                          data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-                          keep_checkpoints=getattr(args, "keep", 2),
-                          async_checkpoint=getattr(args, "async_checkpoint", False),
-                          resume=not args.no_resume, collective_timeout_s=args.timeout,
-                          fail_at_step=args.fail_at_step, hang_at_step=getattr(args, "hang_at_step", None),
-                          hang_rank=getattr(args, "hang_rank", 1),
-                          lr_schedule=getattr(args, "lr_schedule", "cosine"),
-                          wsd_decay_steps=getattr(args, "wsd_decay_steps", None),
-                          wsd_decay_style=getattr(args, "wsd_decay_style", "linear"),
-                          keep_every=getattr(args, "keep_every", 0),
-                          rampup_batch_size=tuple(args.rampup_batch_size) if getattr(
-                              args, "rampup_batch_size", None) else None,
-                          init_from=getattr(args, "init_from", None),
-                          profile_steps=_profile_steps(getattr(args, "profile", None)))
+        cfg = train_config(args)
         try:
             res = train(model, plan, cfg, pm=pm)
         except (RankHangError, MeshplanError) as e:

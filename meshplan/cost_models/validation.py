@@ -56,7 +56,8 @@ from meshplan.ir.layout import Layout, split_layers
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
-DEFAULT_CSV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "published_runs.csv"
+# shipped with the package (meshplan/data, identical to the project's shared data folder)
+DEFAULT_CSV = Path(__file__).resolve().parents[1] / "data" / "published_runs.csv"
 
 _GPU = (("a100", "a100-80gb"), ("h100", "h100-sxm"), ("h200", "h200"), ("b200", "b200"))
 # model-name fragments -> meshplan preset supplying fields the CSV leaves empty (head_dim, vocab)

@@ -20,7 +20,7 @@ re-derive; a silently misread plan is not).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,9 @@ class Plan:
     version: int = PLAN_VERSION
     model: str
     model_fingerprint: str
+    # how to build the model again: a preset name, path/to/file.py:factory or a transformers config
+    # JSON ("" when planned from a module object); `meshplan train --plan` builds it from this
+    model_source: str = ""
     cluster: dict[str, Any]            # Cluster.to_dict()
     cluster_fingerprint: str
     seq_len: int
@@ -200,6 +203,14 @@ class Plan:
         if d["version"] != PLAN_VERSION:
             raise ConfigError(f"plan version {d['version']} is not supported by this meshplan "
                               f"(expects {PLAN_VERSION}); re-run meshplan plan")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"malformed plan JSON: missing field(s) {', '.join(missing)}; write the plan with "
+                              "`meshplan plan ... --json plan.json` (or Plan.save)")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"malformed plan JSON: unknown field(s) {', '.join(unknown)}")
         try:
             d["layout"] = Layout.from_dict(d["layout"])
             d["estimate"] = Estimate.from_dict(d["estimate"])
@@ -211,7 +222,9 @@ class Plan:
             d["runner_ups"] = tuple(RunnerUp(**dict(r, layout=Layout.from_dict(r["layout"])))
                                     for r in d.get("runner_ups", ()))
             return cls(**d)
-        except (TypeError, KeyError) as e:
+        except KeyError as e:
+            raise ConfigError(f"malformed plan JSON: missing key {e} (in a layout, mesh or estimate)") from None
+        except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"malformed plan JSON: {e}") from None
 
     @classmethod
@@ -231,7 +244,10 @@ class Plan:
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
-        return cls.from_json(text)
+        try:
+            return cls.from_json(text)
+        except ConfigError as e:
+            raise ConfigError(f"plan {str(path)!r}: {e}") from None
 
     def check_matches(self, *, model_fingerprint: str | None = None, cluster=None, world_size: int | None = None) -> None:
         """Refuse a plan made for another model, cluster or world size, naming the mismatch."""

@@ -86,7 +86,11 @@ def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
             prod *= int(f[k])
             named.append(f"{k}={f[k]}")
     if n % prod:
-        raise ConfigError(f"fixed {' * '.join(named)} = {prod} does not divide the {n} GPUs; "
+        if len(named) == 1:
+            k = named[0].split("=")[0]
+            raise ConfigError(f"fixed {named[0]} does not divide the {n} GPUs; {k} must divide the GPU count: "
+                              f"use one of {divisors(n)}")
+        raise ConfigError(f"fixed {' = '.join([' * '.join(named), str(prod)])} does not divide the {n} GPUs; "
                           "the degrees tp*cp*pp*dp must multiply to the GPU count")
     if all(k in f for k in ("tp", "cp", "pp", "dp")) and prod != n:
         raise ConfigError(f"fixed {' * '.join(named)} = {prod}, but the cluster has {n} GPUs")
@@ -101,7 +105,7 @@ def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
 
 
 def _check_fixed_against_model(f: Mapping[str, Any], profile: ModelProfile, experts: int, *, heads: int, kv: int,
-                               ffns: list[int]) -> None:
+                               ffns: list[int], n: int) -> None:
     """Fixed degrees the model's shapes rule out, named in its terms (else the search would find no
     candidate and report that nothing fits)."""
     ep, etp = int(f.get("ep", 1)), int(f.get("etp", 1))
@@ -115,8 +119,9 @@ def _check_fixed_against_model(f: Mapping[str, Any], profile: ModelProfile, expe
     tp = int(f.get("tp", 1))
     bad = _tp_indivisible(tp, profile.vocab, heads=heads, kv=kv, ffns=ffns)
     if tp > 1 and bad:
-        raise ConfigError(f"fixed tp={tp} does not divide {profile.name}'s {', '.join(bad)}; choose a tp that "
-                          "divides them (or leave tp free)")
+        ok = [t for t in divisors(n) if not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns)]
+        raise ConfigError(f"fixed tp={tp} does not divide {profile.name}'s {', '.join(bad)}; tp values that "
+                          f"divide them and the {n} GPUs: {ok} (or leave tp free)")
 
 
 def _tp_indivisible(tp: int, vocab: int, *, heads: int, kv: int, ffns: list[int]) -> list[str]:
@@ -172,7 +177,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
         return not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns) and (
             allow_cross_domain or t <= domain)
 
-    _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns)
+    _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns, n=n)
 
     stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "estimates": 0, "runtime_excluded": 0}
     ranked: list[Estimate] = []

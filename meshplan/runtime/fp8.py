@@ -8,9 +8,11 @@ both imported lazily (neither is a core dependency):
 | torchao  | torchao (`pip install meshplan[fp8]`) | CPU and GPU | "tensorwise" (per-tensor current scaling, default) or "rowwise" |
 | te       | transformer-engine (`meshplan[gpu]`) | NVIDIA GPUs  | "tensorwise" = Float8CurrentScaling, "delayed" = DelayedScaling |
 
-torchao's `Float8Linear` runs on CPU through `torch._scaled_mm`'s emulation: the same quantise ->
-scaled GEMM -> dequantise arithmetic as on an H100, slower, so the placement and its numerics are
-tested in CI. Under FSDP2 it can all-gather weights in FP8 (`fsdp_float8_all_gather`, the
+On CPU, torchao's `Float8Linear` runs in its emulation mode: the operands are quantised to FP8
+with the same per-tensor (or per-row) scales and rounding as on an H100, then dequantised and
+multiplied by an fp32 GEMM. That is the arithmetic of `torch._scaled_mm` (FP8 products, fp32
+accumulation) at the fp32 GEMM rate; CPU `torch._scaled_mm` itself runs ~0.05 GFLOP/s, over 100x
+slower than BF16. So the placement and its numerics are tested in CI at a CPU's normal speed. Under FSDP2 it can all-gather weights in FP8 (`fsdp_float8_all_gather`, the
 default when the plan shards weights: zero=3, for weights TP has not sharded); this runs over
 gloo too (tests/runtime/test_fp8.py).
 
@@ -99,19 +101,22 @@ def _set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def _torchao_config(recipe: str, fsdp_float8_all_gather: bool):
+def _torchao_config(recipe: str, fsdp_float8_all_gather: bool, emulate: bool):
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig
     if recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
-                                  emulate=False)
+                                  emulate=emulate)
     if recipe == "rowwise":
         # rowwise scales are per row: no FP8 all-gather of the weight (torchao supports it only tensorwise)
-        return Float8LinearConfig.from_recipe_name("rowwise")
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
     raise ConfigError(f"recipe {recipe!r} is not a torchao float8 recipe; use 'tensorwise' or 'rowwise' "
                       "('delayed' is Transformer Engine's)")
 
 
-def _swap_torchao(stage: nn.Module, fqns: list[str], recipe: str, fsdp_float8_all_gather: bool) -> None:
+def _swap_torchao(stage: nn.Module, fqns: list[str], recipe: str, fsdp_float8_all_gather: bool,
+                  emulate: bool) -> None:
     from torch.distributed.tensor import DTensor
     from torchao.float8.float8_linear import Float8Linear
     for fqn in fqns:
@@ -119,7 +124,7 @@ def _swap_torchao(stage: nn.Module, fqns: list[str], recipe: str, fsdp_float8_al
         sharded = isinstance(old.weight, DTensor)
         # torchao's FP8 all-gather wrapper wraps plain tensors; a TP-sharded weight (DTensor)
         # is all-gathered by FSDP in BF16 (the GEMMs still run in FP8)
-        cfg = _torchao_config(recipe, fsdp_float8_all_gather and not sharded)
+        cfg = _torchao_config(recipe, fsdp_float8_all_gather and not sharded, emulate)
         new = Float8Linear.from_float(old, config=cfg)
         _copy_hooks(old, new)
         new.train(old.training)
@@ -190,7 +195,8 @@ def apply_fp8(stage: nn.Module, fp8_modules: Iterable[str], *, backend: str = "a
             raise ConfigError(f"{fqn}: FP8 GEMMs need dimensions that are multiples of 16; its weight is "
                               f"{shape} on this rank; re-plan (the planner excludes such modules)")
     if name == "torchao":
-        _swap_torchao(stage, here, recipe, fsdp_float8_all_gather)
+        # emulated wherever there are no FP8 matrix units to run torch._scaled_mm on (CPU)
+        _swap_torchao(stage, here, recipe, fsdp_float8_all_gather, emulate=device.type != "cuda")
     else:
         _swap_te(stage, here, recipe)
     return Fp8Swap(here, name, recipe)

@@ -24,7 +24,6 @@ def _bench():
 
 VP = _bench()
 
-pytestmark = pytest.mark.skipif(not Path(V.DEFAULT_CSV).exists(), reason="shared/data/published_runs.csv not present")
 
 
 @pytest.fixture(scope="module")

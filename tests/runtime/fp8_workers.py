@@ -3,10 +3,28 @@
 Each equivalence case runs an FP8 plan sharded (TP2, or FSDP2 with FP8 all-gather) and, on every
 rank, the same model with the same FP8 swap on one process (runtime.fp8.apply_fp8 on a copy, no
 sharding), in fp32 around the FP8 GEMMs. Both quantise with the same per-tensor scales (the
-sharded amax is reduced over the shards), so they differ only by fp32 summation order, plus the
-rare element whose pre-quantisation value sits on an FP8 rounding boundary and flips by one FP8
-step. Tolerances are set from measured errors with a wide margin, far below what a wrong scale
-(a shard's own amax instead of the global one) or an unswapped module gives (~1e-2 relative).
+sharded amax is reduced over the shards).
+
+How close they can be depends on whether sharding changes fp32 sums *before* a quantisation:
+
+- FSDP2 (and PP) give every FP8 GEMM bit-identical inputs; only the gradient reduction reorders
+  fp32 sums. Gradients are compared element by element (FP8_GRAD_TOL).
+- TP splits a row-parallel GEMM's reduction over ranks, so activations and gradients reaching the
+  next FP8 quantisation differ by fp32 rounding (~1e-7 relative). FP8 turns such differences into
+  whole FP8 steps (e5m2 gradients carry 2 mantissa bits) wherever a value sits near a rounding
+  boundary, and a flipped element changes every value downstream of it, so the two runs differ
+  by FP8 quantisation noise, not by fp32 rounding. Measured on this case (tiny-llama, FP8 in
+  layers 1-2, torchao 0.17 and 0.18 alike): the single-process FP8 model against itself with
+  layer 0's weights perturbed by 1e-7..1e-6 relative (a few fp32 ulps) differs by 3.5-4.5% in
+  the worst parameter's gradient norm and leaves 2,700-7,400 elements outside FP8_GRAD_TOL; the
+  TP2+SP run differs by 4.4% and 7,500 elements. A 6e-8 perturbation happens to flip nothing. So
+  for TP the gradients are compared by relative norm (FP8_TP_GRAD_NORM_TOL, 8%), which is what
+  quantisation noise allows; the sharding mistakes this test exists for (a missing reduction, a
+  wrong shard, a gradient scaled by tp) give errors of O(1). For reference: FP8 against fp32
+  moves the gradients by 11%, one FP8 module left in fp32 by 9% (an unswapped module is caught
+  exactly by the swap checks instead). The scales themselves are checked exactly where the
+  inputs are identical: each swapped weight's tensorwise scale, computed by torchao from the
+  DTensor shard, equals the scale of the full weight (a shard's own amax would not).
 """
 
 from __future__ import annotations
@@ -21,6 +39,7 @@ from numerics import EPS, LR, batch, build_model
 FP8_LOSS_TOL = dict(rtol=1e-4, atol=1e-5)
 FP8_GRAD_TOL = dict(rtol=2e-3, atol=2e-4)
 FP8_PARAM_TOL = dict(rtol=1e-3, atol=1e-4)
+FP8_TP_GRAD_NORM_TOL = 0.08
 
 
 def fp8_plan(kind: str, world: int, fixed: dict, seq_len: int, global_batch: int, precision: str = "fp8"):
@@ -74,6 +93,7 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     swapped = sorted(pm.fp8.modules) if pm.fp8 else []
     kinds = {type(m).__name__ for n, m in model.named_modules() if n in plan.fp8_modules}
     fp8_gather = []
+    scales_match = _weight_scales_match(model, ref, plan.fp8_modules)
     for n in plan.fp8_modules:
         w = model.get_submodule(n).weight
         local = w.to_local() if isinstance(w, DTensor) else w
@@ -83,19 +103,57 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     opt.step()
     params = pm.full_state_dict()
+    before = {n: p.detach().float().clone() for n, p in ref.state_dict().items()}
     ref_loss, ref_grads, ref_params = reference(ref, x, y, plan.micro_batch_size)
     torch.testing.assert_close(loss, ref_loss, **FP8_LOSS_TOL)
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
     for n in ref_grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], **FP8_GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+        if plan.layout.tp > 1:      # quantisation noise, see the module docstring
+            err = float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm())
+            assert err <= FP8_TP_GRAD_NORM_TOL, f"grad {n}: relative norm error {err:.3f}"
+        else:
+            torch.testing.assert_close(grads[n], ref_grads[n], **FP8_GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+    if plan.layout.tp > 1:
+        # AdamW's first update, g / (|g| + eps), amplifies the quantisation noise of small gradients;
+        # the sharded step is checked against one-process AdamW applied to the sharded run's own
+        # gradients instead (fp32 rounding only)
+        ref_params = _adamw_step(before, grads)
     for n in ref_params:
-        torch.testing.assert_close(params[n].float(), ref_params[n].float(), **FP8_PARAM_TOL,
-                                   msg=lambda m, n=n: f"param {n}: {m}")
+        if plan.layout.tp > 1:
+            torch.testing.assert_close(params[n].float(), ref_params[n], rtol=1e-4, atol=2e-5,
+                                       msg=lambda m, n=n: f"param {n}: {m}")
+        else:
+            torch.testing.assert_close(params[n].float(), ref_params[n].float(), **FP8_PARAM_TOL,
+                                       msg=lambda m, n=n: f"param {n}: {m}")
     worst = max(float((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-12))
                 for n in ref_grads)
     return {"loss": loss, "ref_loss": ref_loss, "max_rel_grad_err": worst, "swapped": swapped,
-            "kinds": sorted(kinds), "weight_types": sorted(set(fp8_gather)),
+            "kinds": sorted(kinds), "weight_types": sorted(set(fp8_gather)), "weight_scales_match": scales_match,
             "precisions": dict(pm.precisions)}
+
+
+def _adamw_step(params: dict, grads: dict) -> dict:
+    ps = {n: torch.nn.Parameter(p.clone()) for n, p in params.items()}
+    for n, p in ps.items():
+        p.grad = grads[n].float().clone()
+    torch.optim.AdamW(ps.values(), lr=LR, eps=EPS).step()
+    return {n: p.detach() for n, p in ps.items()}
+
+
+def _weight_scales_match(model, ref, fqns) -> bool:
+    """Each swapped weight's tensorwise FP8 scale, as torchao computes it from this rank's (possibly
+    DTensor-sharded) weight, equals the one-process scale of the full weight, bit for bit."""
+    from torchao.float8.float8_utils import tensor_to_scale
+    from torch.distributed.tensor import DTensor
+    for n in fqns:
+        w = model.get_submodule(n).weight
+        if not isinstance(w, DTensor):
+            continue                      # FSDP2's FP8 all-gather wrapper: scaled after the gather
+        s = tensor_to_scale(w.detach(), torch.float8_e4m3fn)
+        s = s.full_tensor() if isinstance(s, DTensor) else s
+        if not torch.equal(s, tensor_to_scale(ref.get_submodule(n).weight.detach(), torch.float8_e4m3fn)):
+            return False
+    return True
 
 
 def checkpoint_round_trip(rank: int, world: int, case: dict) -> dict:

@@ -56,6 +56,7 @@ def test_fp8_sharded_equals_one_process(world2, name):
     fp8 = {m for m, p in r["precisions"].items() if p.startswith("fp8")}
     assert fp8 == set(plan.fp8_modules)
     assert all(p == "fp32" for m, p in r["precisions"].items() if m not in fp8)
+    assert r["weight_scales_match"]
 
 
 def test_fp8_pipeline_stages_each_swap_their_own_modules(world2):
