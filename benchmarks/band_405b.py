@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the planner's llama3-405b layout on 16,384 H100 survive its own uncertainty band?
 
-Issue #16 part 4: at seq 8192, global batch 2048 the model's fastest layout uses CP at 8k and a
+At seq 8192, global batch 2048 the model's fastest layout uses CP at 8k and a
 deep pipeline, far from what Meta trained with (tp8 pp16, no CP at 8k; Llama 3 paper, Table 4).
 This prints the model's fastest layout, the plan the planner returns (which prefers a simpler
 layout when the gain is inside the band), and the experts' layouts, each with its gain over the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Closing the loop on the one machine we can measure (issue #16 part 3): the local-cpu cost
+"""Closing the loop on the one machine CI can measure: the local-cpu cost
 model's predicted step against the measured step of `meshplan train`, per layout.
 
 For each layout of the default job (tiny-llama, 4 processes, global batch 16 x 128 tokens; EP on
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit  # noqa: E402
 
-# the issue's layouts; world size 4
+# the default job's layouts; world size 4
 LAYOUTS = {
     "dp4": ("tiny-llama", "dp=4,tp=1,pp=1,cp=1"),
     "tp2dp2": ("tiny-llama", "tp=2,dp=2,pp=1,cp=1"),
@@ -51,13 +51,13 @@ LAYOUTS = {
 }
 # model options per layout (meshplan train flags and the matching models.build keywords)
 OPTIONS = {"ep2dp2": (["--moe-force-balance"], {"moe_force_balance": True})}
-TARGET = 0.15          # issue #16: within 15% of the measured step
+TARGET = 0.15          # the cost model's target: within 15% of the measured step
 SEQ, GBS, NPROC = 128, 16, 4
 CORES = os.cpu_count() or 1
 
 
 def _load() -> str:
-    """The host's 1-minute load average (other sessions share the 2-core host: measured CPU steps
+    """The host's 1-minute load average (other work may share the host: measured CPU steps
     move with it, so every row says what it was)."""
     try:
         return Path("/proc/loadavg").read_text().split()[0]

@@ -7,7 +7,7 @@ Parts, each printed as a table and written together to
 benchmarks/results/gpu_suite-<date>-<device>.{md,json}:
 
 1. Device ceilings: a 1 GiB device-to-device copy (bytes read + written) and an 8192^3 bf16
-   matrix product, on random data (METHOD.md: zeros run faster than real data).
+   matrix product, on random data (zeros run faster than real data).
 2. Runtime step time of a ~1B Llama on one GPU: hand-written eager PyTorch (fp32 master weights,
    bf16 autocast, fused AdamW), the same under torch.compile, meshplan (`plan` + `parallelize`
    on a one-process NCCL group), meshplan's FP8 plan (`plan(precision="fp8")`: the placement
@@ -18,7 +18,7 @@ benchmarks/results/gpu_suite-<date>-<device>.{md,json}:
    step time and memory for the same layout.
 3. Kernel benchmarks: benchmarks/kernels.py (fused kernels vs eager vs torch.compile).
 
-Targets (issue 13): meshplan >= 1.3x eager and >= torch.compile; FP8 >= 1.3x BF16 at 8B-class
+Targets: meshplan >= 1.3x eager and >= torch.compile; FP8 >= 1.3x BF16 at 8B-class
 GEMM shapes; measured step within 10% of the prediction.
 """
 

@@ -12,7 +12,7 @@ peak memory (torch.cuda.max_memory_allocated over fwd + bwd) against eager.
 torch.compile of the same function. Results print as a table and are written to
 benchmarks/results/kernels-<date>-<device>.{md,json}.
 
-Targets (from the kernels task): memory-bound kernels >= 85% of copy bandwidth and faster than
+Targets: memory-bound kernels >= 85% of copy bandwidth and faster than
 torch.compile; fused linear + CE <= 1/4 of eager peak memory at a 128k vocabulary with no
 slowdown.
 """
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meshplan import kernels as K  # noqa: E402
 from meshplan.kernels import reference as R  # noqa: E402
 
-MEMORY_BOUND_TARGET = 0.85   # fraction of measured copy bandwidth (task target)
-CE_MEMORY_TARGET = 0.25      # fused peak / eager peak (task target)
+MEMORY_BOUND_TARGET = 0.85   # fraction of measured copy bandwidth (target)
+CE_MEMORY_TARGET = 0.25      # fused peak / eager peak (target)
 COPY_BYTES = 2**30           # 1 GiB copy to measure bandwidth: far past any L2 cache (50 MB H100)
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshplan.api import plan  # noqa: E402
 from meshplan.cluster import Cluster  # noqa: E402
 from meshplan.ir.layout import Layout  # noqa: E402
-from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows  # noqa: E402
+from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows, stack_of  # noqa: E402
 from validate_published import model_config, run_row  # noqa: E402
 from meshplan.errors import MeshplanError  # noqa: E402
 from meshplan.cost_models.uncertainty import gain_band  # noqa: E402
@@ -84,13 +84,14 @@ def compare_row(r, profiles: dict, keep: tuple[str, ...] = ()) -> Comparison | N
     env = {k: full[k] for k in STACK_KEYS if k in full}
     fixed = {**{k: v for k, v in full.items() if k in FIX_KEYS}, **env}
     fp8_in = stack_fp8_modules(prof) if precision == "fp8" else ()
-    # the published runs ran on their own frameworks: layouts are compared as layouts,
-    # without meshplan's runtime limits (meshplan.ir.support), e.g. EP with TP
+    # the published runs ran on their own frameworks: each plan is made for the row's stack (its
+    # recompute policies, kernels, overlap), without meshplan's runtime limits (meshplan.ir.support)
+    stack = stack_of(res.row)
     same = plan(prof, cluster, seq_len=s, global_batch=B, precision=precision, fixed=fixed,
-                allow_cross_domain=True, for_runtime=False, fp8_force_in=fp8_in)
+                allow_cross_domain=True, stack=stack, fp8_force_in=fp8_in)
     free = plan(prof, cluster, seq_len=s, global_batch=B, precision=precision,
                 fixed={**env, **{k: full[k] for k in keep}},
-                allow_cross_domain=True, for_runtime=False, fp8_force_in=fp8_in)
+                allow_cross_domain=True, stack=stack, fp8_force_in=fp8_in)
     # prefer_simpler may have chosen a simpler layout inside the band: the fastest is then a runner-up
     fastest = min([free.estimate.step_time_s] + [ru.step_time_s for ru in free.runner_ups if ru.fits])
     return Comparison(pub=res.estimate, same=same, free=free, layout=lay, fastest_s=fastest)

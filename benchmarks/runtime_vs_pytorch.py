@@ -1,4 +1,4 @@
-"""meshplan's runtime against the PyTorch a user writes by hand for the same layout (issue #17).
+"""meshplan's runtime against the PyTorch a user writes by hand for the same layout.
 
     python benchmarks/runtime_vs_pytorch.py            # full table: seq 256, 20 timed steps
     python benchmarks/runtime_vs_pytorch.py --quick    # CI: seq 64, 3 timed steps (~60 s on 2 cores)
@@ -21,7 +21,8 @@ gives the median step (after a barrier on every rank) over the timed steps.
 | cp2_dp2  | cp=2 x dp=2, zero=3      | none on CPU (torch's context_parallel has no CPU SDPA rule) |
 | planner  | the planner's own choice | the fastest hand-written row above                          |
 
-Results: benchmarks/results/runtime_vs_pytorch-<date>-<device>.md (with `--out`).
+Results: benchmarks/results/runtime_vs_pytorch-<date>-<device>.md (with `--out`; current:
+runtime_vs_pytorch-2026-11-24-cpu-quiet.md).
 """
 
 from __future__ import annotations

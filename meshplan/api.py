@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Mapping, Sequence
 
 from meshplan.cluster import Cluster
@@ -12,6 +13,7 @@ from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
+from meshplan.ir.stack import Stack, resolve_stack
 from meshplan.planner.analytic import profile_from_config
 from meshplan.planner.build import _fp8_modules, block_instances, build_plan
 from meshplan.planner.explain import explain as _explain
@@ -128,12 +130,15 @@ def resolve_cluster(cluster: Any):
 
 
 def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None = None, *, seq_len: int,
-             global_batch: int, precision: str = "bf16") -> Estimate:
+             global_batch: int, precision: str = "bf16", stack: Stack | str | None = None) -> Estimate:
     """Score one layout: predicted step time, throughput, MFU and per-GPU memory.
 
     model: an nn.Module (any device, usually meta), a preset name ("llama3-70b"), a config
     mapping, or a ModelProfile. layout: a Layout or a dict with keys tp, cp, ep, etp, pp, vp, dp,
     zero, mbs, recompute, schedule (missing keys default; dp defaults to what fills the cluster).
+    stack: the software that runs it, a preset name (meshplan.ir.stack.STACKS: "meshplan",
+    "torchtitan", "megatron-core", ...) or a Stack; None prices the stack-neutral "reference"
+    baseline (FlashAttention-2-class attention, fused element-wise kernels, the layout's flags).
     """
     cl = resolve_cluster(cluster)
     if layout is None:
@@ -146,18 +151,22 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
                 layout["dp"] = cl.num_gpus // rest
         layout = Layout.from_dict(layout)
     prof = profile(model, seq_len=seq_len)
-    return estimate_profile(prof, cl, layout, seq_len=seq_len, global_batch=global_batch, precision=precision)
+    return estimate_profile(prof, cl, layout, seq_len=seq_len, global_batch=global_batch, precision=precision,
+                            stack=resolve_stack(stack, default="reference"))
 
 
 def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
          fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False,
-         fused_kernels: bool = True, for_runtime: bool = True, fp8_force_in: Sequence[str] = (),
-         fp8_force_out: Sequence[str] = ()):
+         fused_kernels: bool = True, stack: Stack | str | None = None, fp8_force_in: Sequence[str] = (),
+         fp8_force_out: Sequence[str] = (), for_runtime: bool | None = None):
     """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
 
-    for_runtime: True (default) returns only layouts meshplan's runtime runs (meshplan.ir.support);
-    False plans for another framework (exports to Megatron-LM, torchtitan, NeMo), whose own
-    limits the exporters check.
+    stack: the software that will run the plan (meshplan.ir.stack): "meshplan" (default: meshplan's
+    runtime; only layouts it runs, meshplan.ir.support), "torchtitan", "megatron-core" (Megatron-LM,
+    NeMo 2, Megatron-Bridge), ... The search offers only what the stack runs (its recompute policies,
+    schedules, FP8 recipes) and prices each layout as that stack runs it (attention kernel, fusion,
+    TP overlap, context-parallel implementation, gradient accumulation). `for_runtime` is the older
+    spelling: True is stack="meshplan", False stack="megatron-core".
 
     precision: "bf16", "fp16", "fp8", "fp32" or "auto" (bf16 and fp8 are both tried where the GPU
     has FP8 units), the names `meshplan train --precision` takes. "fp8" on a device without FP8
@@ -173,6 +182,12 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     BF16); the search prices FP8 layouts with the same set, so e.g. fp8_force_in=("layers.*",) plans
     for a stack that runs every transformer layer in FP8, as estimate(precision="fp8") prices it.
     """
+    if for_runtime is not None:
+        warnings.warn("plan(for_runtime=...) is deprecated: pass stack='meshplan' (the runtime) or the stack "
+                      "that will run the plan, e.g. stack='megatron-core'", DeprecationWarning, stacklevel=2)
+        stack = stack or ("meshplan" if for_runtime else "megatron-core")
+    stack = resolve_stack(stack)
+    for_runtime = stack.runtime_checks
     cl = resolve_cluster(cluster)
     precisions, run_as = _precisions(precision, cl)
     fixed = dict(fixed or {})
@@ -189,10 +204,10 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
 
     def run(fix: dict):
         res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions, fixed=fix,
-                     allow_cross_domain=allow_cross_domain, for_runtime=for_runtime, traits=traits,
+                     allow_cross_domain=allow_cross_domain, stack=stack, traits=traits,
                      fp8_modules=fp8_layers)
         return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fix,
-                          **forces)
+                          stack=stack, **forces)
 
     try:
         out = run(fixed)

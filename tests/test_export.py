@@ -100,7 +100,7 @@ BRIDGE_PREFIXES = {"model.": TRANSFORMER, "train.": {"micro_batch_size", "global
 def _plan(model: str, cluster, *, seq_len: int, global_batch: int, precision: str = "bf16", **fixed) -> Plan:
     prof = mp.profile_from_config(models.config(model), seq_len=seq_len)
     return mp.plan(prof, cluster, seq_len=seq_len, global_batch=global_batch, precision=precision,
-                   fixed=fixed or None, for_runtime=False)     # plans for other frameworks
+                   fixed=fixed or None, stack="megatron-core")     # plans for other frameworks
 
 
 H100x64 = mp.Cluster.preset("dgx-h100", nodes=8)

@@ -14,7 +14,8 @@ from meshplan.api import profile
 from meshplan.cluster import Cluster
 from meshplan.cost_models import uncertainty as U
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.cost_models.layer import Context, _load_factor, routing_layout
+from meshplan.cost_models.layer import Context, routing_layout
+from meshplan.cost_models.moe_load import load_factor as _load_factor
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout

@@ -319,7 +319,7 @@ def test_plan_picks_norm_act_where_it_fits_and_selective_does_not_pay():
 
 def _moe_plan(recompute: str):
     cl = mp.Cluster(gpu="h100-sxm", num_gpus=64, gpus_per_node=8)
-    pl = mp.plan("mixtral-8x7b", cl, seq_len=4096, global_batch=512, for_runtime=False,
+    pl = mp.plan("mixtral-8x7b", cl, seq_len=4096, global_batch=512, stack="megatron-core",
                  fixed=dict(tp=2, ep=8, pp=4, vp=1, mbs=1, zero=1, recompute="full", schedule="1f1b"))
     # the export reads the layout only: set the policy on a plan priced with another
     return dataclasses.replace(pl, layout=dataclasses.replace(pl.layout, recompute=recompute))

@@ -47,7 +47,7 @@ def test_fixed_layout_reproduces_estimate(p70):
     fixed = {k: getattr(p70.layout, k) for k in ("tp", "cp", "pp", "vp", "dp", "mbs", "recompute", "zero", "schedule")}
     again = plan(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), seq_len=8192, global_batch=512, fixed=fixed)
     direct = estimate_profile(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), p70.layout, seq_len=8192,
-                              global_batch=512)
+                              global_batch=512, stack=p70.stack)
     assert again.estimate.step_time_s == pytest.approx(direct.step_time_s)
 
 
@@ -138,8 +138,9 @@ def test_stage_ilp_refinement_never_slower(p70):
     from meshplan.planner.stages import refine_stages
     lay = dataclasses.replace(p70.layout, stage_layers=None)
     even = estimate_profile(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), lay, seq_len=8192,
-                            global_batch=512)
-    refined = refine_stages(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), even, seq_len=8192, global_batch=512)
+                            global_batch=512, stack=p70.stack)
+    refined = refine_stages(LLAMA70B, mp.Cluster.preset("dgx-h100", nodes=8), even, seq_len=8192, global_batch=512,
+                            stack=p70.stack)
     assert refined.step_time_s <= even.step_time_s and refined.fits
     assert p70.estimate.step_time_s <= even.step_time_s
 

@@ -79,17 +79,18 @@ def test_default_fp8_plan_prices_what_the_search_ranked():
     cl = mp.Cluster(gpu="h100-sxm", num_gpus=64, gpus_per_node=8)
     lay = dict(tp=2, cp=1, pp=1, dp=32, zero=1, mbs=2, recompute="none", schedule="1f1b", grad_dtype="bf16",
                tp_comm_overlap=True)
-    pl = plan(GPT20B, cl, seq_len=2048, global_batch=2048, precision="fp8", fixed=lay, for_runtime=False)
+    pl = plan(GPT20B, cl, seq_len=2048, global_batch=2048, precision="fp8", fixed=lay, stack="megatron-core")
     layers = fp8_layer_modules(GPT20B)
     assert not any(m.startswith(("layers.0.", "layers.43.")) for m in layers)
     ranked = estimate_profile(GPT20B, cl, pl.layout, seq_len=2048, global_batch=2048, precision="fp8",
-                              fp8_modules=layers)
+                              fp8_modules=layers, stack=pl.stack)
     assert pl.estimate.step_time_s == pytest.approx(ranked.step_time_s, rel=1e-9)
     assert {m.split(".")[1] for m in pl.fp8_modules} == {str(i) for i in range(1, 43)}
     # forcing every layer in reproduces estimate(precision="fp8"), which prices all layers in FP8
-    forced = plan(GPT20B, cl, seq_len=2048, global_batch=2048, precision="fp8", fixed=lay, for_runtime=False,
+    forced = plan(GPT20B, cl, seq_len=2048, global_batch=2048, precision="fp8", fixed=lay, stack="megatron-core",
                   fp8_force_in=("layers.*",))
-    direct = estimate_profile(GPT20B, cl, pl.layout, seq_len=2048, global_batch=2048, precision="fp8")
+    direct = estimate_profile(GPT20B, cl, pl.layout, seq_len=2048, global_batch=2048, precision="fp8",
+                              stack=pl.stack)
     assert forced.estimate.step_time_s == pytest.approx(direct.step_time_s, rel=1e-9)
     assert forced.estimate.step_time_s < pl.estimate.step_time_s
 

@@ -69,6 +69,6 @@ def test_runtime_plans_price_what_pytorch_runs():
     m = mp.models.build("tiny-llama", device="meta", seq_len=64)
     cl = mp.Cluster.preset("local-cpu")
     assert mp.plan(m, cl, seq_len=64, global_batch=64).layout.grad_accum_fusion is False
-    assert mp.plan(m, cl, seq_len=64, global_batch=64, for_runtime=False).layout.grad_accum_fusion is True
+    assert mp.plan(m, cl, seq_len=64, global_batch=64, stack="megatron-core").layout.grad_accum_fusion is True
     why = runtime_limits(dict(tp=1, dp=4, moe_capacity_factor=1.0))
     assert len(why) == 1 and "dropless" in why[0], why

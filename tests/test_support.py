@@ -90,7 +90,7 @@ def test_explain_names_an_excluded_faster_layout():
 def test_plans_for_other_frameworks_skip_the_runtime_limits():
     model = mp.models.build("tiny-moe", device="meta")
     cl = mp.Cluster(gpu="h100-sxm", gpus_per_node=8, nodes=1)
-    plan = mp.plan(model, cl, seq_len=4096, global_batch=64, fixed={"ep": 2, "tp": 2}, for_runtime=False)
+    plan = mp.plan(model, cl, seq_len=4096, global_batch=64, fixed={"ep": 2, "tp": 2}, stack="megatron-core")
     assert plan.layout.ep == 2 and plan.layout.tp == 2
 
 

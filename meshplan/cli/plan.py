@@ -9,7 +9,9 @@ import time
 import meshplan as mp
 from meshplan.cli.common import cluster_from_args, parse_layout
 from meshplan.cluster import GPUS, Cluster
-from meshplan.export import FORMATS as EXPORT_FORMATS, export_text
+from meshplan.errors import MeshplanError
+from meshplan.export import EXPORT_STACKS, FORMATS as EXPORT_FORMATS, export_text
+from meshplan.ir.stack import STACKS
 from meshplan.reports.html import write_plan_report
 
 __all__ = ["register"]
@@ -19,7 +21,7 @@ def cmd_estimate(args) -> int:
     cluster = cluster_from_args(args)
     layout = parse_layout(args.layout)
     est = mp.estimate(args.model, cluster, layout, seq_len=args.seq_len, global_batch=args.global_batch,
-                      precision=args.precision)
+                      precision=args.precision, stack=args.stack)
     if args.json:
         print(est.to_json())
     else:
@@ -30,12 +32,18 @@ def cmd_estimate(args) -> int:
 def cmd_plan(args) -> int:
     cluster = cluster_from_args(args)
     fixed = parse_layout(args.fix) if args.fix else None
+    # an exported plan runs on the target framework: plan for its stack unless --stack says otherwise
+    stack = args.stack or (EXPORT_STACKS[args.export] if args.export else "meshplan")
+    if args.export and args.stack and args.stack != EXPORT_STACKS[args.export]:
+        raise MeshplanError(f"--export {args.export} runs on the {EXPORT_STACKS[args.export]} stack, not {args.stack}; "
+                            f"leave --stack out (or pass --stack {EXPORT_STACKS[args.export]})")
     t0 = time.perf_counter()
-    print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} ...", file=sys.stderr, flush=True)
+    print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} for the {stack} stack ...",
+          file=sys.stderr, flush=True)
     pl = mp.plan(args.model, cluster, seq_len=args.seq_len, global_batch=args.global_batch,
                  precision=args.precision, fixed=fixed, top_k=args.top_k,
                  allow_cross_domain=args.allow_cross_domain, fused_kernels=not args.no_fused_kernels,
-                 for_runtime=not args.export)     # an exported plan runs on the target framework
+                 stack=stack)
     print(pl.explain())
     print(f"(planned in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json:
@@ -78,6 +86,8 @@ def register(sub) -> None:
     e.add_argument("--global-batch", type=int, default=128, help="sequences per step")
     e.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp8"])
     e.add_argument("--json", action="store_true", help="print the Estimate as JSON")
+    e.add_argument("--stack", default=None, choices=list(STACKS),
+                   help="the software that runs the layout (default: the stack-neutral reference)")
     e.set_defaults(fn=cmd_estimate)
     p = sub.add_parser("plan", help="find the fastest layout that fits and explain it")
     p.add_argument("--model", default="llama3-8b",
@@ -95,6 +105,9 @@ def register(sub) -> None:
                    help="keep every module eager (no fused RMSNorm/SwiGLU/linear+CE) and cost it so")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     p.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
+    p.add_argument("--stack", default=None, choices=list(STACKS),
+                   help="the software that will run the plan (default: meshplan's runtime; with --export, the "
+                        "target's stack)")
     p.add_argument("--export", choices=list(EXPORT_FORMATS),
                    help="print the plan as Megatron-LM flags, a torchtitan config, NeMo 2 or Megatron-Bridge "
                         "overrides")

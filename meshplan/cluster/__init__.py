@@ -8,7 +8,8 @@ depend on the deployment (scale-up domain size, achieved NIC bandwidth, latencie
 The package, one job per module:
 
 - constants.py: the sourced / measured figures (latencies, reserved memory, NIC busbw, local CPU);
-- gpus.py: `GPUSpec`, the GPU table `GPUS`, `cpu_gpu_spec`, lookup by id or alias (`gpu`);
+- spec.py: `GPUSpec`, the fields of one accelerator and their checks;
+- gpus.py: the sourced GPU table `GPUS`, `cpu_gpu_spec`, lookup by id or alias (`gpu`);
 - topology.py: deployment defaults per GPU and shape, and collective-group placement arithmetic;
 - cluster.py: the `Cluster` class (construction, placement, replace, JSON, fingerprint);
 - presets.py: the named clusters (`PRESETS`, `Cluster.preset`).

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshplan.cluster.gpus import GPUSpec, _check_int, _check_positive, _norm, cpu_gpu_spec, gpu
+from meshplan.cluster.gpus import _norm, cpu_gpu_spec, gpu
+from meshplan.cluster.spec import GPUSpec, _check_int, _check_positive
 from meshplan.cluster.topology import _DERIVED, _defaults, _divisors, _placement
 from meshplan.errors import ConfigError, LayoutError, UnknownNameError
 

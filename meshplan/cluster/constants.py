@@ -13,6 +13,7 @@ __all__ = [
     "NCCL_BASE_LATENCY_US", "NCCL_NVLINK_HOP_US", "NCCL_PCIE_HOP_US", "NCCL_NET_HOP_US",
     "RCCL_BASE_LATENCY_US", "RCCL_XGMI_HOP_US", "CUDA_CONTEXT_GB", "NCCL_BUFFERS_GB",
     "ALLOCATOR_FRAGMENTATION_FRAC", "NDR400_BUSBW_GB_S", "EDR100_BUSBW_GB_S", "HDR200_BUSBW_GB_S",
+    "XDR800_BUSBW_GB_S",
     "PCIE_MAMF_PENALTY", "CPU_HOST_FP32_TFLOPS", "CPU_HOST_BF16_TFLOPS", "CPU_HOST_MEM_TB_S",
     "CPU_HOST_LOOPBACK_BUSBW_GB_S", "CPU_LOOPBACK_BASE_US", "CPU_LOOPBACK_HOP_US", "CPU_NET_HOP_US",
     "CPU_NIC_GBIT", "CPU_NIC_BUSBW_GB_S", "CPU_PROCESS_RESERVED_GB", "FALLBACK_HOST_RAM_GB",
@@ -46,6 +47,11 @@ ALLOCATOR_FRAGMENTATION_FRAC = 0.02
 NDR400_BUSBW_GB_S = 47.0    # NDR 400 Gb/s: 46-48 GB/s (nccl-tests #290; hardware.csv), midpoint
 EDR100_BUSBW_GB_S = 12.2    # 100 Gb/s: 12.2 GB/s (nccl-tests #29)
 HDR200_BUSBW_GB_S = 2 * EDR100_BUSBW_GB_S   # hardware.csv A100 row: "~24 (derived: 2x the 12.2)"
+# Estimate: no stored nccl-tests figure per 800 Gb/s NIC (ConnectX-8 XDR, as on DGX B300 and
+# GB300 NVL72). Twice NDR's, i.e. the same ~94 % of line rate. Cross-check: NVIDIA/nccl #2035 runs
+# ring all-reduce over 16 nodes of 8x B300 + 8x CX8 at ~760 GB/s busbw, which ml-engineering's
+# per-accelerator conversion (network/README.md: busbw x (k-1)/(n-1)) puts at 760 x 15/127 = 90 GB/s.
+XDR800_BUSBW_GB_S = 2 * NDR400_BUSBW_GB_S
 
 # PCIe cards run power-limited clocks: A100 PCIe reaches 81.1 % of peak in the MAMF table where
 # A100 SXM reaches 86.9 % (stas00/ml-engineering compute/accelerator/README.md). Used to estimate

@@ -1,133 +1,26 @@
-"""The GPU table: `GPUSpec` (one accelerator), the sourced specs of each GPU meshplan knows,
-the per-process spec of this machine's CPU (`cpu_gpu_spec`), and name lookup (`gpu`, aliases).
+"""The GPU table: the sourced specs of each GPU meshplan knows (`GPUS`), the per-process spec of
+this machine's CPU (`cpu_gpu_spec`), and name lookup (`gpu`, aliases).
 
-A `GPUSpec` holds dense peaks, memory, measured GEMM efficiency, its scale-up fabric (NVSwitch,
-xGMI, PCIe, loopback) with a measured all-reduce bus bandwidth, its typical NIC, power and price.
-The figures' sources are in the comments next to them (constants in meshplan/cluster/constants.py).
-Also the field checks the Cluster shares (`_check_int`, `_check_positive`, `_build`).
+Each entry is a `GPUSpec` (spec.py): dense peaks, memory, measured GEMM efficiency, its scale-up
+fabric (NVSwitch, xGMI, PCIe, loopback) with a measured all-reduce bus bandwidth, its typical NIC,
+power and price. The figures' sources are in the comments next to them and in each entry's
+`sources` (constants in meshplan/cluster/constants.py); figures no source gives are marked
+"estimate" with the reasoning.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 from meshplan.cluster.constants import (
     CPU_HOST_BF16_TFLOPS, CPU_HOST_FP32_TFLOPS, CPU_HOST_LOOPBACK_BUSBW_GB_S, CPU_HOST_MEM_TB_S,
     CPU_NIC_BUSBW_GB_S, CPU_NIC_GBIT, EDR100_BUSBW_GB_S, FALLBACK_HOST_RAM_GB, HDR200_BUSBW_GB_S,
-    NDR400_BUSBW_GB_S, PCIE_MAMF_PENALTY,
+    NDR400_BUSBW_GB_S, PCIE_MAMF_PENALTY, XDR800_BUSBW_GB_S,
 )
+from meshplan.cluster.spec import SCALEUP_KINDS, GPUSpec, _check_int
 from meshplan.errors import ConfigError, UnknownNameError
 
 __all__ = ["GPUSpec", "GPUS", "SCALEUP_KINDS", "gpu", "cpu_gpu_spec"]
-
-SCALEUP_KINDS = ("nvswitch", "xgmi", "pcie", "nvlink-bridge", "loopback")
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPUSpec:
-    """One accelerator. Peaks are dense; bandwidths in GB/s, unidirectional unless named busbw."""
-
-    id: str                    # "h100-sxm"
-    name: str                  # "NVIDIA H100 SXM5 80GB"
-    bf16_tflops: float         # dense peak
-    fp8_tflops: float | None   # dense peak; None = no FP8 units
-    hbm_gb: float
-    hbm_tb_s: float
-    gemm_efficiency: float     # achieved large BF16 GEMM / bf16 peak (MAMF / peak)
-    fp8_gemm_efficiency: float | None   # achieved FP8 GEMM / fp8 peak
-    scaleup: str               # one of SCALEUP_KINDS
-    scaleup_gb_s: float        # unidirectional line rate per GPU
-    scaleup_domain: int        # GPUs per scale-up domain
-    scaleup_busbw_gb_s: float  # achieved ring all-reduce busbw across a full domain
-    nvls_busbw_gb_s: float | None   # NVLS in-switch reduction busbw, full domain; None = unsupported
-    per_peer_gb_s: float | None     # full-mesh fabrics (xGMI): one GPU pair; None for switched ones
-    nic_gbit: float            # typical NIC line rate per GPU (Gbit/s)
-    nic_busbw_gb_s: float      # achieved busbw per NIC in NCCL (GB/s)
-    tdp_w: float | None
-    price_usd_per_hour: float | None   # on-demand, per GPU
-    price_source: str = field(repr=False)
-    sources: str = field(repr=False)
-    # Beyond the cost model's core set:
-    node_gpus: int = 8         # GPUs per server / tray as usually deployed (default gpus_per_node);
-                               # scaleup_domain > node_gpus means the fabric spans nodes (NVL72)
-    fp32_tflops: float | None = None   # dense FP32 matmul rate where recorded (CPU), else None
-    # Collectives run beside compute (NCCL on SMs / copy engines while kernels run), so the cost
-    # model may hide them behind it. False for CPU processes: gloo reduces on the same cores that
-    # compute, and with every core busy nothing runs concurrently.
-    comm_overlap: bool = True
-    # CPU processes: microseconds one small autograd op (a mul of an 8x8 tensor in a chain of 60)
-    # takes in each process while every process runs them at once, as `meshplan calibrate`
-    # measures it; the cost model scales its host-work rates (dispatch, element-wise, SDPA, gloo
-    # host work) by it (compute.cpu_rate_scale). None: derived from the matmul rate.
-    cpu_op_us: float | None = None
-
-    def __post_init__(self) -> None:
-        where = f"GPU {self.id!r}"
-        if not isinstance(self.id, str) or not self.id:
-            raise ConfigError("a GPUSpec needs a non-empty string id, e.g. 'h100-sxm'")
-        if self.scaleup not in SCALEUP_KINDS:
-            raise ConfigError(f"{where}: scaleup {self.scaleup!r} is not one of {', '.join(SCALEUP_KINDS)}")
-        for name in ("scaleup_domain", "node_gpus"):
-            _check_int(where, name, getattr(self, name))
-        for name in ("bf16_tflops", "hbm_gb", "hbm_tb_s", "scaleup_gb_s", "scaleup_busbw_gb_s",
-                     "nic_gbit", "nic_busbw_gb_s"):
-            _check_positive(where, name, getattr(self, name))
-        for name in ("fp8_tflops", "nvls_busbw_gb_s", "per_peer_gb_s", "tdp_w", "fp32_tflops", "cpu_op_us"):
-            if getattr(self, name) is not None:
-                _check_positive(where, name, getattr(self, name))
-        if self.price_usd_per_hour is not None:
-            _check_positive(where, "price_usd_per_hour", self.price_usd_per_hour, allow_zero=True)
-        for name in ("gemm_efficiency", "fp8_gemm_efficiency"):
-            value = getattr(self, name)
-            required = name == "gemm_efficiency"
-            if (required or value is not None) and not (
-                    isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
-                raise ConfigError(f"{where}: {name} must be a fraction in (0, 1], got {value!r}")
-        if not isinstance(self.comm_overlap, bool):
-            raise ConfigError(f"{where}: comm_overlap must be true or false, got {self.comm_overlap!r}")
-        if (self.fp8_tflops is None) != (self.fp8_gemm_efficiency is None):
-            raise ConfigError(f"{where}: give both fp8_tflops and fp8_gemm_efficiency, or neither "
-                              "(None means the GPU has no FP8 units)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GPUSpec:
-        return _build(cls, data, "GPU spec")
-
-
-def _check_int(where: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {name} must be a positive whole number, got {value!r}")
-
-
-def _check_positive(where: str, name: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{where}: {name} must be a {'non-negative' if allow_zero else 'positive'} "
-                          f"number, got {value!r}")
-
-
-def _build(cls: type, data: Any, what: str) -> Any:
-    """cls(**data) with unknown / missing keys reported as ConfigError."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} must be a JSON object, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{what} has unknown fields {unknown}; known fields: {', '.join(sorted(names))}")
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    missing = sorted(required - set(data))
-    if missing:
-        raise ConfigError(f"{what} is missing fields {missing}")
-    return cls(**data)
-
 
 # ---- the GPU table ------------------------------------------------------------------------------
 _ML_ENG_SPECS = "stas00/ml-engineering compute/accelerator/README.md (TFLOPS + memory tables)"
@@ -139,9 +32,34 @@ _LAMBDA = "lambda.ai/instances read 2026-09-20 via api-evangelist/lambda-labs"
 _H100_RING_BUSBW = 370.0
 _H100_NVLS_BUSBW = 480.0
 # H800 is an H100 SXM with NVLink cut to 400 GB/s bidirectional = 200 unidirectional per GPU
-# (H100: 900 / 450). Achieved busbw scales with line rate: 370 x 200/450 = 164 GB/s ring, which
-# matches the ~160 GB/s NVLink DeepSeek-V3 report for their H800s (arXiv 2412.19437 §3.2.2).
+# (H100: 900 / 450): "the NVLink bandwidth in H800 SXM nodes is reduced from 900 GB/s to 400 GB/s"
+# (DeepSeek, "Insights into DeepSeek-V3", arXiv 2505.09343 §4.1, which also gives eight 400G IB CX7
+# NICs per 8-GPU node and a reduced FP64 rate). Achieved busbw scales with line rate:
+# 370 x 200/450 = 164 GB/s ring, which matches the ~160 GB/s NVLink the DeepSeek-V3 report gives
+# for its H800s (arXiv 2412.19437 §3.2.2: "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times
+# that of IB (50 GB/s)"; §3.1: 2048 H800s, 8 per node on NVLink + NVSwitch, IB between nodes).
 _H800_LINK_RATIO = 200.0 / 450.0
+# H100 SXM 96GB HBM2e run at a 500 W power limit (Meta Grand Teton hosts; pytorch/torchtitan
+# benchmarks/llama3_h100_202412_torchtitan.md, the torchtitan paper's tables: "96GB HBM2e with
+# 2.4 TB/sec", "the default 500W power limit", 8 GPUs per host on NVLink, 400 Gb/s RDMA per GPU).
+# Its footnote: "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
+# value". No source measures its GEMM rate. Estimate: interpolate NVIDIA's rated dense BF16 peak
+# linearly in board power between the two GH100 parts NVIDIA rates: H100 NVL, 1,671 sparse = 835.5
+# dense TFLOPS at up to 400 W (nvidia.com/en-us/data-center/h100, quoted in KellerJordan/
+# modded-nanogpt #116; 350-400 W in ml-engineering's power table), and H100 SXM, 989 at 700 W:
+# 835.5 + (989 - 835.5) x (500 - 400)/(700 - 400) = 886.7 TFLOPS at 500 W, 0.897 of 989. (Power
+# rising as clock^3 from the NVL point instead gives 835.5 x (500/400)^(1/3) = 900, 0.910: the
+# two agree within 1.5 %.) The measured H100 SXM MAMF (794.5 BF16 / 1402.6 FP8) is scaled by that
+# ratio, i.e. the cap is taken to cost clock, not matmul efficiency at a given clock.
+_H100_NVL_BF16_DENSE = 1671.0 / 2
+_H100_500W_PEAK_RATIO = (_H100_NVL_BF16_DENSE + (989.0 - _H100_NVL_BF16_DENSE) * (500 - 400) / (700 - 400)) / 989.0
+_GRAND_TETON = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton hardware; the "
+                 "torchtitan paper arXiv 2410.06511's tables)")
+# GB300 (Grace + Blackwell Ultra, NVL72) has no MAMF entry. Estimate: the B300 MAMF times the uplift
+# the Grace-Blackwell packaging measured one generation earlier (GB200 / B200 MAMF: 1822.0 / 1745.0
+# BF16, 3615.6 / 3432.5 FP8), the same relation GB300 bears to B300 (higher rated peak, 1400 W).
+_GB300_BF16_MAMF = 1769.0 * 1822.0 / 1745.0      # = 1847.1 of 2500
+_GB300_FP8_MAMF = 3353.3 * 3615.6 / 3432.5       # = 3532.2 of 5000
 # B200/GB200 NVLink5 busbw is not measured in any stored source. The 8x B300 proxy (nccl #2140:
 # 695 ring / 845 NVLS) has the same 900 GB/s NVLink5 line rate, so the scale factor is 900/900 = 1.
 _BLACKWELL_LINK_RATIO = 900.0 / 900.0
@@ -181,6 +99,28 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         sources=f"{_ML_ENG_SPECS}; {_MAMF}; nccl #1455, nccl-tests #212, nccl-tests #290",
     ),
     GPUSpec(
+        id="h100-sxm-96gb-500w", name="NVIDIA H100 SXM 96GB HBM2e (500 W limit, Grand Teton)",
+        # The same GH100 silicon: nominal peaks stay the H100 SXM datasheet's, so MFU reads as
+        # torchtitan reports it ("we use the peak number of SXM directly"). The 500 W cap is in the
+        # efficiencies (estimate, see _H100_500W_PEAK_RATIO): ~712 BF16 / ~1257 FP8 TFLOPS achieved.
+        bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=96.0, hbm_tb_s=2.4,   # HBM2e
+        gemm_efficiency=794.5 / 989.0 * _H100_500W_PEAK_RATIO,
+        fp8_gemm_efficiency=1402.6 / 1979.0 * _H100_500W_PEAK_RATIO,
+        # 8 GPUs per host "fully connected with NVLink": NVLink4 + NVSwitch as on HGX H100
+        scaleup="nvswitch", scaleup_gb_s=450.0, scaleup_domain=8,
+        scaleup_busbw_gb_s=_H100_RING_BUSBW,   # estimate: not measured at 500 W; H100 SXM's NVLink4
+        nvls_busbw_gb_s=_H100_NVLS_BUSBW,      # estimate, likewise
+        per_peer_gb_s=None,
+        # "400 Gb/s per GPU" backend RDMA (RoCE on Meta's clusters); busbw estimate: NDR 400G's
+        nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
+        tdp_w=500.0,                           # the power limit the runs used, not the 700 W TDP
+        price_usd_per_hour=None, price_source="not rented on demand (Meta in-house Grand Teton hosts)",
+        sources=f"{_GRAND_TETON}: 96GB HBM2e, 2.4 TB/s, 500 W, 8 GPUs/host on NVLink, 400 Gb/s RDMA "
+                "per GPU, footnote 2 (peak between SXM and NVL); arXiv 2604.11391 (H100 HBM2e: 2.41 TB/s); "
+                f"{_ML_ENG_SPECS}; {_MAMF} (H100 SXM); nvidia.com/en-us/data-center/h100 (H100 NVL "
+                "1,671 sparse BF16 TFLOPS, 350-400 W; via KellerJordan/modded-nanogpt #116)",
+    ),
+    GPUSpec(
         id="h100-pcie", name="NVIDIA H100 PCIe 80GB",
         bf16_tflops=756.0, fp8_tflops=1513.0, hbm_gb=80.0, hbm_tb_s=2.0,
         # estimate: no MAMF entry; H100 SXM efficiency x the PCIe penalty seen on A100
@@ -208,8 +148,10 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         # DeepSeek-V3's H800 cluster: one 400G IB NIC per GPU, ~50 GB/s achieved (§3.2.2)
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
         tdp_w=700.0, price_usd_per_hour=None, price_source="no on-demand list price (export-market part)",
-        sources=f"{_ML_ENG_SPECS} (H100 SXM); NVIDIA H800 spec (NVLink 400 GB/s); DeepSeek-V3 "
-                "report arXiv 2412.19437 §3.2.2 (NVLink 160 GB/s, IB 50 GB/s)",
+        sources=f"{_ML_ENG_SPECS} (H100 SXM); DeepSeek arXiv 2505.09343 §4.1 (H800 SXM NVLink 900 -> "
+                "400 GB/s, 8x 400G IB CX7 per node); DeepSeek-V3 report arXiv 2412.19437 §3.1 (2048 H800, "
+                "8 per node, NVLink + NVSwitch, IB) and §3.2.2 (NVLink 160 GB/s, IB 50 GB/s achieved); "
+                "deepseek-ai/DeepEP README (EP8 dispatch/combine 153/158 GB/s over NVLink on H800)",
     ),
     GPUSpec(
         id="h200", name="NVIDIA H200 SXM 141GB",
@@ -250,6 +192,51 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         tdp_w=1200.0,                     # "~1200 (GPU config)"
         price_usd_per_hour=10.5, price_source=f"CoreWeave GB200 NVL72 $42.00 per 4-GPU tray ({_CW})",
         sources=f"{_ML_ENG_SPECS} (GB200 NVL72 spec); glennklockwood.com B200 (1200 W); {_MAMF}",
+    ),
+    GPUSpec(
+        id="b300", name="NVIDIA B300 (HGX/DGX B300, Blackwell Ultra)",
+        # Dense BF16/FP8 as B200's (DGX B300 datasheet); Blackwell Ultra raised dense FP4 (B200 9 PF
+        # -> 12.6-14 PF, by source) and cut FP64 (37 -> 1.25 TF, glennklockwood.com B300), neither
+        # of which the cost model prices. 288 GB per the datasheet (DGX B300: 2.3 TB per 8 GPUs);
+        # usable capacity may be lower, as on B200 (180 of 192): NVIDIA's HGX page gives 2.1 TB
+        # per 8 (ml-engineering), verda.com lists 270 GB. Not adopted: no one NVIDIA per-GPU figure.
+        bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_gb=288.0, hbm_tb_s=8.0,
+        gemm_efficiency=1769.0 / 2250.0, fp8_gemm_efficiency=3353.3 / 4500.0,   # MAMF (B300 SXM)
+        scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=8,   # NVLink5: 1.8 TB/s bidirectional
+        scaleup_busbw_gb_s=695.0, nvls_busbw_gb_s=845.0,           # measured on 8x B300 (nccl #2140)
+        per_peer_gb_s=None,
+        # DGX B300: eight ConnectX-8 at 800 Gb/s, one per GPU; busbw estimate (constants.py)
+        nic_gbit=800.0, nic_busbw_gb_s=XDR800_BUSBW_GB_S,
+        tdp_w=1000.0,   # DGX B300 power-capping guide: 1000 W max TGP (ml-engineering; verda.com: 1.1 kW)
+        price_usd_per_hour=None,
+        price_source=f"CoreWeave HGX B300 on-demand: 'Contact sales' (spot $35.84 per 8 GPUs) ({_CW})",
+        sources=f"{_ML_ENG_SPECS} (DGX B300 datasheet; 288 GB HBM3e, 8 TB/s; power table); {_MAMF} "
+                "(B300 1769.0 BF16, 3353.3 FP8); NVIDIA/nccl #2140 (8x B300 busbw 695 ring / 845 NVLS); "
+                "ml-engineering network/README.md (NVLink 5 900 GB/s per direction; DGX B300 8x CX8 "
+                "800 Gb/s); glennklockwood.com garden/processors/B300 (FP4 up, FP64 down)",
+    ),
+    GPUSpec(
+        id="gb300", name="NVIDIA GB300 (NVL72, per GPU)",
+        # Per GPU of the NVL72 rack: 180 PF BF16 / 360 PF FP8 dense, 20 TB HBM3e at 576 TB/s, 130 TB/s
+        # NVLink over 72 GPUs. Dense BF16/FP8 as GB200's; FP4 raised (10 -> 15 PF).
+        bf16_tflops=2500.0, fp8_tflops=5000.0, hbm_gb=288.0, hbm_tb_s=8.0,
+        gemm_efficiency=_GB300_BF16_MAMF / 2500.0,      # estimate, see _GB300_BF16_MAMF
+        fp8_gemm_efficiency=_GB300_FP8_MAMF / 5000.0,   # estimate, likewise
+        scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=72, node_gpus=4,
+        # estimate: the 8x B300 measurement (same NVLink5 line rate, a switched ring's busbw does not
+        # fall with the number of GPUs), as for gb200. NVIDIA's NVLink SHARP slide for NVL72 shows
+        # 680 ring / 850 NVLS (ml-engineering network/README.md): within 2 %.
+        scaleup_busbw_gb_s=695.0 * _BLACKWELL_LINK_RATIO,
+        nvls_busbw_gb_s=845.0 * _BLACKWELL_LINK_RATIO,
+        per_peer_gb_s=None,
+        # 72 ConnectX-8 per rack, one 800 Gb/s SuperNIC per GPU; busbw estimate (constants.py)
+        nic_gbit=800.0, nic_busbw_gb_s=XDR800_BUSBW_GB_S,
+        tdp_w=1400.0,   # per-GPU maximum power (NVIDIA Mission Control FAQ via ml-engineering)
+        price_usd_per_hour=None, price_source=f"CoreWeave GB300 NVL72 on-demand: 'Contact sales' ({_CW})",
+        sources=f"{_ML_ENG_SPECS} (GB300 NVL72 spec: 2500 BF16 / 5000 FP8 dense; power table 1400 W); "
+                "glennklockwood.com garden/processors/B300 (GB300 NVL72: 360 PF FP8, 20 TB HBM at "
+                "576 TB/s, 130 TB/s NVLink, 72 ConnectX-8; B300 288 GB HBM3e); verda.com blog "
+                f"gb300-nvl72-architecture (per-GPU table); {_MAMF} (B300, GB200, B200, for the estimate)",
     ),
     GPUSpec(
         id="mi300x", name="AMD Instinct MI300X",
@@ -333,6 +320,12 @@ _GPU_ALIASES = {
     "a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-sxm": "a100-80gb", "a100-40g": "a100-40gb",
     "h200-sxm": "h200", "h200-141gb": "h200", "b200-sxm": "b200", "gb200-nvl72": "gb200",
     "mi300": "mi300x", "mi325": "mi325x", "h800-sxm": "h800", "h100pcie": "h100-pcie",
+    "h800-sxm5": "h800", "h800-80gb": "h800", "b300-sxm": "b300", "hgx-b300": "b300", "dgx-b300": "b300",
+    "gb300-nvl72": "gb300", "blackwell-ultra": "b300",
+    # the H100 SXM 96GB HBM2e at 500 W of the torchtitan paper (Meta Grand Teton), as published runs name it
+    "h100-sxm-96gb-hbm2e-@500w": "h100-sxm-96gb-500w", "h100-sxm-96gb-hbm2e-@500w-(grand-teton)": "h100-sxm-96gb-500w",
+    "h100-sxm-96gb-hbm2e-500w": "h100-sxm-96gb-500w", "h100-96gb-500w": "h100-sxm-96gb-500w",
+    "h100-hbm2e-500w": "h100-sxm-96gb-500w", "grand-teton-h100": "h100-sxm-96gb-500w",
 }
 
 

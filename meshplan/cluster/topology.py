@@ -19,7 +19,7 @@ from meshplan.cluster.constants import (
     CPU_PROCESS_RESERVED_GB, CUDA_CONTEXT_GB, NCCL_BASE_LATENCY_US, NCCL_BUFFERS_GB, NCCL_NET_HOP_US,
     NCCL_NVLINK_HOP_US, NCCL_PCIE_HOP_US, RCCL_BASE_LATENCY_US, RCCL_XGMI_HOP_US,
 )
-from meshplan.cluster.gpus import GPUSpec
+from meshplan.cluster.spec import GPUSpec
 
 __all__: list[str] = []   # package-internal helpers of meshplan.cluster.cluster
 

@@ -159,8 +159,9 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
                    shape: AttnShape | None = None) -> float:
     """Flash attention (BF16) on `flops_fwd` forward FLOPs (causal masking already halving them, as
     flops.attention_fwd_flops_per_token counts); backward does ATTN_BWD_FLOP_RATIO x.
-    `kernel` is the implementation (constants.ATTN_KERNEL_SLOWDOWN): "flash" for FlashAttention-2 class
-    CUDA kernels, "triton" for the Triton port of FlashAttention.
+    `kernel` is the implementation (constants.ATTN_KERNEL_RATE): "fa2" (= "flash") for
+    FlashAttention-2 class kernels, "cudnn" / "fa3" for the Hopper kernels, "triton" for the Triton
+    port of FlashAttention; the stack decides which runs (meshplan.ir.stack.Stack.attention_kernel).
 
     On GPUs the kernel runs at its plateau efficiency (ATTN_FWD_EFF / ATTN_BWD_EFF of the GEMM rate)
     divided by `shape`'s penalty (attention.shape_penalty: diagonal and ragged tiles, per-CTA fixed
@@ -173,10 +174,10 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
         rate = (K.CPU_SDPA_BWD_GFLOPS_1T if backward else K.CPU_SDPA_FWD_GFLOPS_1T) * 1e9 * cpu_rate_scale(cluster)
         return flops_fwd / rate
     try:
-        slow = K.ATTN_KERNEL_SLOWDOWN[kernel]
+        speed = K.ATTN_KERNEL_RATE[kernel][1 if backward else 0]
     except KeyError:
-        raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_SLOWDOWN)}") from None
-    rate = matmul_rate(cluster, fp8=False) / slow
+        raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_RATE)}") from None
+    rate = matmul_rate(cluster, fp8=False) * speed
     if backward:
         t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
     else:

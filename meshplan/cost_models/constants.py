@@ -64,6 +64,16 @@ ATTN_BWD_FLOP_RATIO = 2.5                                                       
 # than "FlashAttention in Triton" (Dao 2023, FlashAttention-2 paper, Sec. 4.1 benchmarks, A100). The low
 # end of that range is taken (measured, not fitted); it divides both efficiencies.
 ATTN_KERNEL_SLOWDOWN = {"flash": 1.0, "triton": 1.3}                                # measured
+# Hopper attention kernels against FlashAttention-2 at the plateau (the fitted efficiencies above are
+# FA2-class), from the same figures as the shape constants below (Shah et al. 2024, FlashAttention-3,
+# arXiv 2407.08608, Fig. 5/6, H100 SXM5, head dim 128, 16k): FA3 forward 648 / 370 TFLOP/s without a
+# mask (616 / 335 causal), backward 561 / 322; cuDNN (9.x, the fused attention Transformer Engine
+# runs on Hopper) forward 595 / 370 without a mask and 539 / 335 causal: 1.61 both ways. The paper's
+# cuDNN backward curve is not transcribed here; its forward ratio is used for the backward too.
+# (fwd, bwd) rate multipliers; "flash" = "fa2". A kernel a GPU cannot run (FA3 and cuDNN's Hopper
+# kernels before sm90) is resolved by meshplan.ir.stack.Stack.attention_kernel.
+ATTN_KERNEL_RATE = {"fa2": (1.0, 1.0), "flash": (1.0, 1.0), "cudnn": (1.61, 1.61),
+                    "fa3": (1.75, 1.74), "triton": (1 / ATTN_KERNEL_SLOWDOWN["triton"],) * 2}   # measured (kernel curves)
 
 # Unfused ("eager") attention materialises the b*a*s*s score tensor: QK^T writes it (2 B), the
 # scale+mask+softmax reads and writes it (4 B), dropout reads/writes it and a 1-byte mask (5 B),

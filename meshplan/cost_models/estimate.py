@@ -21,7 +21,7 @@ from meshplan.cost_models.host import (
     pp_host_time,
     step_host_time,
 )
-from meshplan.cost_models.layer import Context, routing_layout, unfused_of
+from meshplan.cost_models.layer import LAYER_FUSIONS, Context, routing_layout, unfused_of
 from meshplan.cost_models.memory import (
     deepep_buffer_bytes,
     grad_bytes,
@@ -47,8 +47,9 @@ from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
 from meshplan.ir.layout import Layout, check_layout
 from meshplan.ir.profile import ModelProfile
+from meshplan.ir.stack import Stack, resolve_stack
 
-__all__ = ["estimate_profile", "clear_caches"]
+__all__ = ["estimate_profile", "layer_table", "stack_unfused", "clear_caches"]
 # re-exported for callers that imported them from here before they moved to ranks.py
 _REEXPORTED = (embedding_time, fused_loss, head_times, head_activation_bytes, TIME_KEYS)
 
@@ -238,14 +239,41 @@ def _check_precision(precision: str, cluster) -> bool:
     return fp8
 
 
+def stack_unfused(profile: ModelProfile, cluster, stack: Stack) -> frozenset:
+    """The per-layer fusions (layer.LAYER_FUSIONS) that run as separate eager kernels on `stack`:
+    none where torch.compile fuses the element-wise work (on GPUs: the runtime compiles on CUDA
+    only), the traced model's own eager ones where the stack has fused kernels or runs the model
+    as traced (meshplan's runtime on CPU), and all of them for an eager stack priced from a profile
+    that records no fusions (a config's analytic profile: torchtitan without compile)."""
+    if stack.compile and not is_cpu(cluster):
+        return frozenset()
+    if stack.fused_elementwise or profile.fusions:
+        return unfused_of(profile)
+    return frozenset(LAYER_FUSIONS)
+
+
+def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, precision: str = "bf16",
+                fp8_modules: frozenset | None = None, fp8_recipe: str | None = None,
+                stack: Stack | str | None = None) -> LayerTable:
+    """The per-layer costs (`LayerTable.cost(i, policy)`: time, communication) and activation bytes
+    (`LayerTable.act(i, policy)`) of `layout`, one micro-batch on one GPU, exactly as
+    `estimate_profile` prices them: what the planner's ILPs read instead of re-pricing layers."""
+    L = Layout.coerce(layout)
+    stack = resolve_stack(stack, default="reference")
+    fp8 = precision == "fp8"
+    unfused = stack_unfused(profile, cluster, stack)
+    ctx = Context.build(cluster, routing_layout(L, profile.moe_balance), seq_len, fp8, unfused,
+                        fp8_recipe=fp8_recipe or L.fp8_recipe, stack=stack)
+    return LayerTable(profile, cluster, ctx.layout, seq_len, ctx, layer_fp8_flags(profile, fp8, fp8_modules), unfused)
+
+
 def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int, fp8: bool,
-           fp8_modules: frozenset | None, grad_accum_fusion: bool, recipe: str) -> tuple[list[RankWork], Context]:
+           fp8_modules: frozenset | None, grad_accum_fusion: bool, recipe: str,
+           stack: Stack) -> tuple[list[RankWork], Context]:
     """Every pipeline rank's work for one micro-batch."""
-    unfused = unfused_of(profile)
-    ctx = Context.build(cluster, L, seq_len, fp8, unfused, fp8_recipe=recipe)
-    ctxs = {True: ctx, False: ctx if not fp8 else Context.build(cluster, L, seq_len, False, unfused,
-                                                                 fp8_recipe=recipe)}
-    table = LayerTable(profile, cluster, L, seq_len, ctxs, layer_fp8_flags(profile, fp8, fp8_modules), unfused)
+    table = layer_table(profile, cluster, L, seq_len=seq_len, precision="fp8" if fp8 else "bf16",
+                        fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack)
+    ctx = table.ctx
     layers = rank_layers(stage_layers, L.pp)
     return [rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
                       grad_buffer_bytes=grad_bytes(L)) for r in range(L.pp)], ctx
@@ -253,17 +281,22 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
 
 def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, global_batch: int,
                      precision: str = "bf16", fp8_modules: frozenset | None = None,
-                     grad_accum_fusion: bool | None = None, fp8_recipe: str | None = None) -> Estimate:
-    """Score one layout. Pure: (profile, cluster, layout, shapes) -> Estimate.
+                     grad_accum_fusion: bool | None = None, fp8_recipe: str | None = None,
+                     stack: Stack | str | None = None) -> Estimate:
+    """Score one layout. Pure: (profile, cluster, layout, stack, shapes) -> Estimate.
 
-    grad_accum_fusion: whether the stack folds gradient accumulation into the weight-gradient GEMMs
+    stack: the software that runs it (meshplan.ir.stack: a preset name or a Stack); None is the
+    "reference" stack, the baseline the fitted constants describe (FlashAttention-2-class attention,
+    fused element-wise kernels, the layout's own flags for everything else).
+    grad_accum_fusion: whether gradient accumulation is folded into the weight-gradient GEMMs
     (Megatron-LM since 2022, Megatron-Core, Transformer Engine: True); False charges a separate pass
-    per micro-batch (compute.grad_accumulation_time), as 2021 Megatron-LM and Megatron-DeepSpeed ran.
-    fp8_recipe: the FP8 scaling recipe (constants.FP8_RECIPES) of precision="fp8".
-    None (either): the layout's field of that name where Layout has one, else True / "tensorwise"."""
+    per micro-batch (compute.grad_accumulation_time), as 2021 Megatron-LM, Megatron-DeepSpeed and
+    PyTorch's AccumulateGrad run. None: the layout's field, and False where the stack does not fuse.
+    fp8_recipe: the FP8 scaling recipe (constants.FP8_RECIPES) of precision="fp8"; None: the layout's."""
     L = Layout.coerce(layout)
+    stack = resolve_stack(stack, default="reference")
     if grad_accum_fusion is None:
-        grad_accum_fusion = L.grad_accum_fusion
+        grad_accum_fusion = L.grad_accum_fusion and stack.grad_accum_fusion
     recipe = fp8_recipe or L.fp8_recipe
     fp8 = _check_precision(precision, cluster)
     if fp8:
@@ -271,8 +304,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     stage_layers = check_layout(L, profile, cluster, seq_len=seq_len, global_batch=global_batch)
     m = global_batch // (L.dp * L.mbs)
     # forced balance prices the MoE layers at exactly their mean load (layer.routing_layout)
-    ranks, ctx = _ranks(profile, cluster, routing_layout(L, profile.moe_balance), stage_layers, seq_len, fp8,
-                        fp8_modules, grad_accum_fusion, recipe)
+    ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe,
+                        stack)
     busy, bubble = pipeline_time(L.schedule, m, L.vp, [w.fb for w in ranks], [w.wgrad for w in ranks])
     bubble = _cpu_bubble(cluster, L, busy, bubble)
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)

@@ -49,6 +49,11 @@ def recompute_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, l
         return tokens * sum(attention_fwd_flops_per_token(b, seq_len) for b in blocks)
     if rc == "norm_act":
         return 0.0      # norms and the experts' activation are element-wise: no matmul FLOPs are redone
+    if rc == "norm_moe":    # the MoE layers' GEMMs (router, experts, shared expert) run again
+        moe_roles = ("router", "expert_in", "expert_out", "shared_in", "shared_out", "shared_folded")
+        return tokens * sum(li.flops_per_token for b in blocks for li in b.linears if li.role in moe_roles)
+    if rc == "op_sac":      # every second matmul runs again (torchtitan's op-level SAC)
+        return tokens * sum(layer_fwd_flops_per_token(b) for b in blocks) / 2
     full = [layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len) for b in blocks]
     if rc == "full":
         return tokens * sum(full)

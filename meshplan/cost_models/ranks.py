@@ -26,7 +26,7 @@ from meshplan.cost_models.host import (
     tp_edge_host_time,
     tp_host_time,
 )
-from meshplan.cost_models.layer import Context, activation_bytes, layer_cost
+from meshplan.cost_models.layer import Context, activation_bytes, is_fp8_linear, layer_cost
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
 from meshplan.kernels.fusion import (
@@ -90,17 +90,23 @@ def rank_layers(stage_layers, p: int) -> list[list[int]]:
     return out
 
 
-def layer_fp8_flags(profile: ModelProfile, fp8: bool, fp8_modules: frozenset | None) -> list[bool]:
-    """Which layers run their GEMMs in FP8: all of them under precision="fp8", unless an FP8 module
-    set is given (the FP8 placement ILP's choice), in which case a layer counts as FP8 when any of
-    its linears is in the set (layer granularity; the ILP excludes whole first/last blocks)."""
-    flags = [fp8] * profile.num_layers
-    if fp8 and fp8_modules is not None:
-        seen = {bi: 0 for bi in range(len(profile.blocks))}
-        for i, bi in enumerate(profile.layers):
-            inst = profile.blocks[bi].instances[seen[bi]] if profile.blocks[bi].instances else ""
-            seen[bi] += 1
-            flags[i] = any(mod.startswith(inst + ".") for mod in fp8_modules)
+def layer_fp8_flags(profile: ModelProfile, fp8: bool, fp8_modules: frozenset | None) -> list:
+    """Which of each layer's linears run their GEMMs in FP8: False (none), None (all but the
+    router: precision="fp8" without a module set) or the frozenset of the block's linear names in
+    the FP8 module set (the FP8 placement's choice: a layer's stacked expert weights, which the
+    runtime keeps BF16, are priced BF16 while its attention and MLP linears run FP8)."""
+    if not fp8:
+        return [False] * profile.num_layers
+    if fp8_modules is None:
+        return [None] * profile.num_layers
+    flags: list = []
+    seen = {bi: 0 for bi in range(len(profile.blocks))}
+    for bi in profile.layers:
+        b = profile.blocks[bi]
+        inst = b.instances[seen[bi]] if b.instances else ""
+        seen[bi] += 1
+        names = frozenset(li.name for li in b.linears if f"{inst}.{li.name}" in fp8_modules)
+        flags.append(names or False)
     return flags
 
 
@@ -111,15 +117,27 @@ class LayerTable:
     (through a module-level cache) across every candidate of a search that differs in pp / vp / dp /
     zero / schedule."""
 
-    def __init__(self, profile: ModelProfile, cluster, L: Layout, seq_len: int, ctxs: dict, layer_fp8: list[bool],
+    def __init__(self, profile: ModelProfile, cluster, L: Layout, seq_len: int, ctx: Context, layer_fp8: list,
                  unfused: frozenset):
-        self.profile, self.blocks, self.ctxs, self.layer_fp8 = profile, profile.layer_blocks(), ctxs, layer_fp8
-        self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
-                    L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused,
-                    getattr(L, "cp_comm_type", "p2p"), ctxs[True].fp8_recipe,
-                    getattr(L, "moe_capacity_factor", None))
+        self.profile, self.blocks, self.layer_fp8 = profile, profile.layer_blocks(), layer_fp8
+        self.ctx = ctx                          # the context of the layout's FP8 setting
+        self._ctxs: dict = {}
         self._local: dict[tuple, Any] = {}
         self._act: dict[tuple, float] = {}
+        self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
+                    L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused,
+                    getattr(L, "cp_comm_type", "p2p"), ctx.fp8_recipe,
+                    getattr(L, "moe_capacity_factor", None), ctx.stack)
+
+    def ctx_of(self, i: int) -> Context:
+        """Layer i's context: FP8 for the linears its flag names (layer_fp8_flags)."""
+        flag = self.layer_fp8[i]
+        c = self._ctxs.get(flag)
+        if c is None:
+            import dataclasses
+            c = self._ctxs[flag] = dataclasses.replace(self.ctx, fp8=flag is not False,
+                                                       fp8_linears=flag if isinstance(flag, frozenset) else None)
+        return c
 
     def cost(self, i: int, policy: str):
         lk = (self.profile.layers[i], policy, self.layer_fp8[i])
@@ -130,14 +148,14 @@ class LayerTable:
             if hit is None:
                 if len(_LAYER_CACHE) > _LAYER_CACHE_MAX:
                     _LAYER_CACHE.clear()
-                hit = _LAYER_CACHE[key] = layer_cost(self.blocks[i], self.ctxs[self.layer_fp8[i]], policy=policy)
+                hit = _LAYER_CACHE[key] = layer_cost(self.blocks[i], self.ctx_of(i), policy=policy)
             self._local[lk] = hit
         return hit
 
     def act(self, i: int, policy: str) -> float:
         lk = (self.profile.layers[i], policy, self.layer_fp8[i])
         if lk not in self._act:
-            self._act[lk] = activation_bytes(self.blocks[i], self.ctxs[self.layer_fp8[i]], policy=policy)
+            self._act[lk] = activation_bytes(self.blocks[i], self.ctx_of(i), policy=policy)
         return self._act[lk]
 
 
@@ -159,11 +177,11 @@ class RankWork:
     comm: dict = field(default_factory=lambda: {k: 0.0 for k in _DIMS})
 
 
-def _fp8_weight_elements(b, layout: Layout) -> float:
+def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> float:
     """Weights of block `b` held by one GPU that run their GEMMs in FP8 (the router stays BF16)."""
     n = 0.0
     for li in b.linears:
-        if li.role == "router":
+        if not is_fp8_linear(li, ctx):
             continue
         div = (layout.ep * layout.etp if li.role in ("expert_in", "expert_out")
                else 1 if li.role == "shared_folded" else layout.tp)
@@ -185,7 +203,7 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
     """Accumulate the rank's transformer layers into `w`; returns (forward, backward + recompute)
     seconds and the weights held that run in FP8."""
     fwd = bwd = fp8_w = 0.0
-    cluster = table.ctxs[True].cluster
+    cluster = table.ctx.cluster
     for j, i in enumerate(w.layers):
         b = table.blocks[i]
         pol = L.recompute_policy(j)
@@ -207,8 +225,8 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
         folded = sum(li.params for li in b.linears if li.role == "shared_folded")   # whole on every TP rank
         w.dparams += (b.params - b.expert_params - folded) / L.tp + folded
         w.eparams += b.expert_params / (L.ep * L.etp)
-        if table.layer_fp8[i]:
-            fp8_w += _fp8_weight_elements(b, L)
+        if table.layer_fp8[i] is not False:
+            fp8_w += _fp8_weight_elements(b, L, table.ctx_of(i))
     return fwd, bwd, fp8_w
 
 

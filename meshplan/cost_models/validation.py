@@ -52,6 +52,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.errors import MeshplanError
+from meshplan.ir.stack import Stack
 from meshplan.ir.layout import Layout, split_layers
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
@@ -59,13 +60,19 @@ __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV"
 # shipped with the package (meshplan/data, identical to the project's shared data folder)
 DEFAULT_CSV = Path(__file__).resolve().parents[1] / "data" / "published_runs.csv"
 
-_GPU = (("a100", "a100-80gb"), ("h100", "h100-sxm"), ("h200", "h200"), ("b200", "b200"))
+_GPU = (("grand teton", "h100-sxm-96gb-500w"), ("gb200", "gb200"), ("a100", "a100-80gb"), ("h100", "h100-sxm"),
+        ("h200", "h200"), ("b200", "b200"))
 # model-name fragments -> meshplan preset supplying fields the CSV leaves empty (head_dim, vocab)
 _PRESET_FILL = (("qwen3-235b", "qwen3-235b-a22b"), ("qwen3-30b", "qwen3-30b-a3b"),
                 ("mixtral 8x22b", "mixtral-8x22b"), ("mixtral 8x7b", "mixtral-8x7b"),
                 ("llama3-70b", "llama3-70b"), ("llama3-8b", "llama3-8b"), ("deepseek-v3", "deepseek-v3"),
                 # the NeMo Llama 2 rows give no vocabulary: Llama 2's is 32000 (its tokenizer)
-                ("llama2-7b", "llama2-7b"), ("llama2-13b", "llama2-13b"), ("llama2-70b", "llama2-70b"))
+                ("llama2-7b", "llama2-7b"), ("llama2-13b", "llama2-13b"), ("llama2-70b", "llama2-70b"),
+                # Megatron-Bridge's recipe names
+                ("qwen3_30b_a3b", "qwen3-30b-a3b"), ("qwen3_235b_a22b", "qwen3-235b-a22b"),
+                ("deepseekv3", "deepseek-v3"), ("llama3_70b", "llama3-70b"), ("llama3.1_405b", "llama3-405b"),
+                ("llama3_8b", "llama3-8b"),
+                ("llama 3.1 8b", "llama3-8b"), ("llama 3.1 70b", "llama3-70b"), ("llama 3.1 405b", "llama3-405b"))
 
 
 @dataclass
@@ -92,9 +99,11 @@ class Row:
             # DeepSpeed's 2021 ZeRO-3 (SC'21 Table 2): a runtime meshplan does not model (see split_of)
             return "deepspeed-zero3"
         for prefix in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "opt", "mtnlg", "nemo2407",
-                       "nemo-longseq", "modelzoo", "mosaic"):
+                       "nemo-longseq", "modelzoo", "mosaic", "torchtitan"):
             if i.startswith(prefix):
                 return prefix
+        if i.startswith("mb-"):
+            return "megatron-bridge"
         return "other"
 
 
@@ -143,10 +152,36 @@ def split_of(row_id: str, family: str = "") -> str:
 
 def _gpu(row: Row) -> str | None:
     g = row.get("gpu").lower()
+    if "96gb" in g and "500w" in g:
+        return "h100-sxm-96gb-500w"      # torchtitan's power-capped HBM2e H100s
     for frag, gid in _GPU:
         if frag in g:
             return gid
     return None
+
+
+# Families by the software stack that ran them (meshplan.ir.stack presets)
+_STACK_OF = {"megatron-sc21": "megatron-2021", "korthikanti": "megatron-2021", "mtnlg": "megatron-2021",
+             "bloom": "megatron-2021", "opt": "megatron-2021", "deepspeed-zero3": "megatron-2021",
+             "mcore-readme": "megatron-core", "nemo2407": "megatron-core", "nemo-longseq": "megatron-core",
+             "modelzoo": "megatron-core", "megatron-bridge": "megatron-core", "mosaic": "llm-foundry",
+             "torchtitan": "torchtitan"}
+
+
+def stack_of(row: Row) -> Stack:
+    """The software stack a row ran on, with the run's own switches (meshplan.ir.stack):
+    - Megatron-LM 2021-22 (SC'21, MT-NLG, BLOOM's Megatron-DeepSpeed): no flash attention, gradient
+      accumulation unfused (_UNFUSED_GRAD_ACCUMULATION); Korthikanti et al. (May 2022) ran after the
+      fusion landed (commit 83b1e42f30, on by default), still without flash attention.
+    - torchtitan: torch.compile only where the run names it (Table 1/3 "fsdp" rows ran eager)."""
+    fam = row.family
+    st = Stack.preset(_STACK_OF.get(fam, "reference"))
+    if fam in ("megatron-sc21", "korthikanti", "mtnlg", "bloom", "opt", "deepspeed-zero3"):
+        st = st.replace(grad_accum_fusion=fam not in _UNFUSED_GRAD_ACCUMULATION)
+    if fam == "torchtitan":
+        text = (row.id + " " + row.get("notes")).lower()
+        st = st.replace(compile="compile" in text)
+    return st
 
 
 def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[str, Any] | None:
@@ -154,14 +189,25 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
     returns a meshplan preset config (meshplan.models.config) whose fields fill what the row leaves
     empty (head_dim, vocab, ...); without it those rows come back incomplete or None."""
     L, h, a = row.num("layers"), row.num("hidden"), row.num("heads")
-    if not (L and h and a):
-        return None
     fam = row.family
     name = row.get("model").lower()
     preset_name = None
     for frag, p in _PRESET_FILL:
         if frag in name:
             preset_name = p
+    if not (L and h and a):
+        # Megatron-Bridge rows name the recipe's model: its architecture is meshplan's preset of it
+        # (every field from the preset, checked against the row's layers/hidden where it gives them)
+        if preset_name is None or preset is None:
+            return None
+        pc = preset(preset_name)
+        if (L and L != pc.layers) or (h and h != pc.hidden):
+            return None
+        return _preset_config(pc)
+    if L and h and preset_name and preset is not None and fam in ("torchtitan", "megatron-bridge"):
+        pc = preset(preset_name)
+        if (pc.layers, pc.hidden) == (L, h):
+            return _preset_config(pc)
     cfg: dict[str, Any] = {"layers": L, "hidden": h, "heads": a, "kv_heads": row.num("kv_heads") or a}
     gpt_style = fam in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "mtnlg", "mosaic") or \
         name.startswith(("gpt", "nemotron"))
@@ -198,6 +244,19 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
     return cfg
 
 
+_PRESET_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab", "experts",
+                "topk", "moe_ffn_hidden", "shared_experts", "dense_layers", "norm", "activation", "tie_embeddings")
+
+
+def _preset_config(pc) -> dict[str, Any]:
+    """A model config (the keys model_config gives) from a meshplan preset's ModelConfig."""
+    cfg = {k: getattr(pc, k) for k in _PRESET_KEYS}
+    if not cfg["experts"]:
+        for k in ("experts", "topk", "moe_ffn_hidden", "shared_experts", "dense_layers"):
+            cfg.pop(k)
+    return cfg
+
+
 def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     fam = row.family
     tp, pp, cp, vp = row.num("tp"), row.num("pp"), row.num("cp") or 1, row.num("vp") or 1
@@ -215,7 +274,7 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     if n % (tp * pp * cp):
         return f"tp*pp*cp = {tp * pp * cp} does not divide {n} GPUs"
     dp = n // (tp * pp * cp)
-    if "zero-3" in zero_txt or "full_shard" in zero_txt or zero_txt.startswith("fsdp"):
+    if "zero-3" in zero_txt or "full_shard" in zero_txt or zero_txt.startswith(("fsdp", "megatron-fsdp")):
         zero = 3
     elif "zero-1" in zero_txt or "distributed" in zero_txt:
         zero = 1
@@ -230,6 +289,10 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         # Megatron-Core --recompute-modules layernorm moe_act: the Layout policy "norm_act" (norms and
         # routed experts' activation re-run; cost_models.layer.NORM_ACT), not Korthikanti's selective
         recompute = "norm_act"
+    elif recompute == "selective" and "norm" in rc_txt and "moe" in rc_txt:
+        recompute = "norm_moe"       # --recompute-modules layernorm moe: the whole MoE layer re-run
+    elif recompute == "selective" and fam == "torchtitan":
+        recompute = "op_sac"         # torchtitan's "selective" is its op-level SAC
     if recompute is None and fam in ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero3"):
         recompute = "full"   # Megatron / Megatron-DeepSpeed before 2022 had only full activation recomputation
     old = fam in ("megatron-sc21", "mtnlg", "bloom") or (fam == "korthikanti" and "no seq" in rc_txt)
@@ -240,8 +303,18 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     if fam == "megatron-sc21" and "Table 1" in row.source and not row.num("mbs") and not row.num("vp"):
         # Table 1 runs: micro-batch and interleaving from the paper's own launch script
         mbs, vp = _SC21_TABLE1.get((cfg["layers"], cfg["hidden"], tp, pp), (mbs, vp))
+    if fam == "torchtitan" and pp > 1:
+        # torchtitan's "local batch size" is split into micro-batches of
+        # parallelism.pipeline_parallel_microbatch_size (default 1); interleaved 1F1B runs two stages a
+        # rank unless configured otherwise (pipeline_parallel_layers_per_stage unset)
+        mbs = 1
+        if "interleaved" in row.id:
+            vp = 2
+    asynctp = "asynctp" in (row.id + notes).lower().replace(" ", "").replace("-", "")
     lay = dict(tp=tp, pp=pp, cp=cp, vp=vp, dp=dp, zero=zero, mbs=mbs, sp=sp, flash_attention=flash,
-               tp_comm_overlap="--tp-comm-overlap" in notes or fam in ("nemo2407", "nemo-longseq"))
+               tp_comm_overlap="--tp-comm-overlap" in notes or fam in ("nemo2407", "nemo-longseq") or asynctp)
+    if fam == "torchtitan" and cp > 1:
+        lay["cp_comm_type"] = "all_gather"     # PyTorch context_parallel's default all-gather rotation
     _add_stack_fields(lay, row, cfg)
     if recompute:
         lay["recompute"] = recompute
@@ -258,14 +331,10 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
         # contiguous gradient buffer is then bf16 (NeMo-Framework-Launcher conf/training/gpt3/
         # *_fp8_performance.yaml, optim.grad_sync_dtype)
         lay["grad_dtype"] = "bf16"
-    if fam == "mosaic":
-        # the MPT benchmark yamls (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml at b2a43a147,
-        # the commit that wrote the H100 tables) set attn_config.attn_impl: triton
-        lay["attn_kernel"] = "triton"
     if lay["zero"] == 3:
         if fam == "deepspeed-zero3":
             lay["fsdp_impl"] = "deepspeed"
-        elif fam == "modelzoo":      # Megatron-Core's own FSDP (Megatron-FSDP)
+        elif fam == "modelzoo" or "megatron-fsdp" in row.get("zero").lower():   # Megatron-Core's own FSDP
             lay["fsdp_impl"] = "megatron"
     if cfg["layers"] % (pp * vp):
         # the run split layers unevenly (e.g. BLOOM: 70 layers + 2 embedding stages on pp=12)
@@ -307,10 +376,11 @@ _UNFUSED_GRAD_ACCUMULATION = ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero
 
 
 def stack_options(row: Row) -> dict[str, Any]:
-    """Layout fields that describe the row's software stack rather than its parallel layout:
-    gradient-accumulation fusion, and the FP8 recipe where the precision column names one (an
-    unnamed FP8 recipe of these stacks is Transformer Engine's tensorwise delayed scaling)."""
-    opts: dict[str, Any] = {"grad_accum_fusion": row.family not in _UNFUSED_GRAD_ACCUMULATION}
+    """Layout fields that describe the row's software stack rather than its parallel layout: the
+    FP8 recipe where the precision column names one (an unnamed FP8 recipe of these stacks is
+    Transformer Engine's tensorwise scaling, or torchao's tensorwise for torchtitan). The rest of the
+    stack (attention kernel, gradient-accumulation fusion, compile) is `stack_of`."""
+    opts: dict[str, Any] = {}
     prec = row.get("precision").lower()
     for recipe in ("mxfp8", "blockwise", "rowwise"):
         if "fp8" in prec and recipe in prec.replace("block-wise", "blockwise").replace("row-wise", "rowwise"):
@@ -374,6 +444,14 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     res = RowResult(row=row, metric=metric, measured=float(value) if value else float("nan"))
     gpu, n = _gpu(row), row.num("num_gpus")
     s, B = row.num("seq"), row.num("gbs")
+    if row.family == "torchtitan":
+        # the benchmark tables state the local batch and not always the sequence: torchtitan's
+        # train_configs/llama3_*.toml (the tables' commit) train at seq_len 8192, and the global
+        # batch is the local batch on each data-parallel rank (derived, as the notes say)
+        s = s or 8192
+        if not B and row.num("mbs") and row.num("dp"):
+            local = re.search(r"local batch (\d+)", row.get("notes"))
+            B = (int(local.group(1)) if local else row.num("mbs")) * row.num("dp")
     cfg = model_config(row, preset)
     if not (gpu and n and s and B):
         res.skipped = "GPU, GPU count, sequence length or global batch not given"
@@ -385,7 +463,9 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     if isinstance(lay, str):
         res.skipped = lay
         return res
-    precision = "fp8" if "fp8" in row.get("precision").lower() else "bf16"
+    prec_txt = row.get("precision").lower()
+    precision = "fp8" if "fp8" in prec_txt or "float8" in prec_txt else "bf16"
+    stack = stack_of(row)
     key = repr(sorted(cfg.items()))
     profiles = profiles if profiles is not None else {}
     if key not in profiles:
@@ -396,7 +476,8 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
     for cand in candidates:
         try:
-            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision)
+            est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision,
+                                   stack=stack)
         except MeshplanError as e:
             res.skipped = f"layout rejected: {e}"
             return res

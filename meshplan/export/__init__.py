@@ -33,9 +33,9 @@ from meshplan.export.nemo import nemo_export, to_nemo
 from meshplan.export.shape import ModelShape, model_shape
 from meshplan.export.text import export_text, to_toml
 from meshplan.export.torchtitan import to_torchtitan, torchtitan_export
-from meshplan.export.view import FORMATS, VERSIONS, Export
+from meshplan.export.view import EXPORT_STACKS, FORMATS, VERSIONS, Export
 
 __all__ = [
-    "FORMATS", "VERSIONS", "ModelShape", "Export", "model_shape", "megatron_export", "torchtitan_export",
+    "EXPORT_STACKS", "FORMATS", "VERSIONS", "ModelShape", "Export", "model_shape", "megatron_export", "torchtitan_export",
     "nemo_export", "to_megatron_args", "to_torchtitan", "to_nemo", "export_text", "to_toml",
 ]

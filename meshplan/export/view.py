@@ -19,6 +19,9 @@ from meshplan.ir.layout import Layout
 __all__ = ["FORMATS", "VERSIONS", "FP8_FORMAT", "FP8_RECIPE", "Export"]
 
 FORMATS = ("megatron", "torchtitan", "nemo", "megatron-bridge")
+# the stack (meshplan.ir.stack preset) each export target runs: `meshplan plan --export X` plans for it
+EXPORT_STACKS = {"megatron": "megatron-core", "torchtitan": "torchtitan", "nemo": "megatron-core",
+                 "megatron-bridge": "megatron-core"}
 VERSIONS = {
     "megatron": "Megatron-LM main d98e8a6 (2026-08-22, megatron-core 0.20.0 dev)",
     "torchtitan": "torchtitan v0.2.2 (2026-02-20, TOML job config)",

@@ -29,8 +29,12 @@ SCHEDULES = ("1f1b", "interleaved", "zb", "zbv", "gpipe")
 # "norm_act" re-runs only the block's norms and the routed experts' activation function (Megatron-Core
 # --recompute-granularity selective --recompute-modules layernorm moe_act): less memory saved than
 # "selective" on a dense model, but almost free to recompute, so it pays where MoE or long-context
-# activations are the limit; "full" keeps only each layer's input.
-RECOMPUTE = ("none", "selective", "norm_act", "full")
+# activations are the limit; "norm_moe" re-runs the norms and the whole MoE layer, its token
+# dispatch included (--recompute-modules layernorm moe: only the MoE layer's input is kept);
+# "op_sac" is torchtitan's op-level selective checkpointing (it saves the outputs of every other
+# matmul and of attention and re-runs the other matmuls and every other op); "full" keeps only
+# each layer's input. Which of them a stack runs: meshplan.ir.stack.Stack.recompute.
+RECOMPUTE = ("none", "selective", "norm_act", "norm_moe", "op_sac", "full")
 # Gradient buffer / reduction dtype: "fp32" is Megatron-LM's default for bf16 training
 # (accumulate_allreduce_grads_in_fp32) and meshplan's runtime (FSDP2 reduce_dtype=fp32); "bf16" is
 # Megatron's --grad-reduce-in-bf16 and NeMo 1.x's distributed_fused_adam grad_sync_dtype=bf16.
@@ -50,10 +54,12 @@ MOE_DISPATCHERS = ("alltoall", "deepep")
 # (same unit, Megatron's bucketed asynchronous collectives); "deepspeed" is DeepSpeed ZeRO-3,
 # which gathers per sub-module under a live-parameter cap.
 FSDP_IMPLS = ("fsdp2", "megatron", "deepspeed")
-# Flash-attention implementation (flash_attention=True only): "flash" is a FlashAttention-2 class CUDA
-# kernel (flash-attn 2, cuDNN / Transformer Engine fused attention, PyTorch SDPA's flash backend);
-# "triton" is the Triton port of FlashAttention (llm-foundry attn_impl: triton). Speeds in constants.
-ATTN_KERNELS = ("flash", "triton")
+# Flash-attention implementation (flash_attention=True only): "flash" is the one the stack runs
+# (meshplan.ir.stack.Stack.attention_kernel: PyTorch SDPA's FlashAttention-2, Transformer Engine's
+# cuDNN attention on Hopper+, ...); a named one overrides it: "fa2" FlashAttention-2, "cudnn" cuDNN's
+# fused attention, "fa3" FlashAttention-3 (Hopper), "triton" the Triton port of FlashAttention
+# (llm-foundry attn_impl: triton). Speeds in constants.ATTN_KERNEL_RATE.
+ATTN_KERNELS = ("flash", "fa2", "cudnn", "fa3", "triton")
 # FP8 scaling recipes (precision "fp8"; cost_models/constants.py prices each): "tensorwise" one scale
 # per tensor (TE current/delayed scaling, torchao tensorwise), "rowwise" per-row scales (torchao),
 # "blockwise" 1x128 / 128x128 tiles (DeepSeek-V3, TE Float8BlockScaling), "mxfp8" 32-element blocks
@@ -80,7 +86,7 @@ class Layout:
     dp: int = 1
     zero: int = 1            # 0 DDP, 1 distributed optimizer, 2 + sharded grads, 3 FSDP full shard
     mbs: int = 1
-    recompute: str | int = "none"   # RECOMPUTE ("none" | "selective" | "norm_act" | "full") | N = full recompute of N layers per stage
+    recompute: str | int = "none"   # RECOMPUTE ("none" | "selective" | "norm_act" | "norm_moe" | "op_sac" | "full") | N = full recompute of N layers per stage
     schedule: str | None = None     # None: "interleaved" when vp > 1, else "1f1b"; a named one is kept or refused
     sp: bool | None = None   # sequence parallel; default: on whenever tp > 1
     tp_comm_overlap: bool = False   # Megatron --tp-comm-overlap (userbuffers)
@@ -185,7 +191,7 @@ class Layout:
         return self.pp * self.vp
 
     def recompute_policy(self, index_in_rank: int) -> str:
-        """"none" | "selective" | "norm_act" | "full" for the `index_in_rank`-th layer a pipeline rank holds,
+        """A RECOMPUTE policy for the `index_in_rank`-th layer a pipeline rank holds,
         counted over all of its virtual stages in execution order. The cost model prices and the
         runtime applies exactly this (an int N recomputes the first N layers of each rank)."""
         rc = self.recompute

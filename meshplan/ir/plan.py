@@ -106,6 +106,7 @@ class Plan:
     # how to build the model again: a preset name, path/to/file.py:factory or a transformers config
     # JSON ("" when planned from a module object); `meshplan train --plan` builds it from this
     model_source: str = ""
+    stack: str = "meshplan"            # the software it was planned for (meshplan.ir.stack presets)
     cluster: dict[str, Any]            # Cluster.to_dict()
     cluster_fingerprint: str
     seq_len: int

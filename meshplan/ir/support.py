@@ -87,6 +87,14 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
     if recipe not in ("tensorwise", "rowwise"):
         out.append(f"fp8_recipe={recipe!r}: the runtime's FP8 linears (torchao, Transformer Engine) run "
                    "tensorwise or rowwise scaling; use one of those")
+    rc = _get(layout, "recompute", "none")
+    if rc in ("norm_moe", "op_sac"):
+        out.append(f"recompute={rc!r} is a policy of other stacks (Megatron-Core's --recompute-modules moe, "
+                   "torchtitan's op-level selective checkpointing); the runtime recomputes 'none', 'selective', "
+                   "'norm_act', 'full' or a number of fully recomputed layers")
+    if _get(layout, "attn_kernel", "flash") not in ("flash", "fa2"):
+        out.append(f"attn_kernel={_get(layout, 'attn_kernel', 'flash')!r}: the runtime calls PyTorch's "
+                   "scaled_dot_product_attention (FlashAttention-2 on CUDA); use attn_kernel='flash'")
     if _get(layout, "moe_capacity_factor", None) is not None:
         out.append("moe_capacity_factor: the runtime routes every token to its experts (dropless), with no "
                    "capacity padding or dropping; leave moe_capacity_factor unset")

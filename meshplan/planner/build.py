@@ -18,6 +18,7 @@ from meshplan.planner.fusions import find_fusions
 from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates, fp8_layer_modules
 from meshplan.planner.ilp_sharding import shard_profile
 from meshplan.planner.traits import packing
+from meshplan.ir.stack import resolve_stack
 from meshplan.planner.stages import refine_stages
 
 __all__ = ["build_plan", "placements_for", "stage_modules", "block_instances"]
@@ -164,7 +165,7 @@ def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], se
 
 
 def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, global_batch: int,
-                 force_in=(), force_out=()) -> tuple[str, ...]:
+                 force_in=(), force_out=(), stack=None) -> tuple[str, ...]:
     """FP8 placement ILP: which linears gain from FP8 within the memory left on each stage.
 
     The budget is the room left by the layout with no linear in FP8 (BF16 activations, no FP8
@@ -175,7 +176,7 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
     base = best
     if best.precision == "fp8":
         base = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
-                                precision="fp8", fp8_modules=frozenset())
+                                precision="fp8", fp8_modules=frozenset(), stack=stack)
     cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
     budget = [base.capacity_gb - sum(v for k, v in s.items() if k != "fp8_cache") for s in base.memory_by_stage]
     choice = choose_fp8(cands, memory_budget_gb=budget, force_in=force_in, force_out=force_out)
@@ -189,11 +190,12 @@ def _fused_kernels(profile: ModelProfile, lay: Layout) -> tuple[FusedKernel, ...
 
 def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_batch: int, top_k: int = 5,
                fixed: Mapping[str, Any] | None = None, prefer_simpler_layouts: bool = True,
-               fp8_force_in=(), fp8_force_out=()) -> Plan:
+               fp8_force_in=(), fp8_force_out=(), stack=None) -> Plan:
     """The Plan of the search's best layout. Fused kernels are listed where the profile says the
     runtime swaps them in (ModelProfile.fusions True), matched again for the chosen TP degree.
     fp8_force_in / fp8_force_out: modules (names or glob patterns) the FP8 placement ILP must put
     in / keep out of FP8; the search priced FP8 with the same forces (fp8_layer_modules)."""
+    stack = resolve_stack(stack)
     fp8_layers = fp8_layer_modules(profile, fp8_force_in, fp8_force_out)
     unsupported = getattr(result, "unsupported", [])
     if not result.ranked and unsupported:
@@ -207,7 +209,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     # leading candidates (unless the user fixed the split) and keep the fastest
     if not (fixed and "stage_layers" in fixed):
         head = [refine_stages(profile, cluster, e, seq_len=seq_len, global_batch=global_batch,
-                              fp8_modules=fp8_layers) for e in result.ranked[:3]]
+                              fp8_modules=fp8_layers, stack=stack) for e in result.ranked[:3]]
         result.ranked = sorted(head + result.ranked[3:], key=lambda e: e.step_time_s)
     # a faster layout whose edge over a simpler, better-validated one is inside the model's
     # uncertainty band does not win (meshplan.cost_models.uncertainty); unless the user fixed enough
@@ -246,11 +248,12 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
     fp8_modules: tuple[str, ...] = ()
     if best.precision == "fp8":
-        fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch, fp8_force_in, fp8_force_out)
+        fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch, fp8_force_in, fp8_force_out,
+                                   stack)
         # the plan's prediction costs exactly the FP8 set it will run
         best = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
-                                precision="fp8", fp8_modules=frozenset(fp8_modules))
-    return Plan(model=profile.name, model_fingerprint=profile.fingerprint, cluster=cluster.to_dict(),
+                                precision="fp8", fp8_modules=frozenset(fp8_modules), stack=stack)
+    return Plan(model=profile.name, model_fingerprint=profile.fingerprint, stack=stack.name, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
                 precision=best.precision, layout=lay, mesh=mesh, blocks=block_instances(profile),
                 placements=placements, stages=stage_modules(profile, stage_layers),

@@ -25,6 +25,7 @@ from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.ir.profile import ModelProfile
+from meshplan.ir.stack import Stack, resolve_stack
 from meshplan.ir.support import runs_as_ddp, runtime_limits
 from meshplan.planner.traits import model_traits
 
@@ -41,7 +42,7 @@ PASSED_THROUGH = tuple(k for k in (
     if k in {f.name for f in fields(Layout)})
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
            "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
-RECOMPUTE_ORDER = ("none", "norm_act", "selective", "full")
+RECOMPUTE_ORDER = ("none", "norm_act", "norm_moe", "selective", "op_sac", "full")
 # "norm_act" (re-run the norms and the routed experts' activation: element-wise work only) is offered
 # where its memory saving is large or selective's recompute is dear: on MoE models (it drops the
 # experts' activation outputs, topk x moe_ffn_hidden per token, usually the largest MoE activation) and
@@ -155,12 +156,15 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
 
 def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[str, ...],
            fixed: Mapping[str, Any] | None = None, allow_cross_domain: bool = False,
-           keep: int = 256, for_runtime: bool = True, traits=None,
+           keep: int = 256, stack: Stack | str | None = None, traits=None,
            fp8_modules: frozenset | None = None) -> SearchResult:
-    """Rank every candidate layout (see the module docstring). fp8_modules: the module set
-    precision "fp8" candidates are priced with (planner.ilp_fp8.fp8_layer_modules: what the plan's
-    FP8 placement will run, at layer granularity); None prices every layer in FP8."""
+    """Rank every candidate layout (see the module docstring) that `stack` runs (meshplan.ir.stack;
+    default meshplan's runtime, whose limits meshplan.ir.support declares), priced as it runs them.
+    fp8_modules: the module set precision "fp8" candidates are priced with (planner.ilp_fp8.
+    fp8_layer_modules: what the plan's FP8 placement will run); None prices every linear in FP8."""
     t0 = time.perf_counter()
+    stack = resolve_stack(stack)
+    runtime = stack.runtime_checks
     n = cluster.num_gpus
     f = _check_fixed(fixed or {}, n)
     blocks = profile.layer_blocks()
@@ -212,6 +216,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     [v for v in range(1, min(L // pp, MAX_VP or L) + 1) if L % (pp * v) == 0] or [1]
                 for vp in _opts("vp", f, vps):
                     scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])
+                    if pp > 1:
+                        scheds = [x for x in scheds if x in stack.schedules] or scheds[:1]
                     eps = [1]
                     if experts:
                         fold = dp * cp * tp
@@ -220,7 +226,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
                             _opts("zero", f, (0, 1, 3) if dp * cp > 1 else (1,))):
                         etp = f.get("etp", 1)
-                        if for_runtime and zero == 0 and "zero" not in f and \
+                        if runtime and zero == 0 and "zero" not in f and \
                                 not runs_as_ddp(zero=0, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp):
                             continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/etp
                         stats["meshes"] += 1
@@ -235,15 +241,14 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             stage_layers = split_layers(L, pp * vp)
                         base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                     schedule=schedule, stage_layers=stage_layers)
-                        if for_runtime:
-                            # PyTorch accumulates each micro-batch's weight gradients into .grad by a
-                            # separate add (AccumulateGrad), not inside the wgrad GEMM as Megatron's
-                            # gradient-accumulation fusion does: price what meshplan's runtime runs
+                        if not stack.grad_accum_fusion:
+                            # the layout says what runs: PyTorch accumulates each micro-batch's weight
+                            # gradients by a separate add (AccumulateGrad), not in the wgrad GEMM
                             base["grad_accum_fusion"] = False
                         base.update({k: f[k] for k in PASSED_THROUGH if k in f})
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
                             cand = dict(base, **variant)
-                            limits = runtime_limits(cand, traits) if for_runtime else []
+                            limits = runtime_limits(cand, traits) if runtime else []
                             if limits and tp > 1 and "sp" not in f and \
                                     not runtime_limits(dict(cand, sp=False), traits):
                                 # sequence parallelism is the default with TP, not a requirement:
@@ -253,11 +258,11 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                                 stats["runtime_excluded"] += 1
                                 n0 = len(unsupported)
                                 _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp,
-                                           unsupported, [], ustats, fp8_modules, for_runtime)
+                                           unsupported, [], ustats, fp8_modules, stack)
                                 unsupported_why.extend([limits[0]] * (len(unsupported) - n0))
                                 continue
                             _cost_mesh(profile, cluster, cand, f, seq_len, global_batch,
-                                       precisions, dp, ranked, rejected, stats, fp8_modules, for_runtime)
+                                       precisions, dp, ranked, rejected, stats, fp8_modules, stack)
     ranked.sort(key=lambda e: e.step_time_s)
     # keep the leanest rejections (for "does not fit" messages) and the fastest ones (layouts that
     # would have won with more memory, shown as runner-ups)
@@ -291,35 +296,39 @@ def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) 
     return keep or [{k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}]
 
 
-def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0) -> list:
-    """none, norm_act (MoE or long sequences: NORM_ACT_MIN_SEQ), selective, then full recomputation
-    of a growing number of layers per pipeline rank (Megatron's --recompute-num-layers), then all of
-    them."""
+def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0, stack: Stack | None = None) -> list:
+    """none, norm_act (MoE or long sequences: NORM_ACT_MIN_SEQ), norm_moe (MoE), selective (or the
+    stack's op-level selective checkpointing), then full recomputation of a growing number of layers
+    per pipeline rank (Megatron's --recompute-num-layers), then all of them: those `stack` runs."""
+    stack = stack or resolve_stack(None)
     per_rank = max(1, profile.num_layers // pp)
     partial = sorted({max(1, round(per_rank * q)) for q in (0.25, 0.5, 0.75)} - {per_rank})
     moe = any(b.is_moe for b in profile.layer_blocks())
     norm_act = ["norm_act"] if moe or seq_len >= NORM_ACT_MIN_SEQ else []
-    return ["none", *norm_act, "selective", *partial, "full"]
+    norm_moe = ["norm_moe"] if moe else []
+    out = ["none", *norm_act, *norm_moe, "selective", "op_sac", *partial, "full"]
+    return [r for r in out if stack.offers_recompute(r)]
 
 
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats,
-               fp8_modules: frozenset | None = None, for_runtime: bool = True) -> None:
+               fp8_modules: frozenset | None = None, stack: Stack | None = None) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
+    stack = stack or resolve_stack(None)
     per_dp = global_batch // dp
-    # torch.distributed.pipelining (the runtime) needs at least pp micro-batches per step; the
-    # cost model itself prices fewer (Megatron's 1F1B allows it), so a user may still fix mbs, and a
-    # plan for another framework (for_runtime=False) may choose it
+    # torch.distributed.pipelining (meshplan's runtime, torchtitan) needs at least pp micro-batches
+    # per step; the cost model itself prices fewer (Megatron's 1F1B allows it), so a user may still
+    # fix mbs, and a plan for a stack without that limit may choose it
     mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
-            (base["pp"] == 1 or per_dp // m >= base["pp"] or not for_runtime)]
+            (base["pp"] == 1 or per_dp // m >= base["pp"] or not stack.pp_min_microbatches)]
     for precision in precisions:
-        for rc in _opts("recompute", f, _recompute_options(profile, base["pp"], seq_len)):
+        for rc in _opts("recompute", f, _recompute_options(profile, base["pp"], seq_len, stack)):
             best_here = None
             for mbs in _opts("mbs", f, mbss):
                 lay = dict(base, mbs=mbs, recompute=rc)
                 try:
                     est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,
                                            global_batch=global_batch, precision=precision,
-                                           fp8_modules=fp8_modules if precision == "fp8" else None)
+                                           fp8_modules=fp8_modules if precision == "fp8" else None, stack=stack)
                 except MeshplanError:
                     stats["pruned_divisibility"] += 1
                     continue
@@ -331,7 +340,7 @@ def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp,
                 if best_here is not None and est.step_time_s > best_here:
                     break                      # growing mbs stopped paying off
                 best_here = est.step_time_s
-            if best_here is not None and "recompute" not in f and rc != "norm_act":
+            if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe"):
                 break                          # cheapest recompute that fits found; more recompute only adds work
             # (not after "norm_act": selective saves more and re-runs attention instead of element-wise
             # work, which at short sequences can be the cheaper recompute; both are ranked)

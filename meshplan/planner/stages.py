@@ -17,12 +17,11 @@ from meshplan.cost_models.estimate import (
     estimate_profile,
     head_activation_bytes,
     head_times,
+    layer_table,
 )
-from meshplan.cost_models.layer import Context, activation_bytes, layer_cost, unfused_of
 from meshplan.ir.layout import Layout
 from meshplan.cost_models.memory import optimizer_bytes, state_bytes
 from meshplan.cost_models.pipeline import in_flight
-from meshplan.cost_models.ranks import layer_fp8_flags
 from meshplan.errors import MeshplanError
 from meshplan.planner.ilp_stages import assign_stages
 from meshplan.ir.profile import ModelProfile
@@ -31,20 +30,19 @@ __all__ = ["refine_stages"]
 
 
 def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, global_batch: int, fp8: bool,
-                  fp8_modules: frozenset | None = None) -> dict:
-    ctx = Context.build(cluster, L, seq_len, fp8, unfused_of(profile))
-    # per layer, the precision the estimate prices it in (the plan's FP8 set, at layer granularity)
-    ctxs = {True: ctx, False: Context.build(cluster, L, seq_len, False, unfused_of(profile)) if fp8 else ctx}
-    flags = layer_fp8_flags(profile, fp8, fp8_modules)
+                  fp8_modules: frozenset | None = None, stack=None) -> dict:
+    # the layers priced exactly as the estimate prices them (one table, per-layer FP8 sets included)
+    table = layer_table(profile, cluster, L, seq_len=seq_len, precision="fp8" if fp8 else "bf16",
+                        fp8_modules=fp8_modules, stack=stack)
     policy = L.recompute
     blocks = profile.layer_blocks()
-    T, sp_div = ctx.tokens, (L.tp if L.sp else 1)
+    T, sp_div = table.ctx.tokens, (L.tp if L.sp else 1)
     m = global_batch // (L.dp * L.mbs)
     times, acts, static = [], [], []
-    for b, on in zip(blocks, flags):
-        c = layer_cost(b, ctxs[on], policy=policy)
+    for i, b in enumerate(blocks):
+        c = table.cost(i, policy)
         times.append(c.fwd_s + c.bwd_s + c.recompute_s)
-        acts.append(activation_bytes(b, ctxs[on], policy=policy) / GB)
+        acts.append(table.act(i, policy) / GB)
         ob = optimizer_bytes(L)
         sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob)
         se = state_bytes(b.expert_params / (L.ep * L.etp), L.edp, L.zero, optimizer_bytes=ob)
@@ -63,14 +61,16 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
 
 
 def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,
-                  time_limit_s: float = 1.0, fp8_modules: frozenset | None = None) -> Estimate:
+                  time_limit_s: float = 1.0, fp8_modules: frozenset | None = None, stack=None) -> Estimate:
     """The estimate of `est`'s layout with the ILP's stage split, if that is faster; else `est`.
-    fp8_modules: the FP8 set `est` was priced with (the search's), so the split is judged alike."""
+    fp8_modules: the FP8 set `est` was priced with (the search's), so the split is judged alike;
+    stack: the stack it was priced for."""
     L = Layout.from_dict(est.layout)
     if L.pp == 1 or not isinstance(L.recompute, str):
         return est
     try:
-        inputs = _stage_inputs(profile, cluster, L, seq_len, global_batch, est.precision == "fp8", fp8_modules)
+        inputs = _stage_inputs(profile, cluster, L, seq_len, global_batch, est.precision == "fp8", fp8_modules,
+                               stack)
         sa = assign_stages(**inputs, pp=L.pp, vp=L.vp, memory_cap_gb=cluster.usable_memory_gb,
                            time_limit_s=time_limit_s)
     except MeshplanError:
@@ -79,5 +79,6 @@ def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int
         return est
     lay = dict(est.layout, stage_layers=sa.stage_layers)
     new = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
-                           precision=est.precision, fp8_modules=fp8_modules if est.precision == "fp8" else None)
+                           precision=est.precision, fp8_modules=fp8_modules if est.precision == "fp8" else None,
+                           stack=stack)
     return new if new.fits and new.step_time_s < est.step_time_s else est

@@ -69,11 +69,11 @@ def test_grad_accumulation_buffer_dtype_and_zero3(prof, h100x16):
 
 
 def test_validation_marks_only_pre_2022_megatron_stacks_unfused():
-    from meshplan.cost_models.validation import Row, stack_options
+    from meshplan.cost_models.validation import Row, stack_of
     fam = {"megatron-sc21-t1-1.7B": False, "mtnlg-530b-2240gpu": False, "bloom-176b-prod": False,
            "korthikanti-22B-full": True, "nemo2407-gpt3-5b-64gpu": True, "modelzoo-x": True, "mosaic-x": True}
     for rid, fused in fam.items():
-        assert stack_options(Row(id=rid, source="", raw={}))["grad_accum_fusion"] is fused, rid
+        assert stack_of(Row(id=rid, source="", raw={})).grad_accum_fusion is fused, rid
 
 
 # ---- context parallelism ---------------------------------------------------------------------------

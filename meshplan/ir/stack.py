@@ -1,0 +1,205 @@
+"""`Stack`: the software that runs a plan, as the cost model and the planner need to know it.
+
+The same layout costs different time on different stacks: which attention kernel runs, whether
+element-wise work is fused, how tensor-parallel and expert-parallel communication overlap compute,
+how context parallelism is implemented, what "selective recompute" means, whether gradient
+accumulation is fused into the weight-gradient GEMM, which FP8 recipes exist. A `Stack` names those
+choices; `meshplan.plan(..., stack=...)` plans only what that stack runs and prices it as it runs,
+`meshplan.estimate(..., stack=...)` prices a layout on it, and `meshplan plan --export X` plans for
+X's stack.
+
+Presets (each default from the stack's own documentation or source, cited at the preset):
+
+| name            | what it is                                                                  |
+|-----------------|-----------------------------------------------------------------------------|
+| `meshplan`      | meshplan's own runtime (`meshplan.parallelize`, `meshplan train`)           |
+| `torchtitan`    | PyTorch-native: FSDP2, DTensor TP (+ async TP), torch.compile, torchao FP8, PyTorch context parallelism, torch.distributed.pipelining |
+| `megatron-core` | Megatron-Core with Transformer Engine (Megatron-LM today, NeMo 2, Megatron-Bridge) |
+| `megatron-2021` | Megatron-LM as of 2021-22 (SC'21, Korthikanti et al., MT-NLG, BLOOM's Megatron-DeepSpeed): no flash attention, unfused gradient accumulation |
+| `llm-foundry`   | MosaicML llm-foundry: PyTorch FSDP, the Triton FlashAttention port          |
+| `reference`     | the stack-neutral baseline the fitted constants describe: FlashAttention-2-class attention, fused element-wise kernels, everything else as the layout says |
+
+A stack is a frozen value; `Stack.preset(name)` returns a preset, `stack.replace(compile=True)`
+a variant (e.g. torchtitan with or without torch.compile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from meshplan.errors import ConfigError
+
+__all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "RECOMPUTE_POLICIES",
+           "resolve_stack"]
+
+# Attention implementations: "fa2" FlashAttention-2 class on every GPU (PyTorch SDPA's flash
+# backend is FlashAttention-2); "te" Transformer Engine's choice, cuDNN fused attention on Hopper
+# and newer, FlashAttention-2 before; "fa3" FlashAttention-3 (Hopper); "triton" the Triton port of
+# FlashAttention; "eager" materialised scores (no flash kernel).
+ATTENTION_IMPLS = ("fa2", "te", "fa3", "triton", "eager")
+# Context-parallel implementations: "te" Transformer Engine's (p2p ring overlapped with attention,
+# all_gather, a2a: Megatron --cp-comm-type); "torch" PyTorch's context_parallel (K/V all-gathered,
+# then one SDPA call per chunk pair merged by log-sum-exp); "meshplan" meshplan's ring (runtime/
+# context_parallel.py: fp32 score blocks per chunk pair, merged by log-sum-exp).
+CP_IMPLS = ("te", "torch", "meshplan")
+# Tensor-parallel communication overlap: "userbuffers" (Megatron --tp-comm-overlap), "async_tp"
+# (PyTorch's micro-pipelined all-gather-matmul / matmul-reduce-scatter, torchtitan
+# enable_async_tensor_parallel), "none".
+TP_OVERLAPS = ("none", "userbuffers", "async_tp")
+# Expert-parallel all-to-all overlap: "none" (the dispatch and combine wait for the experts),
+# "a2a_1f1b" (Megatron --overlap-moe-expert-parallel-comm: one micro-batch's all-to-all runs while
+# another's attention/experts compute, under interleaved 1F1B).
+EP_OVERLAPS = ("none", "a2a_1f1b")
+# Every recompute policy some stack offers (meshplan.ir.layout.RECOMPUTE holds those the Layout takes).
+RECOMPUTE_POLICIES = ("none", "selective", "norm_act", "norm_moe", "op_sac", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stack:
+    name: str
+    attention: str = "fa2"                 # ATTENTION_IMPLS
+    cp_impl: str = "te"                    # CP_IMPLS
+    cp_kinds: tuple[str, ...] = ("p2p",)   # cp_comm_type values the stack runs (ir.layout.CP_COMM_TYPES)
+    fp8_recipes: tuple[str, ...] = ("tensorwise",)
+    recompute: tuple[str, ...] = ("none", "selective", "full")   # policies offered (RECOMPUTE_POLICIES)
+    tp_overlap: str = "none"               # TP_OVERLAPS: the mechanism Layout.tp_comm_overlap switches on
+    ep_overlap: str = "none"               # EP_OVERLAPS
+    moe_dispatchers: tuple[str, ...] = ("alltoall",)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    fsdp_impls: tuple[str, ...] = ("fsdp2",)
+    fused_elementwise: bool = True         # norms, SwiGLU, rotary as fused kernels (TE / compile)
+    compile: bool = False                  # torch.compile fuses element-wise work (implies fused)
+    cuda_graphs: bool = False              # MoE layers captured in CUDA graphs (no per-kernel launch gaps)
+    grad_accum_fusion: bool = True         # wgrad GEMM adds into the fp32 gradient buffer (beta = 1)
+    runtime_checks: bool = False           # the planner applies meshplan.ir.support (meshplan's runtime)
+    pp_min_microbatches: bool = False      # torch.distributed.pipelining: at least pp micro-batches a step
+    sources: str = ""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("attention", ATTENTION_IMPLS), ("cp_impl", CP_IMPLS), ("tp_overlap", TP_OVERLAPS),
+                              ("ep_overlap", EP_OVERLAPS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"stack {self.name!r}: {name}={getattr(self, name)!r}; use one of {allowed}")
+        bad = [p for p in self.recompute if p not in RECOMPUTE_POLICIES]
+        if bad:
+            raise ConfigError(f"stack {self.name!r}: recompute policies {bad} unknown; known: {RECOMPUTE_POLICIES}")
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def elementwise_fused(self) -> bool:
+        """Whether norms, activation and rotary run as fused kernels (TE's, or torch.compile's)."""
+        return self.fused_elementwise or self.compile
+
+    def attention_kernel(self, gpu_id: str) -> str:
+        """The attention kernel family that runs on `gpu_id` (constants.ATTN_KERNEL_SPEEDUP keys):
+        Transformer Engine takes cuDNN's fused attention on Hopper and newer and FlashAttention-2
+        before (NeMo docs, memory_optimizations.rst, NVIDIA/NeMo#9188: "Transformer Engine prefers
+        cuDNN flash attention on Hopper+ architectures, and Tri Dao flash attention on pre-Hopper")."""
+        if self.attention == "te":
+            return "cudnn" if not gpu_id.startswith(("a100", "l40s", "mi", "cpu")) else "fa2"
+        if self.attention == "fa3" and gpu_id.startswith(("a100", "l40s", "mi", "cpu")):
+            return "fa2"                    # FlashAttention-3 is Hopper-only
+        return self.attention
+
+    def offers_recompute(self, policy) -> bool:
+        """Whether the stack runs recompute `policy` (a layer count means full recompute of N layers)."""
+        return isinstance(policy, int) and "full" in self.recompute or policy in self.recompute
+
+    # ---- construction ----------------------------------------------------------------------
+    def replace(self, **changes: Any) -> "Stack":
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ConfigError(f"stack fields {unknown} unknown; fields: {[f.name for f in fields(self)]}")
+        return replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "Stack":
+        try:
+            return STACKS[name]
+        except KeyError:
+            raise ConfigError(f"unknown stack {name!r}; presets: {', '.join(STACKS)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Stack":
+        d = dict(d)
+        for k in ("cp_kinds", "fp8_recipes", "recompute", "moe_dispatchers", "schedules", "fsdp_impls"):
+            if k in d:
+                d[k] = tuple(d[k])
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"malformed stack: {e}") from None
+
+
+STACKS: dict[str, Stack] = {s.name: s for s in (
+    Stack(name="reference", attention="fa2", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
+          fp8_recipes=("tensorwise", "rowwise", "blockwise", "mxfp8"),
+          recompute=("none", "selective", "norm_act", "norm_moe", "op_sac", "full"),
+          tp_overlap="userbuffers", moe_dispatchers=("alltoall", "deepep"),
+          schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2", "megatron", "deepspeed"),
+          sources="the baseline of meshplan/cost_models/constants.py (fitted on published runs)"),
+    # meshplan's runtime: PyTorch SDPA (its CUDA flash backend is FlashAttention-2), meshplan's own
+    # CP ring (runtime/context_parallel.py), torchao FP8 (runtime/fp8.py: tensorwise, rowwise), the
+    # recompute policies of runtime/recompute.py, torch.distributed.pipelining schedules
+    # (runtime/pipeline.py), FSDP2 / DDP, torch.compile per block on CUDA (runtime/compile.py), no TP or
+    # EP overlap, PyTorch's AccumulateGrad (a separate add per micro-batch).
+    Stack(name="meshplan", attention="fa2", cp_impl="meshplan", cp_kinds=("p2p",),
+          fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "selective", "norm_act", "full"),
+          schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
+          fused_elementwise=False, compile=True, grad_accum_fusion=False, runtime_checks=True,
+          pp_min_microbatches=True,
+          sources="meshplan/runtime (parallel.py, context_parallel.py, fp8.py, recompute.py, pipeline.py, compile.py)"),
+    # torchtitan (arXiv 2410.06511; torchtitan/models/llama3/infra/parallelize.py, distributed/
+    # activation_checkpoint.py): SDPA (FlashAttention-2 backend), PyTorch context_parallel (K/V
+    # all-gathered, per-chunk SDPA, log-sum-exp merge), torchao float8 (tensorwise with FP8
+    # all-gather, rowwise), activation checkpointing "selective" = op-level SAC (saves matmul and
+    # attention outputs, recomputes every second matmul and all other ops) or "full", async TP,
+    # torch.compile per block (optional; eager element-wise otherwise), FSDP2,
+    # torch.distributed.pipelining schedules (1F1B, interleaved 1F1B, GPipe, ZBV).
+    Stack(name="torchtitan", attention="fa2", cp_impl="torch", cp_kinds=("all_gather",),
+          fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "op_sac", "full"),
+          tp_overlap="async_tp", schedules=("1f1b", "interleaved", "gpipe", "zbv"), fsdp_impls=("fsdp2",),
+          fused_elementwise=False, compile=True, grad_accum_fusion=False, pp_min_microbatches=True,
+          sources="torchtitan arXiv 2410.06511; torchtitan parallelize.py / activation_checkpoint.py"),
+    # Megatron-Core + Transformer Engine (Megatron-LM, NeMo 2, Megatron-Bridge): TE attention (cuDNN
+    # fused on Hopper+), CP p2p / all_gather / a2a (--cp-comm-type), TE FP8 (delayed / current
+    # tensorwise, blockwise, MXFP8 on Blackwell), --recompute-granularity selective (core attention),
+    # --recompute-modules (layernorm, moe_act, moe, ...), full; --tp-comm-overlap (userbuffers),
+    # --overlap-moe-expert-parallel-comm, DeepEP dispatch, CUDA graphs (optional), gradient
+    # accumulation fusion, distributed optimizer, Megatron-FSDP.
+    Stack(name="megatron-core", attention="te", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
+          fp8_recipes=("tensorwise", "blockwise", "mxfp8"),
+          recompute=("none", "selective", "norm_act", "norm_moe", "full"),
+          tp_overlap="userbuffers", ep_overlap="a2a_1f1b", moe_dispatchers=("alltoall", "deepep"),
+          schedules=("1f1b", "interleaved"), fsdp_impls=("megatron", "fsdp2"),
+          sources="Megatron-LM arguments.py (--recompute-modules, --cp-comm-type, --tp-comm-overlap, "
+                  "--overlap-moe-expert-parallel-comm, --moe-token-dispatcher-type); NVIDIA/NeMo#9188"),
+    # Megatron-LM 2021-22 (the code of Narayanan et al. SC'21 and Korthikanti et al. 2022): attention
+    # scores materialised (no flash kernel), gradient accumulation in a separate pass before commit
+    # 83b1e42f30, selective recompute from Korthikanti et al.
+    Stack(name="megatron-2021", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
+          recompute=("none", "selective", "full"), schedules=("1f1b", "interleaved"),
+          fsdp_impls=("deepspeed",), grad_accum_fusion=False,
+          sources="Megatron-LM at cdde43385e (SC'21); Korthikanti et al. arXiv 2205.05198"),
+    # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD)
+    Stack(name="llm-foundry", attention="triton", cp_impl="te", cp_kinds=(), fp8_recipes=(),
+          recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("fsdp2",),
+          sources="mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml"),
+)}
+
+
+def resolve_stack(stack: "Stack | str | dict | None", default: str = "meshplan") -> Stack:
+    """A Stack from a preset name, a Stack, a dict (Stack.to_dict) or None (the default preset)."""
+    if stack is None:
+        return Stack.preset(default)
+    if isinstance(stack, Stack):
+        return stack
+    if isinstance(stack, str):
+        return Stack.preset(stack)
+    if isinstance(stack, dict):
+        return Stack.from_dict(stack)
+    raise ConfigError(f"stack must be a preset name ({', '.join(STACKS)}) or a Stack, not {type(stack).__name__}")
