@@ -1,0 +1,109 @@
+"""Mechanisms that differ by software stack (meshplan.ir.stack), each from its source: attention
+kernel rates, element-wise fusion, TP overlap, PyTorch context parallelism, recompute policies."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+import meshplan as mp
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.compute import attention_time
+from meshplan.cost_models.estimate import estimate_profile, layer_table
+from meshplan.cost_models.flops import recompute_flops_per_step
+from meshplan.ir.layout import Layout
+from meshplan.ir.stack import STACKS
+
+H100 = mp.Cluster.preset("dgx-h100", nodes=1)
+A100 = mp.Cluster.preset("dgx-a100", nodes=1)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return mp.profile("llama3-8b", seq_len=8192)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return mp.profile("mixtral-8x7b", seq_len=4096)
+
+
+def test_attention_kernels_run_at_their_measured_rates():
+    fa2 = attention_time(1e12, H100, backward=False, kernel="fa2")
+    assert math.isclose(fa2 / attention_time(1e12, H100, backward=False, kernel="cudnn"), 595 / 370, rel_tol=0.01)
+    assert math.isclose(fa2 / attention_time(1e12, H100, backward=False, kernel="fa3"), 648 / 370, rel_tol=0.01)
+    assert attention_time(1e12, H100, backward=False, kernel="flash") == fa2
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        attention_time(1e12, H100, backward=False, kernel="fa9")
+
+
+def test_stack_attention_on_hopper_and_ampere(llama):
+    lay = dict(dp=8, zero=1, mbs=1, recompute="none")
+    kw = dict(seq_len=8192, global_batch=64)
+    # megatron-core = reference but for its attention (and its other defaults, which this layout does not use)
+    te = STACKS["reference"].replace(attention="te")
+    h_ref = estimate_profile(llama, H100, lay, stack="reference", **kw)
+    h_te = estimate_profile(llama, H100, lay, stack=te, **kw)
+    a_ref = estimate_profile(llama, A100, lay, stack="reference", **kw)
+    a_te = estimate_profile(llama, A100, lay, stack=te, **kw)
+    assert h_te.step_time_s < h_ref.step_time_s
+    assert a_te.step_time_s == a_ref.step_time_s          # FlashAttention-2 before Hopper either way
+
+
+def test_eager_element_wise_costs_more_than_compile(llama):
+    prof = dataclasses.replace(llama, fusions=())        # a config's profile: no fusion recorded
+    lay = dict(dp=8, zero=3, mbs=2, recompute="none")
+    kw = dict(seq_len=8192, global_batch=64)
+    eager = estimate_profile(prof, H100, lay, stack=STACKS["torchtitan"].replace(compile=False), **kw)
+    compiled = estimate_profile(prof, H100, lay, stack="torchtitan", **kw)
+    assert eager.step_time_s > compiled.step_time_s
+    assert eager.peak_memory_gb == compiled.peak_memory_gb
+
+
+def test_async_tp_hides_all_but_one_step(llama):
+    lay = Layout(tp=8, dp=1, zero=1, mbs=1, tp_comm_overlap=True)
+    tt = layer_table(llama, H100, lay, seq_len=8192, stack=STACKS["reference"].replace(tp_overlap="async_tp"))
+    none = layer_table(llama, H100, lay, seq_len=8192, stack=STACKS["reference"].replace(tp_overlap="none"))
+    c_async, c_none = tt.cost(0, "none"), none.cost(0, "none")
+    assert math.isclose(c_async.exposed_s["tp"], c_none.exposed_s["tp"] / 8, rel_tol=1e-9)
+    ub = layer_table(llama, H100, lay, seq_len=8192, stack="reference").cost(0, "none")
+    assert math.isclose(ub.exposed_s["tp"], c_none.exposed_s["tp"] * (1 - K.TP_OVERLAP_HIDDEN), rel_tol=1e-9)
+
+
+def test_pytorch_context_parallelism_pays_a_merge_per_ring_step(llama):
+    kw = dict(seq_len=65536)
+    costs = {}
+    for cp in (2, 8):
+        lay = Layout(cp=cp, dp=8 // cp, zero=3, mbs=1, cp_comm_type="all_gather")
+        torch_cp = layer_table(llama, H100, lay, stack=STACKS["reference"].replace(cp_impl="torch"), **kw)
+        te_cp = layer_table(llama, H100, lay, stack="reference", **kw)
+        costs[cp] = torch_cp.cost(0, "none").compute_s - te_cp.cost(0, "none").compute_s
+    assert costs[2] > 0 and costs[8] > 0
+    # the merge passes grow with the ring steps while each step's share of the tokens shrinks
+    assert costs[8] / costs[2] == pytest.approx((8 / 8) / (2 / 2) * (65536 / 8) / (65536 / 2) * 8 / 2, rel=0.05)
+
+
+def test_op_level_sac_sits_between_none_and_full(llama):
+    lay = Layout(dp=8, zero=1, mbs=1)
+    t = layer_table(llama, H100, lay, seq_len=8192, stack="torchtitan")
+    acts = {p: t.act(0, p) for p in ("none", "op_sac", "full")}
+    assert acts["full"] < acts["op_sac"] < acts["none"]
+    rc = {p: t.cost(0, p).recompute_s for p in ("none", "op_sac", "full")}
+    assert rc["none"] == 0 < rc["op_sac"] < rc["full"]
+    # hardware FLOPs: every second matmul runs again
+    half = recompute_flops_per_step(llama, 8192, 64, Layout(dp=8, recompute="op_sac"))
+    full = recompute_flops_per_step(llama, 8192, 64, Layout(dp=8, recompute="full"))
+    assert 0 < half < full
+
+
+def test_recomputing_the_moe_layer_keeps_only_its_input(moe):
+    lay = Layout(ep=8, dp=8, zero=1, mbs=1)
+    t = layer_table(moe, H100, lay, seq_len=4096, stack="megatron-core")
+    acts = {p: t.act(0, p) for p in ("none", "norm_act", "norm_moe", "full")}
+    assert acts["full"] < acts["norm_moe"] < acts["norm_act"] < acts["none"]
+    c = t.cost(0, "norm_moe")
+    # the MoE forward runs again, dispatch and combine all-to-alls included
+    assert c.recompute_s > t.cost(0, "norm_act").recompute_s
+    assert c.comm_s["ep"] > t.cost(0, "norm_act").comm_s["ep"]
