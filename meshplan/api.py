@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.errors import ConfigError, DoesNotFitError
+from meshplan.errors import ConfigError, DoesNotFitError, quiet_imports
 from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
@@ -92,7 +92,8 @@ def load_model(spec: str, *, device: str = "meta", **config):
         if "model_type" not in data:
             raise ConfigError(f"{spec}: not a transformers config (no 'model_type' key)")
         cfg = AutoConfig.for_model(**data)
-        with torch.device(device):
+        # transformers imports torchao (its quantizers) on first use where it is installed
+        with torch.device(device), quiet_imports():
             return AutoModelForCausalLM.from_config(cfg)
     if ".py:" in spec:
         import importlib.util

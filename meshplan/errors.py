@@ -7,7 +7,11 @@ They subclass ValueError so callers that already catch ValueError keep working.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 __all__ = [
+    "quiet_imports",
     "MeshplanError",
     "UnknownNameError",
     "ConfigError",
@@ -46,3 +50,25 @@ class TraceError(MeshplanError):
 
 class DoesNotFitError(MeshplanError):
     """No layout (or not the requested one) fits in GPU memory."""
+
+
+# Import-time log lines of third-party packages that a meshplan user cannot act on: torchao's
+# optional CUDA extensions that a CPU build cannot load ("Failed to load ..._C_mxfp8...so") and
+# torch's deprecation notice for the pytree registrations torchao makes ("... is an Enum subclass
+# and is now natively supported by torch.compile"), printed once per process, i.e. on every rank.
+_NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Import torchao / transformers inside this to keep their import-time notices off the console
+    (errors still show)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_IMPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

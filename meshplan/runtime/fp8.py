@@ -38,7 +38,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from meshplan.errors import ConfigError
+from meshplan.errors import ConfigError, quiet_imports
 
 __all__ = ["BACKENDS", "RECIPES", "backend_available", "resolve_backend", "apply_fp8", "module_precisions",
            "precision_summary", "log_precisions", "merge", "Fp8Swap"]
@@ -104,7 +104,8 @@ def _set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
 def _torchao_config(recipe: str, fsdp_float8_all_gather: bool, emulate: bool):
     import dataclasses
 
-    from torchao.float8 import Float8LinearConfig
+    with quiet_imports():
+        from torchao.float8 import Float8LinearConfig
     if recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
                                   emulate=emulate)
@@ -118,7 +119,8 @@ def _torchao_config(recipe: str, fsdp_float8_all_gather: bool, emulate: bool):
 def _swap_torchao(stage: nn.Module, fqns: list[str], recipe: str, fsdp_float8_all_gather: bool,
                   emulate: bool) -> None:
     from torch.distributed.tensor import DTensor
-    from torchao.float8.float8_linear import Float8Linear
+    with quiet_imports():
+        from torchao.float8.float8_linear import Float8Linear
     for fqn in fqns:
         old = stage.get_submodule(fqn)
         sharded = isinstance(old.weight, DTensor)

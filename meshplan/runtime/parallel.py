@@ -74,6 +74,11 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
 
 def _check(model: nn.Module, plan, world_size: int) -> None:
     """Refuse mismatches before any collective runs (every rank reaches the same verdict)."""
+    stack = getattr(plan, "stack", "meshplan")
+    if stack != "meshplan":
+        raise ConfigError(f"this plan was made for the {stack} stack (its layouts and prices are that "
+                          "framework's); run it there (meshplan plan --export ...), or re-plan for meshplan's "
+                          "runtime (stack='meshplan', the default)")
     plan.check_matches(world_size=world_size)
     fp = fingerprint(model)
     if fp != plan.model_fingerprint:
