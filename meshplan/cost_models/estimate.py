@@ -42,7 +42,7 @@ from meshplan.cost_models.ranks import (
     rank_layers,
     rank_work,
 )
-from meshplan.cost_models.uncertainty import imbalance_risk, regime_of, step_uncertainty
+from meshplan.cost_models.uncertainty import extrapolation, imbalance_risk, plan_regimes, regime_of, step_uncertainty
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
 from meshplan.ir.layout import Layout, check_layout
@@ -327,11 +327,12 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     time_s["compute"] += step - sum(time_s.values())
     comm_s = {"tp": m * w.comm["tp"], "cp": m * w.comm["cp"], "ep": m * w.comm["ep"], "pp": pp_total, "dp": dp_total}
     return _assemble(profile, cluster, L, step=step, time_s=time_s, comm_s=comm_s, mem_stages=mem_stages, m=m,
-                     seq_len=seq_len, global_batch=global_batch, precision=precision)
+                     seq_len=seq_len, global_batch=global_batch, precision=precision, stack=stack, recipe=recipe)
 
 
 def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s: dict, comm_s: dict,
-              mem_stages: list[dict], m: int, seq_len: int, global_batch: int, precision: str) -> Estimate:
+              mem_stages: list[dict], m: int, seq_len: int, global_batch: int, precision: str,
+              stack: Stack, recipe: str) -> Estimate:
     """Throughput, FLOP rates, memory peak, bottleneck and uncertainty band around a step time."""
     totals = [sum(s.values()) for s in mem_stages]
     peak_stage = max(range(len(totals)), key=lambda r: totals[r])
@@ -352,6 +353,11 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
     if high:
         regime["moe_unbalanced"] = True
     moe = any(b.is_moe for b in profile.blocks)
+    notes: tuple[str, ...] = ()
+    if not is_cpu(cluster):     # CPU processes: validated by the closing loop, not the published table
+        floor, notes = extrapolation(plan_regimes(stack=stack.name, gpu_id=cluster.gpu.id, precision=precision,
+                                                  fp8_recipe=recipe, ep_cross=ep_cross, seq_len=seq_len, moe=moe))
+        band = max(band, floor)
     return Estimate(
         step_time_s=step, tokens_per_s_per_gpu=tokens / step / n,
         model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,
@@ -361,7 +367,8 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
         num_microbatches=m, peak_stage=peak_stage, layout=L.to_dict(), seq_len=seq_len,
         global_batch=global_batch, precision=precision, model=profile.name, cluster=cluster.name,
         num_gpus=n, bottleneck=_bottleneck(time_s, step, peak, capacity), uncertainty=band, uncertainty_s=band_s,
-        regime=regime, uncertainty_high=high, moe_balance=profile.moe_balance if moe else "", moe_worst_load=worst)
+        regime=regime, uncertainty_high=high, moe_balance=profile.moe_balance if moe else "", moe_worst_load=worst,
+        stack=stack.name, extrapolation=notes)
 
 
 def _bottleneck(time_s: dict[str, float], step: float, peak: float, capacity: float) -> str:

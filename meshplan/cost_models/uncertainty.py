@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from meshplan.ir.layout import Layout
 
-__all__ = ["step_uncertainty", "gain_band", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
+__all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
            "worst_ep_load", "routed_expert_s", "imbalance_risk", "upper_risk", "worst_case_gain", "risk_clause",
            "worst_case_words"]
 
@@ -86,6 +86,23 @@ X_EP_CROSS_NODE = 1.0                                                        # m
 # cancel between two layouts of one model on one cluster (derived).
 E_PAIR = E_DENSE / 2                                                        # derived
 
+# ---- regimes the validation table covers thinly (leave-one-regime-out) ------------------------
+# benchmarks/results/validate_published-2026-11-26.txt, "leave-one-regime-out": for each regime of
+# benchmarks/validate_published.py REGIMES, the published rows in it and the mean error on them when
+# none of them fitted the constants. A plan in a regime with fewer than REGIME_MIN_ROWS rows
+# extrapolates: its band is at least that regime's held-out error (measured).
+REGIME_MIN_ROWS = 5
+REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (48, 0.159),
+               "stack torchtitan": (18, 0.084), "stack llm-foundry": (36, 0.081),
+               "gpu ampere": (30, 0.085), "gpu hopper": (98, 0.267), "gpu blackwell": (2, 0.370),
+               "fp8 tensorwise": (36, 0.167), "fp8 block/row/mx recipes": (2, 0.356),
+               "ep across nodes": (4, 0.191), "context >= 64k": (12, 0.137), "moe": (20, 0.229)}
+# A regime with no published row takes a regime it resembles: meshplan's runtime is PyTorch-native
+# like torchtitan (FSDP2, DTensor, SDPA, torchao FP8); the stack-neutral reference is Megatron-Core's
+# baseline. Otherwise the mean held-out error over the regimes (derived).
+REGIME_NEAREST = {"stack meshplan": "stack torchtitan", "stack reference": "stack megatron-core"}
+REGIME_UNSEEN = sum(e for _, e in REGIME_LORO.values()) / len(REGIME_LORO)
+
 COMPONENT_ERROR = {"compute": E_DENSE, "optimizer": E_DENSE, "overhead": E_DENSE, "tp": X_TP,
                    "pp": X_PP, "bubble": X_PP, "dp": X_DP, "cp": X_CP, "ep": X_EP}
 
@@ -98,6 +115,42 @@ def regime_of(layout: Mapping[str, Any], *, seq_len: int, precision: str, ep_cro
             "zb": layout.get("schedule") == "zb",
             "ep_cross": layout.get("ep", 1) > 1 and ep_cross_domain,
             "fsdp": layout.get("zero", 1) == 3}
+
+
+def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep_cross: bool, seq_len: int,
+                 moe: bool) -> list[str]:
+    """The REGIME_LORO regimes an estimate falls in (names as benchmarks/validate_published.py's
+    REGIMES)."""
+    gen = "blackwell" if gpu_id.startswith(("b", "gb")) else "ampere" if gpu_id.startswith("a100") else "hopper"
+    out = [f"stack {stack}", f"gpu {gen}"]
+    if precision == "fp8":
+        out.append("fp8 tensorwise" if fp8_recipe == "tensorwise" else "fp8 block/row/mx recipes")
+    if ep_cross:
+        out.append("ep across nodes")
+    if seq_len >= 65536:
+        out.append("context >= 64k")
+    if moe:
+        out.append("moe")
+    return out
+
+
+def extrapolation(regimes: list[str]) -> tuple[float, tuple[str, ...]]:
+    """(the least band the thinly validated regimes among `regimes` call for, one note per such
+    regime saying how many published rows it has and their held-out error)."""
+    floor, notes = 0.0, []
+    for name in regimes:
+        n, err = REGIME_LORO.get(name, (0, None))
+        if n >= REGIME_MIN_ROWS:
+            continue
+        if err is None:
+            near = REGIME_NEAREST.get(name)
+            err = REGIME_LORO[near][1] if near in REGIME_LORO else REGIME_UNSEEN
+            notes.append(f"{name}: no published run in the validation table; held-out error of "
+                         f"{near or 'the regimes'}: {err * 100:.0f}%")
+        else:
+            notes.append(f"{name}: {n} published run(s) in the validation table, held-out error {err * 100:.0f}%")
+        floor = max(floor, err)
+    return floor, tuple(notes)
 
 
 def _errors(regime: Mapping[str, bool]) -> dict[str, float]:

@@ -55,6 +55,10 @@ class Estimate:
     uncertainty: float = 0.0
     uncertainty_s: dict[str, float] = field(default_factory=dict)
     regime: dict[str, bool] = field(default_factory=dict)
+    # the software stack priced (meshplan.ir.stack) and, where the layout sits in a regime the
+    # validation table covers thinly, one note per such regime (the band is at least its error)
+    stack: str = ""
+    extrapolation: tuple[str, ...] = ()
     # A risk the point estimate cannot price, on the upper side only: a MoE model trained without load
     # balancing (moe_balance "none") is priced balanced, and its busiest EP rank may receive up to
     # moe_worst_load x the mean rows; uncertainty_high is what that adds to the step, relative to it
@@ -74,6 +78,7 @@ class Estimate:
         d = asdict(self)
         d["memory_by_stage"] = list(d["memory_by_stage"])
         d["notes"] = list(d["notes"])
+        d["extrapolation"] = list(d["extrapolation"])
         return d
 
     def to_json(self) -> str:
@@ -84,6 +89,7 @@ class Estimate:
         d = dict(d)
         d["memory_by_stage"] = tuple(d["memory_by_stage"])
         d["notes"] = tuple(d.get("notes", ()))
+        d["extrapolation"] = tuple(d.get("extrapolation", ()))
         return cls(**d)
 
     def _band(self) -> str:

@@ -75,7 +75,8 @@ def explain(plan) -> str:
     out = []
     p = out.append
     p(f"Plan for {plan.model} on {est.num_gpus} x {plan.cluster.get('gpu', {}).get('id', '?')} "
-      f"({plan.cluster.get('name')}), seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}")
+      f"({plan.cluster.get('name')}), seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}, "
+      f"for the {getattr(plan, 'stack', 'meshplan')} stack")
     p(f"  layout: {lay.short()}  (mesh {' x '.join(f'{k}={v}' for k, v in plan.mesh.items())})")
     p(f"  {plan.num_microbatches} micro-batches of {plan.micro_batch_size} per data-parallel rank per step"
       + (f"; FP8 on {len(plan.fp8_modules)} linears" if plan.fp8_modules else ""))
@@ -100,6 +101,8 @@ def explain(plan) -> str:
         p(f"  uncertainty band {pm} ({lo:.3f}-{hi:.3f} s), from the validation error "
           f"of: " + ", ".join(f"{_NAMES.get(k, k)} {v * 1e3:.1f} ms" for v, k in worst)
           + (f"; less-validated regimes: {', '.join(flags)}" if flags else ""))
+    for line in est.extrapolation:
+        p(f"  extrapolates: {line}")
     note = balance_note(plan.model, est)
     if note:
         p(f"  {note}")

@@ -85,3 +85,24 @@ def test_explain_states_the_band():
     assert "uncertainty band" in text and pl.estimate.uncertainty > 0
     if pl.search.get("band_choice"):
         assert "inside the band" in text
+
+
+# ---- regimes the validation table covers thinly ----------------------------------------------------
+def test_a_plan_in_a_thinly_validated_regime_says_so_and_widens_its_band():
+    import meshplan as mp
+    from meshplan.cost_models.uncertainty import REGIME_LORO
+    from meshplan.ir.estimate import Estimate
+    kw = dict(seq_len=8192, global_batch=64)
+    b200 = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-b200", nodes=1), {"dp": 8}, stack="megatron-core", **kw)
+    assert any(n.startswith("gpu blackwell") for n in b200.extrapolation)
+    assert b200.uncertainty >= REGIME_LORO["gpu blackwell"][1]
+    h100 = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {"dp": 8}, stack="megatron-core", **kw)
+    assert h100.extrapolation == () and h100.stack == "megatron-core"
+    # meshplan's own runtime has no published row: it borrows the nearest stack's held-out error
+    ours = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {"dp": 8}, stack="meshplan", **kw)
+    assert any("stack meshplan" in n and "torchtitan" in n for n in ours.extrapolation)
+    assert Estimate.from_dict(b200.to_dict()).extrapolation == b200.extrapolation
+    # CPU processes are validated by the closing loop, not by the published table
+    cpu = mp.estimate("tiny-llama", mp.Cluster.preset("local-cpu"), {"dp": 4}, seq_len=128, global_batch=16,
+                      stack="meshplan")
+    assert cpu.extrapolation == ()
