@@ -2,13 +2,21 @@
 
 Triton reads TRITON_INTERPRET when it is first imported, and torch may import triton on its
 own, so the variable is set here, before any test module is collected. On a machine with an
-NVIDIA GPU the real compiler is used instead.
+NVIDIA GPU the real compiler is used instead. MESHPLAN_SPAWN_PRELOAD (below) is read when the
+first multi-process test starts the fork server its ranks are forked from.
 """
 
 import os
 
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Ranks of the multi-process tests (meshplan.train.spawn.run_ranks) are forked from a server that
+# imports torch and meshplan's runtime once; these transformers models (and torchao, which
+# transformers imports) too, instead of every rank importing them again (about 5 s of CPU each).
+os.environ.setdefault("MESHPLAN_SPAWN_PRELOAD", ",".join(
+    f"transformers.models.{m}" for m in ("auto.modeling_auto", "llama.modeling_llama", "mixtral.modeling_mixtral",
+                                          "qwen2_moe.modeling_qwen2_moe", "phi3.modeling_phi3", "gpt2.modeling_gpt2")))
 
 
 import pytest  # noqa: E402

@@ -18,7 +18,7 @@ from meshplan.planner.trace import trace
 from meshplan.runtime.fused import apply_fused_kernels
 import dataclasses
 
-from tests.test_fusions import UserLM
+from tests.planner.test_fusions import UserLM
 
 SEQ, VOCAB = 8, 96
 

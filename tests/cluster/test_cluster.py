@@ -20,7 +20,7 @@ from meshplan import cluster as mc
 from meshplan.cluster import GPUS, Cluster, GPUSpec, cpu_gpu_spec, gpu
 from meshplan.errors import ConfigError, LayoutError, MeshplanError, UnknownNameError
 
-HARDWARE_CSV = Path(__file__).resolve().parents[1] / "meshplan" / "data" / "hardware.csv"
+HARDWARE_CSV = Path(__file__).resolve().parents[2] / "meshplan" / "data" / "hardware.csv"
 
 REQUIRED_GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h800", "h200", "b200", "gb200",
                  "mi300x", "mi325x", "l40s", "cpu")
@@ -403,7 +403,7 @@ def test_import_is_light_and_fingerprint_is_stable_across_processes():
     code = ("import sys, meshplan.cluster as m; assert 'torch' not in sys.modules, 'torch imported'; "
             "print(m.Cluster.preset('dgx-h100', nodes=2).fingerprint())")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).parents[1])
+                         cwd=Path(__file__).parents[2])
     assert out.stdout.strip() == Cluster.preset("dgx-h100", nodes=2).fingerprint()
 
 

@@ -18,8 +18,8 @@ from torch import nn
 import meshplan as mp
 from meshplan.planner.tp_probe import tp_probe
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 class NanoAttention(nn.Module):

@@ -21,8 +21,8 @@ import meshplan as mp
 from meshplan.errors import MeshplanError
 from meshplan.ir.support import ModelTraits, runtime_limits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 
 def test_expert_weights_must_shard_evenly_over_edp():

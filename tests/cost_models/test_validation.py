@@ -14,7 +14,7 @@ def _bench(name: str = "validate_published"):
     """benchmarks/validate_published.py, which supplies meshplan's model builders to the validation
     (meshplan.cost_models.validation takes them as arguments: it may not import the planner)."""
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_published.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_published.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -66,7 +66,7 @@ def test_moe_row_fills_architecture_from_preset():
 
 def test_quick_benchmark_runs(capsys):
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_published.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_published.py"
     spec = importlib.util.spec_from_file_location("validate_published", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -79,7 +79,7 @@ def test_quick_benchmark_runs(capsys):
 def test_leave_one_source_out_never_fits_on_the_held_out_source(monkeypatch):
     """Each fold's fit sees no row of the source it predicts, and the shipped constants come back."""
     import importlib.util
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_published.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_published.py"
     spec = importlib.util.spec_from_file_location("validate_published_loso", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -109,7 +109,7 @@ def test_cli_plan_user_model_file_and_hf_config(tmp_path, capsys):
     from pathlib import Path
 
     from meshplan.cli import main
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out_json = tmp_path / "plan.json"
     assert main(["plan", "--model", f"{root}/examples/my_model.py:build", "--cluster", "dgx-h100", "--nodes", "1",
                  "--seq-len", "2048", "--global-batch", "32", "--json", str(out_json)]) == 0

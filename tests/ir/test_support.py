@@ -47,7 +47,7 @@ def test_traits_from_traced_models():
     meta = lambda name: mp.profile(mp.models.build(name, device="meta"), seq_len=64)   # noqa: E731
     assert model_traits(meta("tiny-llama")) == ModelTraits(layers=4)
     assert model_traits(meta("tiny-moe")).moe
-    spec = importlib.util.spec_from_file_location("my_model", Path(__file__).parents[1] / "examples" / "my_model.py")
+    spec = importlib.util.spec_from_file_location("my_model", Path(__file__).parents[2] / "examples" / "my_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     import torch

@@ -27,7 +27,7 @@ from meshplan.planner.analytic import profile_from_config
 from meshplan.planner.ilp_fp8 import fp8_layer_modules
 
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _bench():
