@@ -105,7 +105,7 @@ MOE_FLAGS = ("moe_aux_loss_coeff", "moe_aux_loss_scope", "moe_z_loss_coeff", "mo
 
 
 def _register_training_options(t) -> None:
-    g = t.add_argument_group("MoE load balancing (model config options; see README)")
+    g = t.add_argument_group("MoE load balancing (model config options; see docs/training.md)")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
                    help="coefficient of the load-balancing loss added to the training loss (e.g. 1e-2)")
     g.add_argument("--moe-aux-loss-scope", choices=["global", "local"], default=None,

@@ -14,7 +14,7 @@ The package, one job per module:
 - cluster.py: the `Cluster` class (construction, placement, replace, JSON, fingerprint);
 - presets.py: the named clusters (`PRESETS`, `Cluster.preset`).
 
-Every figure comes from ../shared/data/hardware.csv (columns named in the comments) or
+Every figure comes from meshplan/data/hardware.csv (columns named in the comments) or
 reference/cost_models.md; figures the CSV lacks are derived and marked "estimate" with the
 reasoning. Bandwidths follow the nccl-tests definitions (busbw, GB/s = 1e9 B/s); TFLOPS are dense.
 

@@ -2,7 +2,7 @@
 
 Owns the numbers only: NCCL/RCCL collective latencies, the memory a training process cannot use,
 achieved NIC bandwidths, the PCIe GEMM penalty, and this machine's local-cpu measurements. Every
-figure comes from ../shared/data/hardware.csv or reference/cost_models.md (named in the comment
+figure comes from meshplan/data/hardware.csv or a cited source (named in the comment
 next to it); figures the sources lack are marked "estimate" with the reasoning. Bandwidths follow
 the nccl-tests definitions (busbw, GB/s = 1e9 B/s); TFLOPS are dense.
 """

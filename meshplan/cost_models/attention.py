@@ -1,6 +1,6 @@
 """Shape dependence of flash attention on GPUs: what fraction of the kernel's plateau rate one
 attention call reaches, from its query/key lengths, causal mask, batch x heads and the GPU's SMs
-(issue #16). compute.attention_time multiplies the time at the plateau rate by `shape_penalty`.
+. compute.attention_time multiplies the time at the plateau rate by `shape_penalty`.
 
 Mechanism (FlashAttention-2/3 structure: Dao 2023, arXiv 2307.08691, §3; Shah et al. 2024, arXiv
 2407.08608, §3). A call on (batch*heads) x (q_len x k_len) is cut into ATTN_TILE x ATTN_TILE tiles of

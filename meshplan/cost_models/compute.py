@@ -50,7 +50,7 @@ def cpu_rate_scale(cluster) -> float:
     calibrated matmul rate instead predicted the default job 15% fast on the quiet host: 4
     one-thread processes sustain 109 GFLOP/s of 512^3 bf16 matmul each there, 1.2x the preset's
     2-thread 2048^3 rate split 4 ways, while its step matched the preset's prediction, dp4 0.133 s
-    measured against 0.132 predicted, r4.) Otherwise: the matmul-derived share x speed."""
+    measured against 0.132 predicted.) Otherwise: the matmul-derived share x speed."""
     op_us = getattr(cluster.gpu, "cpu_op_us", None)
     if op_us:
         # preset share x preset speed x (the quiet op time at that share, CPU_QUIET_OP_US_1T / share,

@@ -2,9 +2,9 @@
 
 "derived" = follows from a formula or a spec; "measured" = a published measurement;
 "fitted" = chosen by `benchmarks/validate_published.py --fit` (2026-11-22, traced profiles; re-run
-after the stack mechanisms of issue #2: grad dtype, DeepEP dispatch, ZeRO-3 flavours, TE weight
+after the stack mechanisms: grad dtype, DeepEP dispatch, ZeRO-3 flavours, TE weight
 caching) on the FIT split of
-../shared/data/published_runs.csv (rows are split by a hash of their id; the error on the other
+meshplan/data/published_runs.csv (rows are split by a hash of their id; the error on the other
 rows is reported separately). Re-fit by running that script; never tune to a single row.
 """
 
@@ -290,7 +290,7 @@ CPU_ADAMW_DTENSOR_PARAM_S = 322e-6                                              
 CPU_GRAD_NORM_PARAM_S = 63e-6                                                       # measured
 CPU_GRAD_NORM_DTENSOR_PARAM_S = 129e-6                                              # measured
 
-# ---- attention shape dependence on GPUs (meshplan.cost_models.attention, issue #16) ----------------
+# ---- attention shape dependence on GPUs (meshplan.cost_models.attention) ----------------
 # ATTN_FWD_EFF / ATTN_BWD_EFF above are the kernels' plateau efficiency (a long call); these set how
 # far below it a given call lands. Reference curves (H100 SXM5, B*S = 16k tokens, 16 heads of 128,
 # TFLOP/s of masked FLOPs), Shah et al. 2024 (FlashAttention-3, arXiv 2407.08608) Fig. 5/6, at seq

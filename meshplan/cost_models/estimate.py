@@ -171,7 +171,7 @@ def _cpu_bubble(cluster, L: Layout, busy: float, bubble: float) -> float:
     critical path run at full speed, share x (busy + bubble), each rank on a core of its own while
     the others wait. The bubble left is what the second bound adds to the first. On 2 cores with
     pp2 x dp2 (share 0.5) and m = 2 micro-batches the 1F1B bubble, half the busy time, is hidden
-    entirely: the measured step equalled dp4's (0.147 s against 0.133 s, results r4) and the
+    entirely: the measured step equalled dp4's (0.147 s against 0.133 s, benchmarks/cpu_closing_loop.py) and the
     processes' CPU time equalled dp4's. GPUs (and a process per core): the bubble as priced."""
     if not is_cpu(cluster) or L.pp <= 1:
         return bubble

@@ -1,5 +1,5 @@
 """Host (Python / dispatch / gloo) time of CPU processes that a GPU-oriented model does not charge
-(issue #16 part 3, "closing the loop on hardware we have").
+(the CPU closing loop: benchmarks/cpu_closing_loop.py).
 
 On local CPU processes the host is the device: every DTensor dispatch, every collective's
 loopback work and every per-parameter optimizer op takes the same cores the GEMMs run on, so it

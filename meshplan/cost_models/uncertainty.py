@@ -2,8 +2,8 @@
 
 Each component of a step (`Estimate.time_s`) is driven by one mechanism of the cost model; each
 mechanism has been checked against measured runs (benchmarks/validate_published.py,
-leave-one-source-out) or, where no published run exercises it, against the held-out runs of
-issue #16. A component's time is taken as uncertain by a relative error X_k, and components are
+leave-one-source-out) or, where no published run exercises it, against published runs
+held out of the table (measured through the public API). A component's time is taken as uncertain by a relative error X_k, and components are
 combined as independent errors:
 
     sigma_step = sqrt( sum_k (X_k * t_k)^2 ),      band = sigma_step / T_step
@@ -18,7 +18,8 @@ better-validated one is inside that band, the planner keeps the simpler one (`pr
 A risk on the upper side only (`Estimate.uncertainty_high`: a MoE router nothing balances) is
 judged at its worst: a layout whose gain does not survive its own worst case is not "faster".
 
-Derivation of the constants (2026-11-24, benchmarks/results/validate_published-2026-11-24.txt,
+Derivation of the constants (validate_published as of 2026-11-24; its current results file is
+benchmarks/results/validate_published-2026-11-26.txt,
 "LOSO error by mechanism"): for rows leaning on mechanism k, the held-out error beyond the dense
 rows' error, sqrt(MAPE_k^2 - MAPE_dense^2), divided by the mean share of the step the mechanism's
 component takes in those rows, is the relative error of that component.
@@ -35,7 +36,7 @@ __all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "RE
            "worst_ep_load", "routed_expert_s", "imbalance_risk", "upper_risk", "worst_case_gain", "risk_clause",
            "worst_case_words"]
 
-# ---- validated mechanisms (leave-one-source-out, validate_published-2026-11-24) --------------
+# ---- validated mechanisms (leave-one-source-out, validate_published as of 2026-11-24) ---------
 # Dense TP x PP x DP with the distributed optimizer (Megatron SC'21, Megatron-Core README,
 # Korthikanti, NeMo, BLOOM, MT-NLG rows): LOSO MAPE of the 37 rows tagged "dense" (9.5%), each
 # fold re-fitted from a neutral start. Applies to compute, optimizer and fixed overhead.
@@ -70,7 +71,7 @@ X_EP = 0.3                                                                   # d
 X_FP8 = 0.15                                                                 # measured range
 
 # ---- regimes no published row in data/published_runs.csv exercises -------------------------
-# Issue #16's held-out set (88 runs never used for fitting, measured through the public API): CP at
+# A held-out set of published runs (88 runs never used for fitting, measured through the public API): CP at
 # 128k tokens predicted less than half the measured throughput (the CP + attention component off by
 # ~100%); MoE at Qwen3 / DeepSeek-V3 scale (EP across nodes) ~33% step error with ~30-40% of the step
 # in the all-to-all (=> ~1.0 on the component); FP8 recipes other than tensorwise ~25-35%.
@@ -79,8 +80,8 @@ CP_VALIDATED_MIN_TOKENS = 4096       # fewest tokens per CP rank in a validated 
 # Zero-bubble schedules: no published run in the data uses one, so the bubble they claim to remove
 # is unvalidated: its whole time is taken as uncertain (judgement until a measured ZB row exists).
 X_ZB = 1.0                                                                   # estimate
-X_CP_LONG = 1.0                                                              # measured (issue #16 held-out)
-X_EP_CROSS_NODE = 1.0                                                        # measured (issue #16 held-out)
+X_CP_LONG = 1.0                                                              # measured (held-out runs)
+X_EP_CROSS_NODE = 1.0                                                        # measured (held-out runs)
 # Residual error between two layouts of one job outside the components they differ in (kernel
 # shapes, launch gaps): the dense LOSO error halved, since the shared GEMM-rate and NCCL-model errors
 # cancel between two layouts of one model on one cluster (derived).
@@ -183,7 +184,7 @@ def step_uncertainty(time_s: Mapping[str, float], regime: Mapping[str, bool]) ->
 # balanced load (where an untrained router collapses is not predictable), and its band widens on the
 # upper side by the worst case: meshplan's own tiny-moe (no aux loss, no bias) measured max/mean
 # expert load 1.96 of a possible 2.0 over its first 20 steps, and its EP2 step ran 2x the prediction
-# (issue #16).
+# (measured with meshplan train).
 
 
 def worst_ep_load(experts: int, topk: int, ep: int, capacity: float | None = None) -> float:

@@ -1,4 +1,4 @@
-"""Check the cost model against measured runs (../shared/data/published_runs.csv).
+"""Check the cost model against measured runs (meshplan/data/published_runs.csv).
 
 For each row meshplan can express: build the model (meshplan.models on the meta device, traced;
 or the analytic profile with `traced=False`), the cluster and the published layout, run

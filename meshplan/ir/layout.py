@@ -135,7 +135,7 @@ class Layout:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"layout schedule={self.schedule!r}: use one of {SCHEDULES}")
         if self.vp > 1 and self.schedule not in ("interleaved", "zbv"):
-            # a named schedule is kept or refused, never rewritten (issue #17)
+            # a named schedule is kept or refused, never rewritten
             raise ConfigError(f"schedule {self.schedule!r} runs one model chunk per pipeline rank, but vp={self.vp} "
                               "virtual stages were asked for; use vp=1 with it, or schedule='interleaved' "
                               "(or 'zbv', vp=2) for virtual stages")

@@ -83,7 +83,7 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     bias: bool | None = None
     router: str = "softmax"
-    # MoE load balancing and routing (see the README's "MoE training" section; Megatron-Core names)
+    # MoE load balancing and routing (docs/training.md, "MoE load balancing"; Megatron-Core names)
     moe_aux_loss_coeff: float = 0.0     # Switch load-balancing loss added to the training loss
     moe_aux_loss_scope: str = "global"  # "global": counts over dp x cp ranks and micro-batches; "local"
     moe_z_loss_coeff: float = 0.0       # router z-loss (ST-MoE): mean logsumexp(logits)^2

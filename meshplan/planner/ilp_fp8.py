@@ -279,7 +279,7 @@ def fp8_layer_modules(profile, force_in: Sequence[str] = (), force_out: Sequence
     granularity (a layer's GEMMs are FP8 when any of its linears is: cost_models.ranks.layer_fp8_flags):
     every layer but the first and last block (DEFAULT_EXCLUSIONS), plus a layer with a forced-in
     linear, less a layer whose linears are all forced out. So the search ranks FP8 candidates at the
-    price the plan then reports for the ILP's choice, not at "every layer FP8" (issue #16 part 5: the
+    price the plan then reports for the ILP's choice, not at "every layer FP8" (the
     planner's own layout used to come out slower than `estimate` of it). None: every layer is FP8,
     which is what estimate(precision="fp8") prices without a module set."""
     per_layer: list[list[str]] = []

@@ -56,7 +56,7 @@ MAX_MBS = 8
 CP_MIN_TOKENS_PER_RANK = 1024
 # Virtual stages: every vp that splits each pipeline rank's layers into equal chunks, up to one layer
 # per chunk, as Megatron-LM accepts (--num-layers-per-virtual-pipeline-stage). A cap of 8 left out
-# published layouts (NeMo 24.07: Nemotron-4 340B pp8 vp12, Nemotron 22B pp4 vp10; issue #16 part 5)
+# published layouts (NeMo 24.07: Nemotron-4 340B pp8 vp12, Nemotron 22B pp4 vp10)
 # and costs ~20% more estimates on the largest cases (benchmarks/planning_speed.py).
 # 12 covers every published vp the validation data expresses (NeMo: Nemotron-4 340B pp8 vp12); no cap
 # costs 20-34% more estimates on the largest cases and picks splits such as pp2 vp47 (judgement)

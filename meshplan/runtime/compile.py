@@ -8,7 +8,7 @@ what they hold. Inductor fuses the element-wise work around the matmuls (norms, 
 residual adds, FP8 casts) that eager runs as separate kernels.
 
 Why "auto" compiles on CUDA only: on one H100 a 1.2B Llama step took 0.196 s eager and 0.157 s
-compiled (benchmarks/results/gpu_suite-2026-11-24-nvidia-h100-80gb-hbm3.md), and torchao's FP8
+compiled (benchmarks/results/gpu_suite-2026-11-24-nvidia-h100-80gb-hbm3-fp8-runtime.md), and torchao's FP8
 needs compile to be faster than BF16 at all (0.140 s compiled FP8 vs 0.365 s eager FP8). On CPU
 inductor spends tens of seconds compiling each distinct block for small or no gains at the
 model sizes CPU runs, so "auto" leaves CPU eager; True forces it (the tests do).

@@ -39,13 +39,13 @@ from meshplan.runtime.pipeline import _PassThrough, _ZeroEmbedding
 __all__ = ["apply_fused_kernels", "apply_router_kernel", "FusedHead", "Swapped", "choose_kernels", "FASTER_THAN_EAGER"]
 
 # Which kernels beat the eager modules they replace, by (device type, kernel backend): the
-# runtime swaps a kernel in for training only where it is faster (issue #17 part 4).
+# runtime swaps a kernel in for training only where it is faster.
 # cuda/triton: benchmarks/results/kernels-2026-11-24-nvidia-h100-80gb-hbm3.md, bf16, fwd+bwd:
 #   rms_norm 0.61 vs 1.90 ms, swiglu 0.66 vs 4.36 ms, rope 0.54 vs 2.24 ms, linear+CE 43 vs 52 ms
 #   (llama3-8b shapes; the same order at llama3-70b shapes).
 # Everything else (CPU with the plain-PyTorch reference, the Triton interpreter) is slower than
 # the modules it replaces: on CPU the reference fallbacks made a tiny-llama step 0.129 s against
-# 0.123 s eager (issue #17); they exist to test the swap's correctness, not to train.
+# 0.123 s eager; they exist to test the swap's correctness, not to train.
 FASTER_THAN_EAGER: dict[tuple[str, str], frozenset[str]] = {
     ("cuda", "triton"): frozenset({"rms_norm", "swiglu", "rope", "linear_cross_entropy"}),
 }

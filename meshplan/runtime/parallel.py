@@ -14,7 +14,7 @@ TP rank's own tokens (its sequence shard), so TP leaves their router and experts
 (x cp) mesh. Gradient norm, full tensors and DCP state need nothing special: expert gradients
 are DTensors over (edp, ep[, etp]), so their sums and `full_tensor()` cover every expert once.
 
-Data parallelism and precision (issue #17: never slower than the PyTorch a user writes by hand):
+Data parallelism and precision (never slower than the PyTorch a user writes by hand):
 zero 1-3 run through FSDP2 (fsdp.py; ZeRO-1/2 gather the weights once per step); zero=0 runs
 as plain DDP (bucketed all-reduce overlapped with backward, summed by a comm hook) where
 `ddp_runs`; one data-parallel rank has no wrapper at all and gets bf16 from `torch.autocast`
