@@ -374,7 +374,8 @@ class MoEBalancer:
     def __init__(self, pm, num_microbatches: int | None = None):
         self.pm = pm
         self.layers = _routing_layers(pm.stages)
-        self.group = balance_group(pm) if self._any_anywhere() else None
+        self.anywhere = self._any_anywhere()
+        self.group = balance_group(pm) if self.anywhere else None
         for _, m in self.layers:
             m.balance_group = self.group
         self.set_microbatches(num_microbatches or pm.plan.num_microbatches)
@@ -389,7 +390,11 @@ class MoEBalancer:
 
     @property
     def active(self) -> bool:
-        return bool(self.layers) or self.group is not None
+        # every rank when any stage routes: finish_step gathers the statistics over pp, so a
+        # pipeline stage without routed layers (tiny-moe's dense layer 0 alone at pp=4) must join
+        # that gather too; were it left out, the routed stages would wait in it while that stage's
+        # next step waits on its p2p sends to them (a deadlock until the collective timeout)
+        return self.anywhere
 
     def set_microbatches(self, m: int) -> None:
         """Micro-batches per step (changes with a batch-size ramp-up)."""
