@@ -117,6 +117,25 @@ def _collective_pair(kind: str, nbytes_d: float, nbytes_e: float, g: _DPGroups, 
     return collective_time(kind, nbytes_d, dense_group or g.dp, cluster) + collective_time(kind, nbytes_e, g.edp, cluster)
 
 
+def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float) -> tuple[float, float]:
+    """FSDP2 under torch.distributed.pipelining (Stack.pp_fsdp_deferred): a micro-batch's backward
+    neither reshards nor reduces, and one reduce-scatter follows the stage's last micro-batch.
+    Weights kept gathered after forward (reshard_after_forward=False, torchtitan's default with PP)
+    are gathered once a step; resharded after each forward they are gathered for each micro-batch's
+    forward and again for its backward. The step-end reduce-scatter has no backward left to hide
+    behind; the gathers are prefetched ahead of each forward / backward as without PP."""
+    units = _zero3_units(L, [blocks[i] for i in w.layers])
+    ag = units * _collective_pair("all_gather", K.PARAM_BYTES * w.dparams / units, K.PARAM_BYTES * w.eparams / units,
+                                  g, cluster)
+    rs = units * _collective_pair("reduce_scatter", gb * w.dparams / units, gb * w.eparams / units, g, cluster)
+    eta = _fsdp_overlap(L, cluster)
+    gathers = 2 * m if L.reshard_after_forward else 1
+    n_layers = max(1, len(w.layers))
+    exposed = gathers * (max(0.0, ag - eta * min(w.t_f, w.t_b)) + ag / n_layers) + rs
+    rep = collective_time("all_reduce", gb * w.dparams / max(1, g.shard), g.rep, cluster)
+    return gathers * ag + rs + rep, min(exposed, gathers * ag + rs) + rep
+
+
 def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float) -> tuple[float, float]:
     """FSDP: gather for forward (and again for backward when resharded), reduce-scatter, every
     micro-batch; HSDP adds one all-reduce of the gradient shards across replicas. ZeRO-3 issues one
@@ -136,7 +155,8 @@ def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, g
     return m * (n_ag * ag + rs) + rep, m * per_mb + max(0.0, rep - eta * w.t_b)
 
 
-def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int) -> tuple[float, float]:
+def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
+             pp_deferred: bool = False) -> tuple[float, float]:
     """(total, exposed) seconds of data-parallel communication per step on one pipeline rank."""
     gb = grad_bytes(L)
     eta = K.DP_OVERLAP_EFF if cluster.gpu.comm_overlap else 0.0
@@ -152,6 +172,8 @@ def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int) -> t
         rs = collective_time("reduce_scatter", gb * w.dparams, g.dp, cluster) + \
             units_e * collective_time("reduce_scatter", gb * w.eparams / max(1, units_e), g.edp, cluster)
         return ag + rs, max(0.0, rs - eta * w.t_b) + max(0.0, ag - eta * w.t_f)
+    if pp_deferred and L.pp > 1:
+        return _zero3_pp_deferred(w, blocks, L, g, cluster, m, gb)
     return _zero3_comm(w, blocks, L, g, cluster, m, gb)
 
 
@@ -201,8 +223,10 @@ def _step_overhead(profile: ModelProfile, cluster, L: Layout, ranks: list[RankWo
 
 
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
-                 fp8: bool) -> dict[str, float]:
-    """GiB by category on pipeline rank r."""
+                 fp8: bool, pp_deferred: bool = False) -> dict[str, float]:
+    """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
+    keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
+    reduce-scatter."""
     p, v, shard = L.pp, L.vp, L.shard
     gb, ob = grad_bytes(L), optimizer_bytes(L)    # fp32 master + Adam moments in L.optimizer_dtype
     sd = state_bytes(w.dparams, shard, L.zero, grad_bytes=gb, optimizer_bytes=ob)
@@ -215,6 +239,10 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         wb, g = zero3_working_bytes(L, [blocks[i] for i in w.layers], gb)
         mem["weights"] += wb
         mem["gradients"] += g
+    if pp_deferred and L.zero >= 3 and shard > 1:
+        # the unsharded gradients of every layer of the stage, held from the first backward to the
+        # step's reduce-scatter (in the parameters' bf16; FSDP2 casts to the reduce dtype per bucket)
+        mem["gradients"] += K.PARAM_BYTES * (w.dparams + w.eparams) - sd["gradients"] - se["gradients"]
     held = in_flight(L.schedule, m, p, v, r)
     activ = w.act * held + w.largest_full
     if r == 0:
@@ -312,9 +340,10 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     pp_exposed, pp_total = _pp_comm(profile, cluster, L, m, ctx.tokens)
     pp_exposed += pp_host_time(L, cluster, m)        # CPU processes: the sends' and receives' host work
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
-    dp = [_dp_comm(w, blocks, L, groups, cluster, m) for w in ranks]
+    deferred = stack.pp_fsdp_deferred and L.pp > 1
+    dp = [_dp_comm(w, blocks, L, groups, cluster, m, deferred) for w in ranks]
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
-    mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8) for r, w in enumerate(ranks)]
+    mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred) for r, w in enumerate(ranks)]
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
     overhead = _step_overhead(profile, cluster, L, ranks)

@@ -74,6 +74,10 @@ class Stack:
     grad_accum_fusion: bool = True         # wgrad GEMM adds into the fp32 gradient buffer (beta = 1)
     runtime_checks: bool = False           # the planner applies meshplan.ir.support (meshplan's runtime)
     pp_min_microbatches: bool = False      # torch.distributed.pipelining: at least pp micro-batches a step
+    # torch.distributed.pipelining drives FSDP2 under PP: each micro-batch's backward runs without
+    # gradient sync or resharding, and one reduce-scatter per stage follows the last micro-batch
+    # (PipelineStage.backward_maybe_with_nosync / perform_reduce_grad)
+    pp_fsdp_deferred: bool = False
     sources: str = ""
 
     def __post_init__(self) -> None:
@@ -151,7 +155,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "selective", "norm_act", "full"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, runtime_checks=True,
-          pp_min_microbatches=True,
+          pp_min_microbatches=True, pp_fsdp_deferred=True,
           sources="meshplan/runtime (parallel.py, context_parallel.py, fp8.py, recompute.py, pipeline.py, compile.py)"),
     # torchtitan (arXiv 2410.06511; torchtitan/models/llama3/infra/parallelize.py, distributed/
     # activation_checkpoint.py): SDPA (FlashAttention-2 backend), PyTorch context_parallel (K/V
@@ -164,6 +168,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "op_sac", "full"),
           tp_overlap="async_tp", schedules=("1f1b", "interleaved", "gpipe", "zbv"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, pp_min_microbatches=True,
+          pp_fsdp_deferred=True,
           sources="torchtitan arXiv 2410.06511; torchtitan parallelize.py / activation_checkpoint.py"),
     # Megatron-Core + Transformer Engine (Megatron-LM, NeMo 2, Megatron-Bridge): TE attention (cuDNN
     # fused on Hopper+), CP p2p / all_gather / a2a (--cp-comm-type), TE FP8 (delayed / current

@@ -107,3 +107,21 @@ def test_recomputing_the_moe_layer_keeps_only_its_input(moe):
     # the MoE forward runs again, dispatch and combine all-to-alls included
     assert c.recompute_s > t.cost(0, "norm_act").recompute_s
     assert c.comm_s["ep"] > t.cost(0, "norm_act").comm_s["ep"]
+
+
+def test_fsdp_under_torch_pipelining_reduces_once_a_step(llama):
+    """torch.distributed.pipelining runs each micro-batch's backward without FSDP's gradient sync
+    and reduce-scatters once after the last one (PipelineStage.perform_reduce_grad); kept gathered,
+    the weights are gathered once a step. The stage then holds its whole unsharded gradients."""
+    kw = dict(seq_len=8192, global_batch=64)
+    lay = dict(tp=1, pp=2, dp=4, zero=3, mbs=1, recompute="full", reshard_after_forward=False)
+    ours = estimate_profile(llama, H100, lay, stack=STACKS["reference"].replace(pp_fsdp_deferred=True), **kw)
+    megatron = estimate_profile(llama, H100, lay, stack="reference", **kw)
+    m = ours.num_microbatches
+    assert m == 16
+    assert ours.comm_s["dp"] < megatron.comm_s["dp"] / 4           # once a step instead of every micro-batch
+    assert ours.memory_gb["gradients"] > megatron.memory_gb["gradients"]
+    resharded = estimate_profile(llama, H100, dict(lay, reshard_after_forward=True),
+                                 stack=STACKS["reference"].replace(pp_fsdp_deferred=True), **kw)
+    assert resharded.comm_s["dp"] > ours.comm_s["dp"]             # gathers for every forward and backward
+    assert STACKS["meshplan"].pp_fsdp_deferred and STACKS["torchtitan"].pp_fsdp_deferred
