@@ -22,6 +22,7 @@ predicted one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -33,13 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit  # noqa: E402
 
 from meshplan.cost_models import constants as K  # noqa: E402
-from meshplan.cost_models.estimate import clear_caches  # noqa: E402
 from meshplan.cost_models import validation as V  # noqa: E402
 from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, split_of  # noqa: E402
 
-# Constants re-fitted by --fit, with the bounds they may take (physical ranges, not free knobs).
-FITTED = {"TRAINING_GEMM_EFF": (0.5, 1.0), "ATTN_FWD_EFF": (0.4, 0.95), "ATTN_BWD_EFF": (0.3, 0.95),
-          "DP_OVERLAP_EFF": (0.1, 0.95), "FSDP_OVERLAP_EFF": (0.1, 0.95), "TP_OVERLAP_HIDDEN": (0.3, 0.95), "LAYER_OVERHEAD_S": (0.0, 2e-4)}
+# Constants re-fitted by --fit (the fields of constants.Fitted), with the bounds they may take
+# (physical ranges, not free knobs).
+FITTED = {"training_gemm_eff": (0.5, 1.0), "attn_fwd_eff": (0.4, 0.95), "attn_bwd_eff": (0.3, 0.95),
+          "dp_overlap_eff": (0.1, 0.95), "fsdp_overlap_eff": (0.1, 0.95), "tp_overlap_hidden": (0.3, 0.95),
+          "layer_overhead_s": (0.0, 2e-4)}
 
 
 def model_profile(cfg, *, traced: bool = True):
@@ -66,17 +68,15 @@ def model_config(row):
     return V.model_config(row, preset)
 
 
-def run_row(row, *, traced: bool = True, profiles: dict | None = None):
+def run_row(row, *, traced: bool = True, profiles: dict | None = None, fitted=None):
     """meshplan.cost_models.validation.run_row with meshplan's model builders and presets."""
     from meshplan.models import config as preset
-    return V.run_row(row, lambda cfg: model_profile(cfg, traced=traced), preset=preset, profiles=profiles)
+    return V.run_row(row, lambda cfg: model_profile(cfg, traced=traced), preset=preset, profiles=profiles,
+                     fitted=fitted)
 
 
-def evaluate(rows, traced, profiles):
-    out = []
-    for r in rows:
-        out.append(run_row(r, traced=traced, profiles=profiles))
-    return out
+def evaluate(rows, traced, profiles, fitted=None):
+    return [run_row(r, traced=traced, profiles=profiles, fitted=fitted) for r in rows]
 
 
 def mape(results):
@@ -85,65 +85,55 @@ def mape(results):
 
 
 def fit(rows, traced, profiles, *, fit_rows=None, rounds: int = 3, factors=(0.6, 0.8, 0.9, 1.1, 1.25, 1.6),
-        verbose: bool = True):
+        verbose: bool = True, start: K.Fitted = K.FITTED) -> K.Fitted:
     """Coordinate descent on the fitted constants over the fit split only (or `fit_rows`), each
-    constant kept inside its physical bounds. The loss weights every source equally (the mean over
-    sources of each source's mean |error|), so the source with the most rows does not set the constants."""
+    constant kept inside its physical bounds, from `start`; returns the new constants.Fitted (the
+    cost model is priced with it; nothing global changes). The loss weights every source equally
+    (the mean over sources of each source's mean |error|), so the source with the most rows does
+    not set the constants."""
     if fit_rows is None:
         fit_rows = [r for r in rows if split_of(r.id, r.family) == "fit"]
 
-    def loss():
-        clear_caches()     # layer costs are memoised; a changed constant must reach every row
+    def loss(f: K.Fitted) -> float:
         per_src = defaultdict(list)
-        for x in evaluate(fit_rows, traced, profiles):
+        for x in evaluate(fit_rows, traced, profiles, f):
             if x.error is not None:
                 per_src[x.row.family].append(abs(x.error))
         return statistics.mean(statistics.mean(v) for v in per_src.values())
 
-    best = loss()
+    best_f, best = start, loss(start)
     for _ in range(rounds):
         for name, (lo, hi) in FITTED.items():
-            base = getattr(K, name)
-            for f in factors:
-                val = min(hi, max(lo, base * f))
-                setattr(K, name, val)
-                cur = loss()
+            base = getattr(best_f, name)
+            for fac in factors:
+                cand = dataclasses.replace(best_f, **{name: min(hi, max(lo, base * fac))})
+                cur = loss(cand)
                 if cur < best - 1e-4:
-                    best, base = cur, val
-                setattr(K, name, base)
+                    best, best_f = cur, cand
             if verbose:
-                print(f"  {name:20s} = {getattr(K, name):.4g}   loss {best:.4f}", flush=True)
-    return {n: getattr(K, n) for n in FITTED}
+                print(f"  {name:20s} = {getattr(best_f, name):.4g}   loss {best:.4f}", flush=True)
+    return best_f
 
 
 def leave_out(rows, traced, profiles, groups: dict, *, rounds: int = 2,
               factors=(0.6, 0.8, 0.9, 1.1, 1.25, 1.6)):
     """For each named group of rows (`groups`: name -> predicate on a Row): re-fit the FITTED
-    constants on every modelled row outside the group, predict the group's rows, restore the shipped
-    constants. Each fold starts from the same neutral point (the geometric middle of each constant's
-    bounds), not from the shipped values, which the held-out rows helped fit. Rows of NOT_FITTED
-    sources never fit; a group of only such rows is predicted from all modelled rows.
-    Returns {group: [RowResult]} and {group: {constant: value}}."""
-    shipped = {n: getattr(K, n) for n in FITTED}
+    constants on every modelled row outside the group, predict the group's rows with them. Each
+    fold starts from the same neutral point (the geometric middle of each constant's bounds), not
+    from the shipped values, which the held-out rows helped fit. Rows of NOT_FITTED sources never
+    fit; a group of only such rows is predicted from all modelled rows.
+    Returns {group: [RowResult]} and {group: constants.Fitted}."""
     expressible = [x.row for x in evaluate(rows, traced, profiles) if x.predicted is not None]
+    neutral = K.Fitted(**{n: (lo * hi) ** 0.5 if lo > 0 else hi / 2 for n, (lo, hi) in FITTED.items()})
     out, consts = {}, {}
-    try:
-        for name, inside in groups.items():
-            held = [r for r in expressible if inside(r)]
-            if not held:
-                continue
-            train = [r for r in expressible if not inside(r) and r.family not in NOT_FITTED]
-            for n, (lo, hi) in FITTED.items():
-                setattr(K, n, (lo * hi) ** 0.5 if lo > 0 else hi / 2)
-            clear_caches()
-            consts[name] = fit(rows, traced, profiles, fit_rows=train, rounds=rounds, factors=factors,
-                               verbose=False)
-            clear_caches()
-            out[name] = evaluate(held, traced, profiles)
-    finally:
-        for n, v in shipped.items():
-            setattr(K, n, v)
-        clear_caches()
+    for name, inside in groups.items():
+        held = [r for r in expressible if inside(r)]
+        if not held:
+            continue
+        train = [r for r in expressible if not inside(r) and r.family not in NOT_FITTED]
+        consts[name] = fit(rows, traced, profiles, fit_rows=train, rounds=rounds, factors=factors, verbose=False,
+                           start=neutral)
+        out[name] = evaluate(held, traced, profiles, consts[name])
     return out, consts
 
 
@@ -279,7 +269,7 @@ def loso_report(p, rows, traced, profiles, by_src, *, quick: bool) -> dict:
     then the same errors grouped by the mechanisms the rows lean on."""
     t0 = time.time()
     rounds, factors = (2, (0.8, 1.25)) if quick else (3, (0.6, 0.8, 0.9, 1.1, 1.25, 1.6))
-    shipped = {n: getattr(K, n) for n in FITTED}
+    shipped = K.FITTED
     loso, consts = leave_one_source_out(rows, traced, profiles, rounds=rounds, factors=factors)
     p("leave-one-source-out (fit the constants on every other modelled source, predict this one):")
     p(f"{'source':16s} {'n':>3s} {'split test':>10s} {'LOSO MAPE':>9s} {'LOSO max':>8s}  constants refitted without it (where >5% from shipped)")
@@ -291,7 +281,8 @@ def loso_report(p, rows, traced, profiles, by_src, *, quick: bool) -> dict:
         m = mape(xs)
         worst = max(xs, key=lambda x: abs(x.error))
         test = by_src.get(src, {}).get("test", [])
-        moved = ", ".join(f"{k}={v:.3g}" for k, v in consts[src].items() if abs(v / shipped[k] - 1) > 0.05)
+        moved = ", ".join(f"{k}={getattr(consts[src], k):.3g}" for k in FITTED
+                          if abs(getattr(consts[src], k) / getattr(shipped, k) - 1) > 0.05)
         p(f"{src:16s} {len(xs):3d} {mape(test) * 100:9.1f}% {m * 100:8.1f}% {abs(worst.error) * 100:7.1f}%  "
           f"{moved or '(as shipped)'}" + ("   [not modelled: never fits]" if src in NOT_FITTED else ""))
         if src not in NOT_FITTED:
@@ -352,12 +343,13 @@ def main(argv=None) -> int:
     traced = not args.analytic
     profiles: dict = {}
     t0 = time.time()
+    fitted = K.FITTED
     if args.fit:
         print("fitting on the fit split ...")
-        vals = fit(rows, traced, profiles)
-        print("fitted:", ", ".join(f"{k}={v:.4g}" for k, v in vals.items()))
-        clear_caches()
-    results = evaluate(rows, traced, profiles)
+        fitted = fit(rows, traced, profiles)
+        print("fitted (write into meshplan/cost_models/constants.py to ship):",
+              ", ".join(f"{k}={getattr(fitted, k):.4g}" for k in FITTED))
+    results = evaluate(rows, traced, profiles, fitted)
     lines = []
     p = lines.append
     p(f"# meshplan cost model vs published runs ({len(rows)} rows, {'traced' if traced else 'analytic'} profiles)")

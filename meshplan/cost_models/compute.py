@@ -72,12 +72,12 @@ def cpu_op_overhead(ops, cluster) -> tuple[float, float]:
             (views * K.CPU_VIEW_BWD_S + other * K.CPU_OP_BWD_S) * slow)
 
 
-def matmul_rate(cluster, fp8: bool) -> float:
-    """Achieved FLOP/s of a large GEMM (MAMF), BF16 or FP8."""
+def matmul_rate(cluster, fp8: bool, fitted: K.Fitted = K.FITTED) -> float:
+    """Achieved FLOP/s of a large GEMM (MAMF), BF16 or FP8, in a training step."""
     gpu = cluster.gpu
     if fp8:
-        return gpu.fp8_tflops * 1e12 * gpu.fp8_gemm_efficiency * K.TRAINING_GEMM_EFF
-    return gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency * K.TRAINING_GEMM_EFF
+        return gpu.fp8_tflops * 1e12 * gpu.fp8_gemm_efficiency * fitted.training_gemm_eff
+    return gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency * fitted.training_gemm_eff
 
 
 def fp8_recipe_factor(recipe: str, cluster=None) -> float:
@@ -92,7 +92,7 @@ def fp8_recipe_factor(recipe: str, cluster=None) -> float:
 
 
 def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count: float = 1.0,
-              weight_cast: bool = False, recipe: str = "tensorwise") -> float:
+              weight_cast: bool = False, recipe: str = "tensorwise", fitted: K.Fitted = K.FITTED) -> float:
     """`count` GEMMs of (m x k) @ (k x n): max(compute, HBM traffic) plus a fixed per-kernel cost
     that makes small GEMMs inefficient (Calculon-style shape dependence).
 
@@ -106,7 +106,7 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     flops = 2.0 * m * n * k
     elt = K.FP8 if fp8 else K.BF16
     nbytes = (m * k + k * n) * elt + m * n * K.BF16
-    t_compute = flops / matmul_rate(cluster, fp8)
+    t_compute = flops / matmul_rate(cluster, fp8, fitted)
     t_memory = nbytes / (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
     fixed = _gemm_fixed(cluster, fp8)
     extra = 0.0
@@ -119,7 +119,7 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
 
 
 def grouped_gemm_time(rows: float, n: float, k: float, cluster, *, groups: float, fp8: bool = False,
-                      recipe: str = "tensorwise") -> float:
+                      recipe: str = "tensorwise", fitted: K.Fitted = K.FITTED) -> float:
     """`groups` GEMMs of (rows x k) @ (k x n) run as ONE grouped kernel (torch._grouped_mm, which
     meshplan's experts call; TE GroupedLinear / grouped_gemm under Megatron-Core --moe-grouped-gemm).
     Each group's rows occupy whole GEMM_TILE_M-row tiles, so the math is that of the padded rows; the
@@ -132,11 +132,11 @@ def grouped_gemm_time(rows: float, n: float, k: float, cluster, *, groups: float
     if rows <= 0 or n <= 0 or k <= 0 or groups <= 0:
         return 0.0
     if is_cpu(cluster):
-        return gemm_time(rows, n, k, cluster, count=groups)
+        return gemm_time(rows, n, k, cluster, count=groups, fitted=fitted)
     padded = -(-rows // K.GEMM_TILE_M) * K.GEMM_TILE_M if rows >= 1 else K.GEMM_TILE_M
     elt = K.FP8 if fp8 else K.BF16
     hbm = cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF
-    t_compute = 2.0 * padded * n * k / matmul_rate(cluster, fp8)
+    t_compute = 2.0 * padded * n * k / matmul_rate(cluster, fp8, fitted)
     t_memory = ((rows * k + k * n) * elt + rows * n * K.BF16) / hbm
     extra = 0.0
     if fp8:
@@ -156,7 +156,7 @@ def _gemm_fixed(cluster, fp8: bool) -> float:
 
 
 def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "flash",
-                   shape: AttnShape | None = None) -> float:
+                   shape: AttnShape | None = None, fitted: K.Fitted = K.FITTED) -> float:
     """Flash attention (BF16) on `flops_fwd` forward FLOPs (causal masking already halving them, as
     flops.attention_fwd_flops_per_token counts); backward does ATTN_BWD_FLOP_RATIO x.
     `kernel` is the implementation (constants.ATTN_KERNEL_RATE): "fa2" (= "flash") for
@@ -177,11 +177,11 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
         speed = K.ATTN_KERNEL_RATE[kernel][1 if backward else 0]
     except KeyError:
         raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_RATE)}") from None
-    rate = matmul_rate(cluster, fp8=False) * speed
+    rate = matmul_rate(cluster, False, fitted) * speed
     if backward:
-        t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
+        t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * fitted.attn_bwd_eff)
     else:
-        t = flops_fwd / (rate * K.ATTN_FWD_EFF)
+        t = flops_fwd / (rate * fitted.attn_fwd_eff)
     if shape is None:
         return t
     launches = shape.kernels * (K.ATTN_BWD_KERNELS if backward else 1)

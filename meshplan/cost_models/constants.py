@@ -320,3 +320,30 @@ ATTN_BWD_KERNELS = 3                                                            
 GPU_SM_COUNT = {"a100-40gb": 108, "a100-80gb": 108, "h100-sxm": 132, "h100-pcie": 114, "h800": 132,
                 "h200": 132, "b200": 148, "gb200": 148, "mi300x": 304, "mi325x": 304, "l40s": 142}  # measured (spec)
 GPU_SM_COUNT_DEFAULT = 132                                                          # estimate (H100-class)
+
+
+# ---- the fitted constants as one value -------------------------------------------------------
+from dataclasses import dataclass, fields as _fields  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The constants marked "fitted" above, as one value the cost model is given
+    (`estimate_profile(..., fitted=...)`; default FITTED, the shipped fit). A fit builds a new one
+    (`dataclasses.replace(FITTED, ...)`) and prices with it: nothing global changes, and the layer
+    cost cache keys on it."""
+
+    training_gemm_eff: float = TRAINING_GEMM_EFF
+    attn_fwd_eff: float = ATTN_FWD_EFF
+    attn_bwd_eff: float = ATTN_BWD_EFF
+    dp_overlap_eff: float = DP_OVERLAP_EFF
+    fsdp_overlap_eff: float = FSDP_OVERLAP_EFF
+    tp_overlap_hidden: float = TP_OVERLAP_HIDDEN
+    layer_overhead_s: float = LAYER_OVERHEAD_S
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in _fields(cls))
+
+
+FITTED = Fitted()

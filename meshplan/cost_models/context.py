@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.cost_models.comm import Group, group
+from meshplan.cost_models.constants import FITTED, Fitted
 from meshplan.ir.profile import BlockProfile
 from meshplan.ir.stack import STACKS, Stack
 
@@ -38,17 +39,18 @@ class Context:
     unfused: frozenset = field(default_factory=frozenset)   # LAYER_FUSIONS the model runs eagerly
     fp8_recipe: str = "tensorwise"                           # constants.FP8_RECIPES
     stack: Stack = STACKS["reference"]                       # the software that runs the layer
+    fitted: Fitted = FITTED                                  # the fitted constants it is priced with
 
     @classmethod
     def build(cls, cluster, layout, seq_len: int, fp8: bool, unfused: frozenset = frozenset(),
               fp8_recipe: str = "tensorwise", stack: Stack = STACKS["reference"],
-              fp8_linears: frozenset | None = None) -> "Context":
+              fp8_linears: frozenset | None = None, fitted: Fitted = FITTED) -> "Context":
         L = layout
         return cls(cluster=cluster, layout=L, seq_len=seq_len, fp8=fp8,
                    tokens=L.mbs * seq_len / L.cp,
                    tp=group(cluster, L.tp, 1), cp=group(cluster, L.cp, L.tp),
                    ep=group(cluster, L.ep, L.etp), etp=group(cluster, L.etp, 1), unfused=unfused,
-                   fp8_recipe=fp8_recipe, stack=stack, fp8_linears=fp8_linears)
+                   fp8_recipe=fp8_recipe, stack=stack, fp8_linears=fp8_linears, fitted=fitted)
 
     @property
     def attn_kernel(self) -> str:

@@ -79,14 +79,14 @@ def _zero3_units(layout: Layout, blocks) -> int:
     return len(blocks) + 1
 
 
-def _fsdp_overlap(layout: Layout, cluster) -> float:
+def _fsdp_overlap(layout: Layout, cluster, fitted: K.Fitted = K.FITTED) -> float:
     """Overlap efficiency of ZeRO-3's per-micro-batch gathers and reduce-scatters. Megatron-FSDP
     issues them through the same bucketed asynchronous machinery as Megatron's distributed optimizer
     (--overlap-param-gather / --overlap-grad-reduce, double-buffered, zero-copy), so it shares that
     constant; PyTorch FSDP and DeepSpeed ZeRO-3 use the separately fitted FSDP constant."""
     if not cluster.gpu.comm_overlap:
         return 0.0
-    return K.DP_OVERLAP_EFF if layout.fsdp_impl == "megatron" else K.FSDP_OVERLAP_EFF
+    return fitted.dp_overlap_eff if layout.fsdp_impl == "megatron" else fitted.fsdp_overlap_eff
 
 
 def _pp_comm(profile: ModelProfile, cluster, L: Layout, m: int, tokens: float) -> tuple[float, float]:
@@ -117,7 +117,8 @@ def _collective_pair(kind: str, nbytes_d: float, nbytes_e: float, g: _DPGroups, 
     return collective_time(kind, nbytes_d, dense_group or g.dp, cluster) + collective_time(kind, nbytes_e, g.edp, cluster)
 
 
-def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float) -> tuple[float, float]:
+def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float,
+                       fitted: K.Fitted = K.FITTED) -> tuple[float, float]:
     """FSDP2 under torch.distributed.pipelining (Stack.pp_fsdp_deferred): a micro-batch's backward
     neither reshards nor reduces, and one reduce-scatter follows the stage's last micro-batch.
     Weights kept gathered after forward (reshard_after_forward=False, torchtitan's default with PP)
@@ -128,7 +129,7 @@ def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m:
     ag = units * _collective_pair("all_gather", K.PARAM_BYTES * w.dparams / units, K.PARAM_BYTES * w.eparams / units,
                                   g, cluster)
     rs = units * _collective_pair("reduce_scatter", gb * w.dparams / units, gb * w.eparams / units, g, cluster)
-    eta = _fsdp_overlap(L, cluster)
+    eta = _fsdp_overlap(L, cluster, fitted)
     gathers = 2 * m if L.reshard_after_forward else 1
     n_layers = max(1, len(w.layers))
     exposed = gathers * (max(0.0, ag - eta * min(w.t_f, w.t_b)) + ag / n_layers) + rs
@@ -136,7 +137,8 @@ def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m:
     return gathers * ag + rs + rep, min(exposed, gathers * ag + rs) + rep
 
 
-def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float) -> tuple[float, float]:
+def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float,
+                fitted: K.Fitted = K.FITTED) -> tuple[float, float]:
     """FSDP: gather for forward (and again for backward when resharded), reduce-scatter, every
     micro-batch; HSDP adds one all-reduce of the gradient shards across replicas. ZeRO-3 issues one
     collective per gathering unit (a block, or a sub-module for DeepSpeed), so each pays its own
@@ -146,7 +148,7 @@ def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, g
     ag = units * _collective_pair("all_gather", K.PARAM_BYTES * w.dparams / units, K.PARAM_BYTES * w.eparams / units,
                                   g, cluster)
     rs = units * _collective_pair("reduce_scatter", gb * w.dparams / units, gb * w.eparams / units, g, cluster)
-    eta = _fsdp_overlap(L, cluster)
+    eta = _fsdp_overlap(L, cluster, fitted)
     n_ag = 2 if L.reshard_after_forward else 1
     n_layers = max(1, len(w.layers))
     per_mb = max(0.0, ag - eta * w.t_f) + max(0.0, (n_ag - 1) * ag + rs - eta * w.t_b) + 2 * ag / n_layers
@@ -156,10 +158,10 @@ def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, g
 
 
 def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
-             pp_deferred: bool = False) -> tuple[float, float]:
+             pp_deferred: bool = False, fitted: K.Fitted = K.FITTED) -> tuple[float, float]:
     """(total, exposed) seconds of data-parallel communication per step on one pipeline rank."""
     gb = grad_bytes(L)
-    eta = K.DP_OVERLAP_EFF if cluster.gpu.comm_overlap else 0.0
+    eta = fitted.dp_overlap_eff if cluster.gpu.comm_overlap else 0.0
     if L.zero == 0:
         ar = _collective_pair("all_reduce", gb * w.dparams, gb * w.eparams, g, cluster, dense_group=g.full)
         return ar, max(0.0, ar - eta * w.t_b)
@@ -173,8 +175,8 @@ def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
             units_e * collective_time("reduce_scatter", gb * w.eparams / max(1, units_e), g.edp, cluster)
         return ag + rs, max(0.0, rs - eta * w.t_b) + max(0.0, ag - eta * w.t_f)
     if pp_deferred and L.pp > 1:
-        return _zero3_pp_deferred(w, blocks, L, g, cluster, m, gb)
-    return _zero3_comm(w, blocks, L, g, cluster, m, gb)
+        return _zero3_pp_deferred(w, blocks, L, g, cluster, m, gb, fitted)
+    return _zero3_comm(w, blocks, L, g, cluster, m, gb, fitted)
 
 
 def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
@@ -282,7 +284,7 @@ def stack_unfused(profile: ModelProfile, cluster, stack: Stack) -> frozenset:
 
 def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, precision: str = "bf16",
                 fp8_modules: frozenset | None = None, fp8_recipe: str | None = None,
-                stack: Stack | str | None = None) -> LayerTable:
+                stack: Stack | str | None = None, fitted: K.Fitted = K.FITTED) -> LayerTable:
     """The per-layer costs (`LayerTable.cost(i, policy)`: time, communication) and activation bytes
     (`LayerTable.act(i, policy)`) of `layout`, one micro-batch on one GPU, exactly as
     `estimate_profile` prices them: what the planner's ILPs read instead of re-pricing layers."""
@@ -291,16 +293,16 @@ def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_le
     fp8 = precision == "fp8"
     unfused = stack_unfused(profile, cluster, stack)
     ctx = Context.build(cluster, routing_layout(L, profile.moe_balance), seq_len, fp8, unfused,
-                        fp8_recipe=fp8_recipe or L.fp8_recipe, stack=stack)
+                        fp8_recipe=fp8_recipe or L.fp8_recipe, stack=stack, fitted=fitted)
     return LayerTable(profile, cluster, ctx.layout, seq_len, ctx, layer_fp8_flags(profile, fp8, fp8_modules), unfused)
 
 
 def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int, fp8: bool,
            fp8_modules: frozenset | None, grad_accum_fusion: bool, recipe: str,
-           stack: Stack) -> tuple[list[RankWork], Context]:
+           stack: Stack, fitted: K.Fitted) -> tuple[list[RankWork], Context]:
     """Every pipeline rank's work for one micro-batch."""
     table = layer_table(profile, cluster, L, seq_len=seq_len, precision="fp8" if fp8 else "bf16",
-                        fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack)
+                        fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack, fitted=fitted)
     ctx = table.ctx
     layers = rank_layers(stage_layers, L.pp)
     return [rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
@@ -310,7 +312,7 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
 def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, global_batch: int,
                      precision: str = "bf16", fp8_modules: frozenset | None = None,
                      grad_accum_fusion: bool | None = None, fp8_recipe: str | None = None,
-                     stack: Stack | str | None = None) -> Estimate:
+                     stack: Stack | str | None = None, fitted: K.Fitted | None = None) -> Estimate:
     """Score one layout. Pure: (profile, cluster, layout, stack, shapes) -> Estimate.
 
     stack: the software that runs it (meshplan.ir.stack: a preset name or a Stack); None is the
@@ -320,7 +322,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     (Megatron-LM since 2022, Megatron-Core, Transformer Engine: True); False charges a separate pass
     per micro-batch (compute.grad_accumulation_time), as 2021 Megatron-LM, Megatron-DeepSpeed and
     PyTorch's AccumulateGrad run. None: the layout's field, and False where the stack does not fuse.
-    fp8_recipe: the FP8 scaling recipe (constants.FP8_RECIPES) of precision="fp8"; None: the layout's."""
+    fp8_recipe: the FP8 scaling recipe (constants.FP8_RECIPES) of precision="fp8"; None: the layout's.
+    fitted: the fitted constants (constants.Fitted); None: the shipped fit, constants.FITTED."""
     L = Layout.coerce(layout)
     stack = resolve_stack(stack, default="reference")
     if grad_accum_fusion is None:
@@ -333,7 +336,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     m = global_batch // (L.dp * L.mbs)
     # forced balance prices the MoE layers at exactly their mean load (layer.routing_layout)
     ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe,
-                        stack)
+                        stack, fitted or K.FITTED)
     busy, bubble = pipeline_time(L.schedule, m, L.vp, [w.fb for w in ranks], [w.wgrad for w in ranks])
     bubble = _cpu_bubble(cluster, L, busy, bubble)
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)
@@ -341,7 +344,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     pp_exposed += pp_host_time(L, cluster, m)        # CPU processes: the sends' and receives' host work
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
     deferred = stack.pp_fsdp_deferred and L.pp > 1
-    dp = [_dp_comm(w, blocks, L, groups, cluster, m, deferred) for w in ranks]
+    dp = [_dp_comm(w, blocks, L, groups, cluster, m, deferred, ctx.fitted) for w in ranks]
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
     mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred) for r, w in enumerate(ranks)]
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch

@@ -181,11 +181,11 @@ def _gemms(b: BlockProfile, c: Context) -> tuple[float, float]:
         fp8 = is_fp8_linear(li, c)
         rows, n, k, count, _ = gemm_shape(li, c)
         if li.role == "router":
-            t = gemm_time(rows, n, k, c.cluster)
+            t = gemm_time(rows, n, k, c.cluster, fitted=c.fitted)
         elif li.role in ("expert_in", "expert_out"):
-            t = grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe)
+            t = grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe, fitted=c.fitted)
         else:
-            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe)
+            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe, fitted=c.fitted)
         fwd += t
         wgrad += t
     return fwd, wgrad
@@ -309,7 +309,7 @@ def _tp_hidden(c: Context) -> float:
         return 0.0
     kind = c.stack.tp_overlap
     if kind == "userbuffers":
-        return K.TP_OVERLAP_HIDDEN
+        return c.fitted.tp_overlap_hidden
     if kind == "async_tp":
         return (L.tp - 1) / L.tp
     return 0.0
@@ -324,9 +324,10 @@ def _moe_forward(b: BlockProfile, c: Context) -> float:
             rows, n, k, count, _ = gemm_shape(li, c)
             fp8 = is_fp8_linear(li, c)
             if li.role in ("expert_in", "expert_out"):
-                t += grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe)
+                t += grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe,
+                                       fitted=c.fitted)
             else:
-                t += gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe)
+                t += gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe, fitted=c.fitted)
     L = c.layout
     act_passes = 3 if b.gated else 2
     tok = c.tokens / (L.tp if L.sp else 1) * moe_load_factor(b, c)
@@ -346,8 +347,8 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     attn_flops = attention_fwd_flops_per_token(b, c.seq_len) * c.tokens / L.tp
     if L.flash_attention and c.stack.attention != "eager":
         shape = attention_shape(b, c)
-        a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=c.attn_kernel, shape=shape)
-        a_bwd = attention_time(attn_flops, c.cluster, backward=True, kernel=c.attn_kernel, shape=shape)
+        a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=c.attn_kernel, shape=shape, fitted=c.fitted)
+        a_bwd = attention_time(attn_flops, c.cluster, backward=True, kernel=c.attn_kernel, shape=shape, fitted=c.fitted)
         if L.cp > 1 and b.heads and c.stack.cp_impl == "torch":
             m_f, m_b = torch_cp_merge(b, c)
             a_fwd, a_bwd = a_fwd + m_f, a_bwd + m_b
@@ -355,10 +356,10 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         # two batched GEMMs at matmul efficiency (no causal skipping) + memory-bound softmax passes
         full = 2 * attn_flops if b.causal else attn_flops
         score_bytes = K.EAGER_ATTN_BYTES_PER_SCORE * (b.heads / L.tp) * c.tokens * c.seq_len
-        a_fwd = full / matmul_rate(c.cluster, False) + elementwise_time(score_bytes, c.cluster)
+        a_fwd = full / matmul_rate(c.cluster, False, c.fitted) + elementwise_time(score_bytes, c.cluster)
         a_bwd = 2 * a_fwd
     e_fwd = elementwise_time(_elementwise_bytes(b, c), c.cluster) + permute_time(_permute_bytes(b, c), c.cluster)
-    o_fwd = o_bwd = K.LAYER_OVERHEAD_S
+    o_fwd = o_bwd = c.fitted.layer_overhead_s
     if is_cpu(c.cluster) and b.ops:      # CPU processes: host dispatch + autograd cost of every traced op
         o_fwd, o_bwd = cpu_op_overhead(b.ops, c.cluster)
     compute_fwd = g_fwd + a_fwd + e_fwd + o_fwd

@@ -60,11 +60,11 @@ def fused_loss(profile: ModelProfile, tp: int) -> bool:
     return tp == 1 and dict(profile.fusions).get("linear_cross_entropy", False)
 
 
-def head_times(profile: ModelProfile, cluster, tokens: float, tp: int) -> tuple[float, float]:
+def head_times(profile: ModelProfile, cluster, tokens: float, tp: int, fitted: K.Fitted = K.FITTED) -> tuple[float, float]:
     """(output-layer GEMM, cross-entropy) forward seconds; the output layer stays BF16 (standard FP8
     recipes). Backward is 2x the GEMM plus the same cross-entropy pass. Fused (fused_loss), the
     cross-entropy passes save meshplan.kernels.fusion's bytes over the eager ones."""
-    g = gemm_time(tokens, profile.vocab / tp, profile.hidden, cluster)
+    g = gemm_time(tokens, profile.vocab / tp, profile.hidden, cluster, fitted=fitted)
     logits = tokens * profile.vocab / tp
     ce_bytes = 3 * _LOGIT_BYTES * logits
     if fused_loss(profile, tp):
@@ -127,7 +127,7 @@ class LayerTable:
         self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
                     L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused,
                     getattr(L, "cp_comm_type", "p2p"), ctx.fp8_recipe,
-                    getattr(L, "moe_capacity_factor", None), ctx.stack)
+                    getattr(L, "moe_capacity_factor", None), ctx.stack, ctx.fitted)
 
     def ctx_of(self, i: int) -> Context:
         """Layer i's context: FP8 for the linears its flag names (layer_fp8_flags)."""
@@ -240,7 +240,7 @@ def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int)
         extra_f, extra_b = e, 2 * e
         w.dparams += profile.embedding_params / L.tp
     if r == p - 1:
-        g, ce = head_times(profile, cluster, T, L.tp)
+        g, ce = head_times(profile, cluster, T, L.tp, ctx.fitted)
         extra_f += g + ce
         extra_b += 2 * g + ce
         w.wgrad += g

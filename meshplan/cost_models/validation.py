@@ -441,10 +441,11 @@ def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: floa
 
 
 def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Callable[[str], Any] | None = None,
-            profiles: dict | None = None) -> RowResult:
+            profiles: dict | None = None, fitted=None) -> RowResult:
     """Estimate one row. `profile_fn(cfg)` builds the ModelProfile of a model config; `preset` fills
     architecture fields from meshplan's presets (see model_config); `profiles` caches profiles by
-    architecture across rows."""
+    architecture across rows; `fitted` the fitted constants to price with (constants.Fitted; None:
+    the shipped fit)."""
     metric, value = row.get("metric"), row.get("value")
     res = RowResult(row=row, metric=metric, measured=float(value) if value else float("nan"))
     gpu, n = _gpu(row), row.num("num_gpus")
@@ -487,7 +488,7 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     for cand in candidates:
         try:
             est = estimate_profile(prof, cluster, cand, seq_len=s, global_batch=B, precision=precision,
-                                   stack=stack)
+                                   stack=stack, fitted=fitted)
         except MeshplanError as e:
             res.skipped = f"layout rejected: {e}"
             return res

@@ -52,7 +52,7 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
     head_params = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
     head_state = sum(state_bytes(head_params / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob).values()) / GB
     e = embedding_time(profile, cluster, T, sp_div)
-    g, ce = head_times(profile, cluster, T, L.tp)
+    g, ce = head_times(profile, cluster, T, L.tp, table.ctx.fitted)
     flights = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
     return dict(layer_time_s=times, layer_memory_gb=acts, static_memory_gb=static, in_flight=flights,
                 first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce,

@@ -77,7 +77,9 @@ def test_quick_benchmark_runs(capsys):
 
 
 def test_leave_one_source_out_never_fits_on_the_held_out_source(monkeypatch):
-    """Each fold's fit sees no row of the source it predicts, and the shipped constants come back."""
+    """Each fold's fit sees no row of the source it predicts, the fold's constants price its
+    predictions, and nothing global changes (the constants are a value passed in)."""
+    import dataclasses
     import importlib.util
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "validate_published.py"
     spec = importlib.util.spec_from_file_location("validate_published_loso", path)
@@ -88,16 +90,19 @@ def test_leave_one_source_out_never_fits_on_the_held_out_source(monkeypatch):
     rows = [r for r in all_rows if r.family == "korthikanti"][:2] + \
         [r for r in all_rows if r.family == "nemo2407" and r.get("tp")][:2]
     seen = []
+    slow = dataclasses.replace(K.FITTED, training_gemm_eff=K.FITTED.training_gemm_eff / 2)
 
     def spy_fit(rows_, traced, profiles, *, fit_rows=None, **kw):
         seen.append({r.family for r in fit_rows})
-        return {n: getattr(K, n) for n in mod.FITTED}
+        return slow
     monkeypatch.setattr(mod, "fit", spy_fit)
-    before = {n: getattr(K, n) for n in mod.FITTED}
-    out, _ = mod.leave_one_source_out(rows, False, {})
+    before = K.FITTED
+    out, consts = mod.leave_one_source_out(rows, False, {})
     assert set(out) == {"korthikanti", "nemo2407"}
     assert sorted(map(sorted, seen)) == [["korthikanti"], ["nemo2407"]]
-    assert {n: getattr(K, n) for n in mod.FITTED} == before
+    assert K.FITTED is before and all(c is slow for c in consts.values())
+    shipped = {x.row.id: x.estimate.step_time_s for x in mod.evaluate(rows, False, {})}
+    assert all(x.estimate.step_time_s > shipped[x.row.id] for xs in out.values() for x in xs)   # the fold's
 
 
 def test_deepspeed_zero3_rows_are_reported_but_never_fitted():
