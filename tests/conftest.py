@@ -12,14 +12,27 @@ if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ["TRITON_INTERPRET"] = "1"
 
 # Ranks of the multi-process tests (meshplan.train.spawn.run_ranks) are forked from a server that
-# imports torch and meshplan's runtime once; these transformers models (and torchao, which
-# transformers imports) too, instead of every rank importing them again (about 5 s of CPU each).
+# imports torch once; these transformers models (and torchao, which transformers imports) too,
+# instead of every rank importing them again (about 5 s of CPU each).
 os.environ.setdefault("MESHPLAN_SPAWN_PRELOAD", ",".join(
     f"transformers.models.{m}" for m in ("auto.modeling_auto", "llama.modeling_llama", "mixtral.modeling_mixtral",
                                           "qwen2_moe.modeling_qwen2_moe", "phi3.modeling_phi3", "gpt2.modeling_gpt2")))
 
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tests that compute in this process (one-rank training runs, reference models) use tiny
+    matmuls: a second intra-op thread gains nothing, and on a busy machine the threads' waiting
+    for each other makes them many times slower (measured: a 100-step tiny-llama run 10x slower
+    with 2 threads than with 1 on 2 cores shared with another job). Spawned ranks set 1 too."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

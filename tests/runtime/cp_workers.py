@@ -56,14 +56,8 @@ ATTENTION_CASES = {
 
 
 def attention_cases(rank: int, world: int) -> dict:
-    out = {}
-    for name, kw in ATTENTION_CASES.items():
-        try:
-            out[name] = _attention_case(rank, world, **kw)
-        except Exception as e:  # noqa: BLE001 - reported per case; ranks stay in step
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
-    return out
+    from worlds import each_case
+    return each_case(rank, ATTENTION_CASES, lambda name, kw: _attention_case(rank, world, **kw))
 
 
 def mode_refusals(rank: int, world: int) -> dict:
@@ -99,13 +93,9 @@ def short_batch(rank: int, world: int, case: dict) -> dict:
 
 def run_all(rank: int, world: int, cases: dict) -> dict:
     """Ring attention alone, then the model cases (numerics.run_cases), in one process group."""
+    from worlds import each_case
     out = {"attention": attention_cases(rank, world), "refusals": mode_refusals(rank, world)}
     mine = {n: c for n, c in cases.items() if c.get("kind") == "cp_short_batch"}
     out.update(numerics.run_cases(rank, world, {n: c for n, c in cases.items() if n not in mine}))
-    for name, case in mine.items():
-        try:
-            out[name] = short_batch(rank, world, case)
-        except Exception as e:  # noqa: BLE001 - reported per case; ranks stay in step
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
+    out.update(each_case(rank, mine, lambda name, case: short_batch(rank, world, case)))
     return out

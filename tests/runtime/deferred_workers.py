@@ -105,13 +105,13 @@ def safetensors_run(rank: int, world: int, case: dict) -> dict:
     from meshplan.runtime.parallel import parallelize
     from meshplan.train import checkpoint
     counter = {"elements": 0}
-    real = checkpoint._safe_open()
+    original = checkpoint._safe_open
+    real = original()
 
     @contextlib.contextmanager
     def counting_open(path, framework):
         with real(path, framework=framework) as sf:
             yield _CountingFile(sf, counter)
-    checkpoint._safe_open = lambda: counting_open
     torch.manual_seed(case["seed"] + 1)           # other initial weights than the file's
     if case["kind"].startswith("hf"):
         import numerics
@@ -120,8 +120,19 @@ def safetensors_run(rank: int, world: int, case: dict) -> dict:
     else:
         meta = models.build(case["kind"], seq_len=case["seq_len"], device="meta")
     pm = parallelize(meta, case["plan"], compute_dtype=None)
-    checkpoint.load_weights(case["dir"], pm)
+    checkpoint._safe_open = lambda: counting_open
+    try:
+        checkpoint.load_weights(case["dir"], pm)
+    finally:                                      # the next case in this process opens its own files
+        checkpoint._safe_open = original
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
     full = pm.full_state_dict()
     return {"state": {k: v.cpu() for k, v in full.items()} if rank == 0 else None,
             "read": counter["elements"], "local": local}
+
+
+def run_cases(rank: int, world: int, cases: dict) -> dict:
+    """Every case in one process group: deferred_run, or safetensors_run (case["run"])."""
+    from worlds import each_case
+    runs = {"safetensors": safetensors_run, "deferred": deferred_run}
+    return each_case(rank, cases, lambda name, case: runs[case.get("run", "deferred")](rank, world, case))

@@ -7,7 +7,6 @@ regroup, never a different computation).
 from __future__ import annotations
 
 import copy
-import sys
 import tempfile
 
 import torch
@@ -182,20 +181,9 @@ def train(rank: int, world: int, case: dict) -> dict:
 
 
 def each_case(rank: int, cases: dict, run_one) -> dict:
-    """Several cases in one process group: `run_one(name, case)` for each; errors are reported per
-    case (and printed at once: if the other ranks hang in a collective, that is all that comes
-    back), and a barrier keeps the ranks in step between cases."""
-    import torch.distributed as dist
-    out = {}
-    for name, case in cases.items():
-        try:
-            out[name] = run_one(name, case)
-        except Exception as e:  # noqa: BLE001 - reported per case
-            import traceback
-            out[name] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
-            print(f"rank {rank}, case {name}: {out[name]['tb']}", file=sys.stderr, flush=True)
-        dist.barrier()
-    return out
+    """Several cases in one process group (worlds.each_case)."""
+    from worlds import each_case as each
+    return each(rank, cases, run_one)
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
@@ -212,6 +200,9 @@ def run_cases(rank: int, world: int, cases: dict) -> dict:
         if kind == "balance":           # global aux loss, z-loss and expert bias (moe_workers.py)
             import moe_workers
             return moe_workers.balance(rank, world, case)
+        if kind == "deferred":          # deferred initialisation of case["model"] (deferred_workers.py)
+            import deferred_workers
+            return deferred_workers.deferred_run(rank, world, {**case, "kind": case["model"]})
         return equivalence(rank, world, case)
     return each_case(rank, cases, one)
 

@@ -132,14 +132,16 @@ def step_model(kind: str, seq_len: int):
 
 
 def step_run(rank: int, world: int, cases: list) -> dict:
-    """One forward/backward of each (name, kind, plan, seq_len, x, y) case on this group; losses by name."""
+    """One forward/backward of each (name, kind, plan, seq_len, x, y) case on this group; losses by
+    name (a case that raised: {"error", "tb"}, see worlds.each_case)."""
     from meshplan.runtime.parallel import parallelize
-    out = {}
-    for name, kind, plan, seq_len, x, y in cases:
+    from worlds import each_case
+
+    def one(name, case):
+        _, kind, plan, seq_len, x, y = case
         pm = parallelize(step_model(kind, seq_len), plan, compute_dtype=None, fused_kernels=False)
-        out[name] = pm.forward_backward(x, y)
-        del pm
-    return out
+        return pm.forward_backward(x, y)
+    return each_case(rank, {c[0]: c for c in cases}, one)
 
 
 if __name__ == "__main__":      # the full matrix, one JSON line per case and a summary

@@ -194,14 +194,6 @@ def checkpoint_round_trip(rank: int, world: int, case: dict) -> dict:
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
-    import torch.distributed as dist
-    out = {}
-    for name, case in cases.items():
-        try:
-            fn = {"checkpoint": checkpoint_round_trip}.get(case.get("kind"), equivalence)
-            out[name] = fn(rank, world, case)
-        except Exception as e:  # noqa: BLE001 - reported per case; ranks stay in step
-            import traceback
-            out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
-        dist.barrier()
-    return out
+    from worlds import each_case
+    kinds = {"checkpoint": checkpoint_round_trip}
+    return each_case(rank, cases, lambda name, case: kinds.get(case.get("kind"), equivalence)(rank, world, case))

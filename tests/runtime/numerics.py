@@ -18,10 +18,11 @@ lr * |dg| / eps (~1e-7 here) while every other weight still moves by ~lr.
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 import torch.nn.functional as F
+
+from worlds import plans
 
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 PARAM_TOL = dict(rtol=1e-4, atol=2e-5)
@@ -46,9 +47,11 @@ def build_model(kind: str, *, seq_len: int):
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@plans
 def plan_for(kind: str, world: int, fixed_items: tuple, seq_len: int, global_batch: int):
-    """meshplan's plan for model `kind` on `world` CPU processes, the layout fixed by `fixed_items`."""
+    """meshplan's plan for model `kind` on `world` CPU processes, the layout fixed by `fixed_items`
+    (cached; `plan_for.prefetch([(kind, world, fixed_items, seq_len, global_batch), ...])` makes
+    many at once in two processes)."""
     import meshplan as mp
     from meshplan.cluster import Cluster
     model = (build_model(kind, seq_len=seq_len) if kind.startswith("hf")
@@ -172,13 +175,6 @@ def train_steps(rank: int, world: int, case: dict) -> dict:
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
     """Several cases in one process group (spawning costs seconds); errors are reported per case."""
-    import torch.distributed as dist
-    out = {}
-    for name, case in cases.items():
-        try:
-            fn = {"error": expect_error, "train": train_steps}.get(case.get("kind"), equivalence)
-            out[name] = fn(rank, world, case)
-        except Exception as e:  # noqa: BLE001 - reported per case; ranks stay in step
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        dist.barrier()
-    return out
+    from worlds import each_case
+    kinds = {"error": expect_error, "train": train_steps}
+    return each_case(rank, cases, lambda name, case: kinds.get(case.get("kind"), equivalence)(rank, world, case))

@@ -1,5 +1,10 @@
 """Deferred initialisation: parallelize() takes a model built on the meta device, shards it, and
-allocates only each rank's shards, with the single-device model's weights whatever the layout."""
+allocates only each rank's shards, with the single-device model's weights whatever the layout.
+
+One spawned group of 2 ranks (`world2`) runs every 2-rank case in turn (starting ranks costs
+seconds): deferred initialisation under TP2 + SP, DP2 (ZeRO-3), PP2 and EP2 x DP2, and the
+safetensors loads under DP2 and TP2 (preset and transformers models). The model larger than a
+rank's share runs alone on 4 fresh processes: it measures each process's memory."""
 
 from __future__ import annotations
 
@@ -13,16 +18,58 @@ from meshplan.train.spawn import run_ranks
 SEQ, BATCH, SEED = 32, 8, 7
 
 
-@pytest.mark.parametrize("kind, world, fixed", [
-    ("tiny-llama", 2, (("tp", 2), ("sp", True))),
-    ("tiny-llama", 2, (("dp", 2), ("zero", 3))),
-    ("tiny-gpt", 2, (("pp", 2),)),
-    ("tiny-moe", 2, (("dp", 2), ("ep", 2))),
-])
-def test_deferred_init_equals_single_device(kind, world, fixed):
-    plan = numerics.plan_for(kind, world, fixed, SEQ, BATCH)
-    case = dict(kind=kind, plan=plan, seq_len=SEQ, batch=BATCH, seed=SEED)
-    res = run_ranks(world, deferred_workers.deferred_run, case, timeout_s=180)
+DEFERRED = {
+    "tiny-llama-tp2-sp": ("tiny-llama", (("tp", 2), ("sp", True))),
+    "tiny-llama-dp2-zero3": ("tiny-llama", (("dp", 2), ("zero", 3))),
+    "tiny-gpt-pp2": ("tiny-gpt", (("pp", 2),)),
+    "tiny-moe-dp2-ep2": ("tiny-moe", (("dp", 2), ("ep", 2))),
+}
+SAFETENSORS = {
+    "tiny-llama-dp2-zero3": ("tiny-llama", (("dp", 2), ("zero", 3))),
+    "tiny-llama-tp2-sp": ("tiny-llama", (("tp", 2), ("sp", True))),
+    "hf-llama-dp2-zero3": ("hf-llama", (("dp", 2), ("zero", 3))),
+}
+
+
+def _safetensors_source(kind: str) -> dict:
+    """The weights the safetensors directory holds (another model than deferred init would make)."""
+    src = (numerics.build_model(kind, seq_len=SEQ) if kind.startswith("hf")
+           else deferred_workers.reference_model(kind, SEQ, SEED))
+    return {k: v.contiguous() for k, v in src.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from worlds import spawn_cases
+    numerics.plan_for.prefetch([(kind, 2, fixed, SEQ, BATCH)
+                                for kind, fixed in [*DEFERRED.values(), *SAFETENSORS.values()]])
+    cases = {}
+    for name, (kind, fixed) in DEFERRED.items():
+        cases[f"deferred/{name}"] = dict(kind=kind, plan=numerics.plan_for(kind, 2, fixed, SEQ, BATCH), seq_len=SEQ,
+                                         batch=BATCH, seed=SEED)
+    for name, (kind, fixed) in SAFETENSORS.items():
+        # a transformers-style directory of two safetensors files
+        d = tmp_path_factory.mktemp(f"safetensors-{name}")
+        want = _safetensors_source(kind)
+        save_file(dict(list(want.items())[: len(want) // 2]), str(d / "model-00001-of-00002.safetensors"))
+        save_file(dict(list(want.items())[len(want) // 2:]), str(d / "model-00002-of-00002.safetensors"))
+        cases[f"safetensors/{name}"] = dict(run="safetensors", kind=kind, seq_len=SEQ, batch=BATCH, seed=SEED,
+                                            plan=numerics.plan_for(kind, 2, fixed, SEQ, BATCH), dir=str(d))
+    return spawn_cases(2, deferred_workers.run_cases, cases, timeout_s=180)
+
+
+def _ok(runs: list) -> None:
+    for rank, r in enumerate(runs):
+        assert "error" not in r, f"rank {rank}: {r['error']}\n{r.get('tb', '')}"
+
+
+@pytest.mark.parametrize("name", sorted(DEFERRED))
+def test_deferred_init_equals_single_device(world2, name):
+    kind = DEFERRED[name][0]
+    res = world2[f"deferred/{name}"]
+    _ok(res)
     ref = deferred_workers.reference_model(kind, SEQ, SEED)
     want = ref.state_dict()
     got = res[0]["state"]
@@ -64,7 +111,9 @@ def test_model_larger_than_a_rank_trains_within_its_share(monkeypatch):
     # and again (measured: +550 MB in the first step instead of +280 MB); a fixed threshold makes
     # RSS track live memory, which is what this test is about
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    res = run_ranks(4, deferred_workers.big_model_run, case, timeout_s=300)
+    # fresh interpreters (not forked from the server that preloads modules): glibc reads the
+    # variable at start-up, and the process's whole memory is what is measured
+    res = run_ranks(4, deferred_workers.big_model_run, case, timeout_s=300, start="spawn")
     for r, out in enumerate(res):
         assert all(torch.isfinite(torch.tensor(out["losses"]))), out["losses"]
         assert out["local_params"] <= params / 4 + 1024
@@ -74,23 +123,15 @@ def test_model_larger_than_a_rank_trains_within_its_share(monkeypatch):
           + ", ".join(f"{(o['peak_rss'] - o['rss_at_start']) / 1e6:.0f}" for o in res) + " MB")
 
 
-@pytest.mark.parametrize("kind, fixed", [("tiny-llama", (("dp", 2), ("zero", 3))),
-                                         ("tiny-llama", (("tp", 2), ("sp", True))),
-                                         ("hf-llama", (("dp", 2), ("zero", 3)))])
-def test_safetensors_load_reads_only_each_ranks_shards(tmp_path, kind, fixed):
+@pytest.mark.parametrize("name", sorted(SAFETENSORS))
+def test_safetensors_load_reads_only_each_ranks_shards(world2, name):
     """A transformers-style safetensors directory loads into the sharded model slice by slice:
     each rank reads from disk exactly the elements it holds (no rank holds a whole sharded
     tensor, let alone the model), and the sharded model then equals the file. The transformers
     model starts on the meta device (how `meshplan train --init-from` builds it)."""
-    from safetensors.torch import save_file
-    src = (numerics.build_model(kind, seq_len=SEQ) if kind.startswith("hf")
-           else deferred_workers.reference_model(kind, SEQ, SEED))
-    want = {k: v.contiguous() for k, v in src.state_dict().items()}
-    save_file(dict(list(want.items())[: len(want) // 2]), str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file(dict(list(want.items())[len(want) // 2:]), str(tmp_path / "model-00002-of-00002.safetensors"))
-    plan = numerics.plan_for(kind, 2, fixed, SEQ, BATCH)
-    case = dict(kind=kind, plan=plan, seq_len=SEQ, batch=BATCH, seed=SEED, dir=str(tmp_path))
-    res = run_ranks(2, deferred_workers.safetensors_run, case, timeout_s=180)
+    res = world2[f"safetensors/{name}"]
+    _ok(res)
+    want = _safetensors_source(SAFETENSORS[name][0])
     total = sum(v.numel() for v in want.values())
     for r in res:
         assert r["read"] == r["local"] < 0.75 * total, (r, total)

@@ -5,18 +5,22 @@ Each case parallelises a tiny MoE with a Plan made by `meshplan.plan` (the layou
 test), runs one global batch forward and backward, measures the global gradient norm, takes one
 AdamW step and compares loss, every full gradient, the norm and every parameter with the
 single-device model (ep_workers.equivalence; tolerances: numerics.py). Cases that share a world
-size run in one spawned process group.
+size run in one spawned process group (starting ranks costs seconds): 2 ranks (`world2`: the
+folded layouts on 2 ranks, global load balancing over folded ranks, DCP reshards between folded
+layouts, deferred initialisation with folded experts), 4 ranks (`world4`) and 8 ranks (`world8`:
+only the layouts that need 8 - EP x TP x PP with data parallelism, fewer local experts than
+expert-data-parallel ranks, and everything folded at once).
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 
 import ep_workers
 import moe_workers
+import numerics
 from test_expert_parallel import _cases, _ok, _plan, _run
+from worlds import plans, prefetch
 
 # name -> (model, fixed layout); the world size is tp * cp * pp * dp
 CASES_2 = {
@@ -77,7 +81,7 @@ BALANCE_2 = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@plans
 def _balance_plan(world: int, fixed_items: tuple):
     import meshplan as mp
     from meshplan.cluster import Cluster
@@ -87,10 +91,18 @@ def _balance_plan(world: int, fixed_items: tuple):
 
 @pytest.fixture(scope="module")
 def world2():
+    spec = lambda **kw: ("moe", 2, tuple(sorted(dict(pp=1, mbs=4, **kw).items())))  # noqa: E731
+    reshards = [spec(ep=2, tp=2, sp=True, dp=1, cp=1), spec(etp=2, ep=1, tp=1, dp=2, cp=1, zero=3),
+                spec(etp=2, ep=1, tp=2, sp=True, dp=1, cp=1), spec(ep=2, cp=2, tp=1, dp=1, zero=1)]
+    # every plan of this world, made two at a time
+    prefetch([(_plan, (kind, 2, tuple(sorted(fixed.items())))) for kind, fixed in CASES_2.values()]
+             + [(_plan, s) for s in reshards]
+             + [(_balance_plan, (2, tuple(sorted(fixed.items())))) for fixed in BALANCE_2.values()]
+             + [(numerics.plan_for, ("tiny-moe", 2, fixed, *DEFERRED_SHAPE)) for fixed in DEFERRED])
     cases = _cases(CASES_2, 2)
     for name, fixed in BALANCE_2.items():
         cases[name] = dict(kind="balance", plan=_balance_plan(2, tuple(sorted(fixed.items()))))
-    moe = lambda **kw: _plan("moe", 2, tuple(sorted(dict(pp=1, mbs=4, **kw).items())))  # noqa: E731
+    moe = lambda **kw: _plan(*spec(**kw))  # noqa: E731
     # DCP moves folded experts (and the TP-replicated router) between layouts, both ways
     cases["reshard_ep2_tp2_to_etp2_dp2"] = dict(kind="reshard", model="moe",
                                                 save=moe(ep=2, tp=2, sp=True, dp=1, cp=1),
@@ -98,6 +110,11 @@ def world2():
     cases["reshard_etp2_tp2_to_ep2_cp2"] = dict(kind="reshard", model="moe",
                                                 save=moe(etp=2, ep=1, tp=2, sp=True, dp=1, cp=1),
                                                 load=moe(ep=2, cp=2, tp=1, dp=1, zero=1))
+    # a meta model with folded experts: test_deferred_init_with_folded_experts
+    for i, fixed in enumerate(DEFERRED):
+        cases[f"deferred_fixed{i}"] = dict(kind="deferred", model="tiny-moe",
+                                           plan=numerics.plan_for("tiny-moe", 2, fixed, *DEFERRED_SHAPE),
+                                           seq_len=DEFERRED_SHAPE[0], batch=DEFERRED_SHAPE[1], seed=DEFERRED_SEED)
     return _run(2, cases)
 
 
@@ -180,23 +197,22 @@ def test_tp_view_leaves_moe_layers_to_folding():
     assert view["layers.0.feed_forward.w1"] == "colwise"      # the dense block is untouched
 
 
-@pytest.mark.parametrize("fixed", [
-    (("ep", 2), ("sp", True), ("tp", 2)),
-    (("etp", 2), ("sp", True), ("tp", 2)),
-])
-def test_deferred_init_with_folded_experts(fixed):
+DEFERRED = [(("ep", 2), ("sp", True), ("tp", 2)),
+            (("etp", 2), ("sp", True), ("tp", 2))]
+DEFERRED_SHAPE, DEFERRED_SEED = (32, 8), 7          # seq_len, batch
+
+
+@pytest.mark.parametrize("i", range(len(DEFERRED)), ids=[f"fixed{i}" for i in range(len(DEFERRED))])
+def test_deferred_init_with_folded_experts(world2, i):
     """A meta model: router replicated over TP and experts split over ep / etp get the single-device
     initialisation, sliced (deferred_workers.deferred_run), and the single-device loss."""
     import torch
 
     import deferred_workers
-    import numerics
-    from meshplan.train.spawn import run_ranks
-    seq, batch, seed = 32, 8, 7
-    plan = numerics.plan_for("tiny-moe", 2, fixed, seq, batch)
-    res = run_ranks(2, deferred_workers.deferred_run, dict(kind="tiny-moe", plan=plan, seq_len=seq, batch=batch,
-                                                           seed=seed), timeout_s=180)
-    ref = deferred_workers.reference_model("tiny-moe", seq, seed)
+    res = world2[f"deferred_fixed{i}"]
+    _ok(res)
+    seq, batch = DEFERRED_SHAPE
+    ref = deferred_workers.reference_model("tiny-moe", seq, DEFERRED_SEED)
     want = ref.state_dict()
     assert set(res[0]["state"]) == set(want)
     for k in want:

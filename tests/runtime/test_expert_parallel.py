@@ -4,16 +4,19 @@ Each whole-model case parallelises a tiny MoE with a Plan made by `meshplan.plan
 the test), runs one global batch forward and backward, measures the global gradient norm, takes
 one AdamW step, and compares loss, every full gradient (all E experts under their original
 FQNs), the norm and every parameter with the single-device model (tolerances: numerics.py).
-Cases that share a world size run in one spawned process group (starting ranks costs seconds).
+Cases that share a world size run in one spawned process group (starting ranks costs seconds):
+2 ranks (`world2`: EP2 x DP2 under ZeRO-3, ZeRO-1 and DDP, shared experts, recompute, the
+dispatch alone, DCP reshards between ep sizes, bf16 training) and 4 ranks (`world4`: EP with
+expert data parallelism at ZeRO-0/1/3, EP x PP 1F1B and zero-bubble V, the dispatch alone over
+four ranks). Each test reads its cases' results.
 """
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import ep_workers
+from worlds import plans
 
 SEQ, BATCH = ep_workers.SEQ, ep_workers.BATCH
 
@@ -31,7 +34,8 @@ CASES_4 = {
     "ep2_edp2_zero3": ("moe", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=1)),
     "ep2_edp2_zero1": ("moe-shared", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=1, mbs=1)),
     "ep2_edp2_zero0": ("moe-shared", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=0, mbs=1)),
-    "ep4": ("moe", dict(ep=4, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=2)),
+    # (EP over all four ranks with one expert each - what ep2_dp2 runs over two, on the same path -
+    # is left to the dispatch case, which runs the 4-way exchange with uneven and empty experts)
     "ep2_pp2": ("moe-shared", dict(ep=2, dp=2, pp=2, vp=1, schedule="1f1b", tp=1, cp=1, mbs=1)),
     # zero-bubble V: two virtual stages per rank, weight gradients computed apart from input ones
     "ep2_pp2_zbv": ("moe-shared", dict(ep=2, dp=2, pp=2, vp=2, schedule="zbv", tp=1, cp=1, mbs=1)),
@@ -43,7 +47,7 @@ def _cluster(world: int):
     return Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world)
 
 
-@functools.lru_cache(maxsize=None)
+@plans
 def _plan(kind: str, world: int, fixed_items: tuple, for_runtime: bool = True):
     import meshplan as mp
     device = "cpu" if kind.startswith("hf") else "meta"
@@ -52,9 +56,11 @@ def _plan(kind: str, world: int, fixed_items: tuple, for_runtime: bool = True):
                    for_runtime=for_runtime)
 
 
-def _cases(table: dict, world: int) -> dict:
-    return {name: dict(model=kind, plan=_plan(kind, world, tuple(sorted(fixed.items()))))
-            for name, (kind, fixed) in table.items()}
+def _cases(table: dict, world: int, more: tuple = ()) -> dict:
+    """The table's cases with their plans (made two at a time, with the plans `more` names)."""
+    specs = [(kind, world, tuple(sorted(fixed.items()))) for kind, fixed in table.values()]
+    _plan.prefetch(specs + list(more))
+    return {name: dict(model=kind, plan=_plan(*spec)) for (name, (kind, _)), spec in zip(table.items(), specs)}
 
 
 def _run(world: int, cases: dict) -> dict:
@@ -70,9 +76,10 @@ def _ok(results: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def world2():
-    cases = _cases(CASES_2, 2)
+    spec = lambda **kw: ("moe", 2, tuple(sorted(dict(tp=1, cp=1, pp=1, dp=2, mbs=2, **kw).items())))  # noqa: E731
+    cases = _cases(CASES_2, 2, [spec(ep=2, zero=3), spec(ep=1, zero=3), spec(ep=1, zero=1)])
     cases["dispatch"] = dict(kind="dispatch")
-    moe = lambda **kw: _plan("moe", 2, tuple(sorted(dict(tp=1, cp=1, pp=1, dp=2, mbs=2, **kw).items())))  # noqa: E731
+    moe = lambda **kw: _plan(*spec(**kw))  # noqa: E731
     # DCP reshards experts between ep sizes, both ways
     cases["reshard_ep2_to_ep1"] = dict(kind="reshard", model="moe", save=moe(ep=2, zero=3), load=moe(ep=1, zero=3))
     cases["reshard_ep1_to_ep2"] = dict(kind="reshard", model="moe", save=moe(ep=1, zero=1), load=moe(ep=2, zero=3))

@@ -40,7 +40,7 @@ def world2(tmp_path_factory):
 
 def _ok(results):
     for rank, r in enumerate(results):
-        assert "error" not in r, f"rank {rank}: {r['error']}"
+        assert "error" not in r, f"rank {rank}: {r['error']}\n{r.get('tb', '')}"
 
 
 @pytest.mark.parametrize("name", ["tp2_sp", "fsdp2_fp8_allgather"])

@@ -6,7 +6,9 @@
   in test_fp8.py) and reports every module's precision; the explicit BF16 override and a missing
   backend package;
 - loss trajectories: an FP8 run of the default job's model and data against the BF16 run, and
-  bf16 Adam moments against fp32 moments (tolerances and measured numbers at each test).
+  bf16 Adam moments against fp32 moments (tolerances and measured numbers at each test). The
+  three 100-step runs are independent and single-threaded: they run two at a time, each in a
+  worker process with its own one-rank gloo group (tests/runtime/worlds.py).
 """
 
 from __future__ import annotations
@@ -152,10 +154,44 @@ def _windows(losses: list[float]) -> list[float]:
     return [sum(losses[i:i + WINDOW]) / WINDOW for i in range(0, len(losses), WINDOW)]
 
 
+def _trajectory_in_worker(item) -> list[float]:
+    """_trajectory in a worker process (worlds.in_processes), in a one-rank gloo group of its own
+    (destroyed after: the worker serves other tests next)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from meshplan.train.spawn import init_single_process_group
+    plan, out = item
+    created = init_single_process_group(120)
+    try:
+        return _trajectory(plan, Path(out), TRAJ_STEPS, TRAJ_SEQ)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
-def bf16_run(tmp_path_factory):
-    return _trajectory(_tiny_plan("bf16", TRAJ_SEQ, TRAJ_BATCH), tmp_path_factory.mktemp("bf16"), TRAJ_STEPS,
-                       TRAJ_SEQ)
+def trajectories(tmp_path_factory):
+    """{run: (losses, output directory)} of the BF16 run, the FP8 run (when torchao is installed)
+    and the BF16 run with bf16 Adam moments, two at a time; a run that raised: (error, None)."""
+    import importlib.util
+
+    from worlds import in_processes
+    plans = {"bf16": _tiny_plan("bf16", TRAJ_SEQ, TRAJ_BATCH),
+             "bf16_moments": _tiny_plan("bf16", TRAJ_SEQ, TRAJ_BATCH, optimizer_dtype="bf16")}
+    if importlib.util.find_spec("torchao") is not None:
+        plans["fp8"] = _tiny_plan("fp8", TRAJ_SEQ, TRAJ_BATCH)
+    dirs = {name: tmp_path_factory.mktemp(name) for name in plans}
+    results = in_processes(_trajectory_in_worker, [(plan, str(dirs[name])) for name, plan in plans.items()])
+    return {name: (r["ok"], dirs[name]) if "ok" in r else (f"{r['error']}\n{r['tb']}", None)
+            for name, r in zip(plans, results)}
+
+
+def _run(trajectories, name: str):
+    losses, out = trajectories[name]
+    assert out is not None, f"the {name} run failed: {losses}"
+    return losses, out
 
 
 def _close(run: list[float], base: list[float]) -> None:
@@ -165,21 +201,23 @@ def _close(run: list[float], base: list[float]) -> None:
     assert w[-1] < w[0] - 1.5                                  # it trains
 
 
-def test_fp8_run_tracks_the_bf16_run(tmp_path, bf16_run):
+def test_fp8_run_tracks_the_bf16_run(trajectories):
     pytest.importorskip("torchao")
     plan = _tiny_plan("fp8", TRAJ_SEQ, TRAJ_BATCH)
-    _close(_trajectory(plan, tmp_path, TRAJ_STEPS, TRAJ_SEQ), bf16_run)
-    report = json.loads((tmp_path / "precisions.json").read_text())
+    losses, out = _run(trajectories, "fp8")
+    _close(losses, _run(trajectories, "bf16")[0])
+    report = json.loads((out / "precisions.json").read_text())
     assert report["plan_precision"] == "fp8"
     assert sorted(m for m, p in report["modules"].items() if p.startswith("fp8")) == sorted(plan.fp8_modules)
 
 
-def test_bf16_adam_moments_track_fp32_moments(tmp_path, bf16_run):
+def test_bf16_adam_moments_track_fp32_moments(trajectories):
     from meshplan.train.optim import AdamWBF16Moments
     plan = _tiny_plan("bf16", TRAJ_SEQ, TRAJ_BATCH, optimizer_dtype="bf16")
     assert plan.layout.optimizer_dtype == "bf16"
-    _close(_trajectory(plan, tmp_path, TRAJ_STEPS, TRAJ_SEQ), bf16_run)
-    assert json.loads((tmp_path / "precisions.json").read_text())["optimizer_dtype"] == "bf16"
+    losses, out = _run(trajectories, "bf16_moments")
+    _close(losses, _run(trajectories, "bf16")[0])
+    assert json.loads((out / "precisions.json").read_text())["optimizer_dtype"] == "bf16"
     # the optimizer really keeps bf16 moments over fp32 master weights
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 64))

@@ -5,15 +5,18 @@ top_k_index, top_k_weights)) are adapted by structure (meshplan/runtime/hf_exper
 over ETP too (gate and up halves each). Each whole-model case parallelises a tiny model with a
 plan of a fixed layout (ep=2 x dp=2 on 2 ranks; TP / ETP folding on 4), runs one global batch
 forward and backward and one AdamW step, and compares loss, every full gradient, the gradient norm
-and every weight with the single-device model (numerics.py's tolerances).
+and every weight with the single-device model (numerics.py's tolerances). One spawned group per
+world size runs every case of that size (starting ranks costs seconds): 2 ranks (`world2`: EP2
+x DP2 for both models, the experts module alone) and 4 ranks (`world4`: ETP, TP folding with and
+without SP); each test reads its case's result.
 """
 
 from __future__ import annotations
 
-import functools
-
 import hf_moe_workers
 import pytest
+
+from worlds import plans
 
 CASES = {
     "mixtral_ep2_zero3": ("hf-mixtral", dict(ep=2, dp=2, tp=1, cp=1, pp=1, zero=3, mbs=2)),
@@ -39,7 +42,7 @@ def _cluster(world: int):
     return Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world)
 
 
-@functools.lru_cache(maxsize=None)
+@plans
 def _plan(kind: str, world: int, fixed_items: tuple):
     import meshplan as mp
     from meshplan.planner.traits import fold_shared_roles
@@ -54,6 +57,7 @@ def _plan(kind: str, world: int, fixed_items: tuple):
 
 def _run(world: int, table: dict, extra: dict | None = None) -> dict:
     from meshplan.train.spawn import run_ranks
+    _plan.prefetch([(kind, world, tuple(sorted(fixed.items()))) for kind, fixed in table.values()])
     cases = {name: dict(model=kind, plan=_plan(kind, world, tuple(sorted(fixed.items()))))
              for name, (kind, fixed) in table.items()}
     cases.update(extra or {})

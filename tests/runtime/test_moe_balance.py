@@ -2,7 +2,8 @@
 
 The global auxiliary loss (counts all-reduced over the data-parallel ranks and accumulated over
 micro-batches), the router z-loss and the DeepSeek-V3 expert-bias update must give the
-single-device gradients, statistics and biases (see moe_workers.py).
+single-device gradients, statistics and biases (see moe_workers.py). One spawned group of 4
+ranks (`world4`) runs the three cases (ZeRO-3, recompute, PP 1F1B); each test reads its case.
 """
 
 from __future__ import annotations

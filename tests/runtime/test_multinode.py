@@ -1,18 +1,24 @@
 """`meshplan train` across machines and under launchers: two "nodes" of two processes on
 localhost (torchrun c10d rendezvous), `meshplan launch --plan p.json -- meshplan train --plan
-p.json`, options torchrun must not read, and a rendezvous nobody answers."""
+p.json`, options torchrun must not read, and a rendezvous nobody answers.
+
+Each `meshplan` command that starts processes runs as a user runs it, in a subprocess
+(tests/runtime/procs.py: a timeout that stretches with the machine's load, and a failure naming
+what was running); the two forms of launching a saved plan run side by side (one such job keeps
+only one core busy). Options refused before anything starts (bad node options, a rendezvous
+nobody answers) are checked through `meshplan.cli.main` in this process."""
 
 from __future__ import annotations
 
 import json
 import math
 import socket
-import subprocess
 import sys
 import time
 
 import pytest
 
+import procs
 from meshplan.train.launch import target_spec, torchrun_command
 
 COMMON = ["--steps", "2", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
@@ -25,9 +31,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _meshplan(*args, cwd, timeout=240):
-    return subprocess.run([sys.executable, "-m", "meshplan.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+def _meshplan(*args, what: str, cwd, timeout=240, start_only=False):
+    """`meshplan ARGS` in a subprocess (tests/runtime/procs.py: a timeout that stretches with the
+    load, and a failure naming `what`); started only, to finish later, if start_only."""
+    proc = procs.Proc([sys.executable, "-m", "meshplan.cli", *args], what=f"meshplan {args[0]} ({what})",
+                      timeout=timeout, cwd=cwd)
+    return proc if start_only else proc.finish()
 
 
 def test_torchrun_does_not_read_meshplan_options():
@@ -50,12 +59,17 @@ def test_two_nodes_on_localhost(tmp_path):
     port = _free_port()
     args = [*COMMON, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-timeout", "60", "--out", str(tmp_path / "o")]
-    node1 = subprocess.Popen([sys.executable, "-m", "meshplan.cli", "train", *args, "--node-rank", "1"],
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    node0 = _meshplan("train", *args, "--node-rank", "0", cwd=tmp_path)
-    out1, err1 = node1.communicate(timeout=120)
+    node1 = _meshplan("train", *args, "--node-rank", "1", what="node 1 of 2 on localhost", cwd=tmp_path,
+                      start_only=True)
+    try:
+        node0 = _meshplan("train", *args, "--node-rank", "0", what="node 0 of 2 on localhost", cwd=tmp_path)
+        r1 = node1.finish()
+    finally:
+        if node1.proc.poll() is None:                    # node 0 failed the test: do not leave node 1 behind
+            node1.proc.kill()
+            node1.proc.communicate()
     assert node0.returncode == 0, node0.stderr[-3000:]
-    assert node1.returncode == 0, err1[-3000:]
+    assert r1.returncode == 0, r1.stderr[-3000:]
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert plan["cluster"]["nodes"] == 2 and plan["cluster"]["gpus_per_node"] == 2
     assert math.prod(plan["mesh"].values()) == 4
@@ -72,24 +86,31 @@ def test_launch_a_saved_plan(tmp_path):
                    Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2), seq_len=32, global_batch=8,
                    fixed={"dp": 2})
     plan.save(tmp_path / "p.json")
-    r = _meshplan("launch", "--plan", str(tmp_path / "p.json"), "--", "meshplan", "train", "--plan",
-                  str(tmp_path / "p.json"), *COMMON, "--out", str(tmp_path / "o"), cwd=tmp_path)
+    # both forms side by side: `meshplan launch --plan` running `meshplan train --plan` in each
+    # process, and `meshplan train --plan` alone, which takes its process count from the plan
+    launched = _meshplan("launch", "--plan", str(tmp_path / "p.json"), "--", "meshplan", "train", "--plan",
+                         str(tmp_path / "p.json"), *COMMON, "--out", str(tmp_path / "o"),
+                         what="a saved plan's processes, each running train --plan", cwd=tmp_path, start_only=True)
+    alone = _meshplan("train", "--plan", str(tmp_path / "p.json"), *COMMON, "--out", str(tmp_path / "o2"),
+                      what="train --plan alone", cwd=tmp_path, start_only=True)
+    r, r2 = launched.finish(), alone.finish()
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trained steps 1..2" in r.stdout, r.stdout[-2000:]
-    # and `meshplan train --plan` alone takes its process count from the plan
-    r = _meshplan("train", "--plan", str(tmp_path / "p.json"), *COMMON, "--out", str(tmp_path / "o2"),
-                  cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "launching 2 processes" in r.stderr
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "launching 2 processes" in r2.stderr
 
 
-def test_unreachable_rendezvous_names_the_endpoint(tmp_path):
+@pytest.mark.filterwarnings("ignore:precision='fp32'")     # the plan's own note: --precision fp32 (COMMON)
+def test_unreachable_rendezvous_names_the_endpoint(tmp_path, capsys):
+    """Checked before torchrun starts, so in this process (`meshplan train`'s own code path)."""
+    from meshplan import cli
     port = _free_port()
     t0 = time.monotonic()
-    r = _meshplan("train", *COMMON, "--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
-                  f"127.0.0.1:{port}", "--rdzv-timeout", "2", "--out", str(tmp_path / "o"), cwd=tmp_path)
-    assert r.returncode == 2
-    assert f"could not reach the rendezvous at 127.0.0.1:{port} within 2 s" in r.stderr, r.stderr[-2000:]
+    code = cli.main(["train", *COMMON, "--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                     f"127.0.0.1:{port}", "--rdzv-timeout", "2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"could not reach the rendezvous at 127.0.0.1:{port} within 2 s" in err, err[-2000:]
     assert time.monotonic() - t0 < 60
 
 
@@ -98,6 +119,9 @@ def test_unreachable_rendezvous_names_the_endpoint(tmp_path):
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "outside 0..1"),
     (["--nnodes", "0"], "--nnodes must be >= 1"),
 ])
-def test_bad_node_options(tmp_path, args, message):
-    r = _meshplan("train", *args, "--out", str(tmp_path / "o"), cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+def test_bad_node_options(tmp_path, capsys, args, message):
+    """Refused before anything starts: in this process (`meshplan train`'s own code path)."""
+    from meshplan import cli
+    code = cli.main(["train", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err[-2000:]

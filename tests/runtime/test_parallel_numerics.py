@@ -4,7 +4,11 @@ Every case parallelises the same model with a Plan made by `meshplan.plan` (layo
 test), runs one global batch forward and backward, takes one AdamW step, and compares loss, every
 full gradient and every parameter with the unsharded model (tolerances: tests/runtime/numerics.py).
 Cases that share a world size run in one spawned process group, because starting ranks costs
-seconds each.
+seconds each: 2 ranks (`world2`: TP, SP, DP as DDP and FSDP ZeRO-1/2/3 with accumulation, PP
+1F1B / interleaved / zero-bubble V, recompute, tied embeddings, transformers Llama, a bf16
+training run, and the refusals of a mismatched plan), 4 ranks (`world4`: TP x DP, TP x PP,
+HSDP, and the planner's own choice trained a few steps) and 8 ranks (the one case that needs 8:
+PP x FSDP x TP). Each test reads its cases' results.
 """
 
 from __future__ import annotations
@@ -61,7 +65,11 @@ def _plan(kind: str, world: int, fixed_items: tuple):
     return numerics.plan_for(kind, world, fixed_items, SEQ, BATCH)
 
 
-def _cases(table: dict, world: int) -> dict:
+def _cases(table: dict, world: int, more: tuple = ()) -> dict:
+    """The table's cases with their plans (made two at a time, with the plans `more` names)."""
+    numerics.plan_for.prefetch([(kind, world, tuple(sorted(fixed.items())), SEQ, BATCH)
+                                for kind, fixed in table.values()]
+                               + [(kind, w, items, SEQ, BATCH) for kind, w, items in more])
     out = {}
     for name, (kind, fixed) in table.items():
         out[name] = dict(model=kind, plan=_plan(kind, world, tuple(sorted(fixed.items()))), seq_len=SEQ,
@@ -77,7 +85,9 @@ def _run(world: int, cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def world2():
-    cases = _cases(CASES_2, 2)
+    cases = _cases(CASES_2, 2, more=[("tiny-llama", 4, (("dp", 4),)),
+                                     ("tiny-llama", 2, (("dp", 1), ("pp", 2), ("schedule", "1f1b"), ("tp", 1))),
+                                     ("tiny-llama", 2, (("dp", 2),))])
     # bad input: a plan for 4 ranks on 2, and a model changed since planning
     cases["wrong_world"] = dict(kind="error", model="tiny-llama", seq_len=SEQ,
                                 plan=_plan("tiny-llama", 4, (("dp", 4),)))
@@ -104,7 +114,7 @@ def world4():
 
 def _check(results: list[dict]) -> None:
     for rank, r in enumerate(results):
-        assert "error" not in r, f"rank {rank}: {r['error']}"
+        assert "error" not in r, f"rank {rank}: {r['error']}\n{r.get('tb', '')}"
     losses = {r["loss"] for r in results}
     assert len(losses) == 1, f"ranks disagree on the loss: {losses}"
 

@@ -2,7 +2,9 @@
 torch's fake process group, `parallelize` runs real plans at their real world size in one
 process on the meta device, and the parameters each rank then holds must be what the cost
 model charged that rank for (its optimizer state: fp32 master + Adam moments per held
-parameter), within 5%. Ranks 0 and world-1 are checked (first and last pipeline stage)."""
+parameter), within 5%. Ranks 0 and world-1 are checked (first and last pipeline stage). The
+cases are planned and checked in two processes side by side (planning is CPU-bound and
+single-threaded); each test reads its case's rows."""
 
 from __future__ import annotations
 
@@ -20,11 +22,24 @@ CASES = [
 ]
 
 
+def _check_case(case) -> list[dict]:
+    model, nodes, seq_len, global_batch = case
+    return fake_world.check(model, mp.Cluster.preset("dgx-h100", nodes=nodes), seq_len=seq_len,
+                            global_batch=global_batch)
+
+
+@pytest.fixture(scope="module")
+def contract_rows():
+    from worlds import in_processes
+    return dict(zip(CASES, in_processes(_check_case, CASES)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model, nodes, seq_len, global_batch", CASES)
-def test_rank_holds_what_the_cost_model_charged(model, nodes, seq_len, global_batch):
-    rows = fake_world.check(model, mp.Cluster.preset("dgx-h100", nodes=nodes), seq_len=seq_len,
-                            global_batch=global_batch)
+def test_rank_holds_what_the_cost_model_charged(contract_rows, model, nodes, seq_len, global_batch):
+    r = contract_rows[(model, nodes, seq_len, global_batch)]
+    assert "error" not in r, f"{r['error']}\n{r['tb']}"
+    rows = r["ok"]
     for row in rows:
         assert row["error"] <= 0.05, row
     if model in ("qwen3-235b-a22b", "deepseek-v3"):

@@ -3,17 +3,18 @@ the speed; `--quick` over every row is the CI benchmark, the full table is commi
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+import procs
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime_vs_pytorch.py"
 
 
 def test_one_row_runs_and_prints_the_table(tmp_path):
     out = tmp_path / "table.md"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--rows", "one", "--steps", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = procs.run([sys.executable, str(SCRIPT), "--quick", "--rows", "one", "--steps", "1", "--out", str(out)],
+                     what="benchmarks/runtime_vs_pytorch.py, one row", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "| one | tp1 cp1 pp1 dp1" in text and "eager+autocast" in text

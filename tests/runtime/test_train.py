@@ -1,5 +1,12 @@
 """The training loop: exact resume, resume under another plan (DCP resharding), crash + restart.
 
+In-process jobs run in spawned groups, several train() jobs in turn in one group (starting ranks
+costs seconds): 2 ranks (`dp2_runs`: the uninterrupted DP2 reference, a run stopped at step 3
+and resumed, and the same with background checkpoints) and 4 ranks (TP2 x DP2 uninterrupted and
+stopped, resumed under PP2 x DP2). `meshplan train` runs as a user runs it (torchrun
+subprocesses): the uninterrupted reference and the run whose rank dies side by side, then the
+run whose rank hangs alone (its 2 s collective timeout must not fire on a busy machine).
+
 Tolerances: resuming under the same plan replays the same kernels on the same data in the same
 order, so losses are equal to the last bit on CPU (checked with 1e-6 to stay robust to a BLAS
 that picks another path). Under another plan the sums run in another order (tensor-parallel
@@ -12,13 +19,12 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+import procs
 import train_workers
 
 SEQ, BATCH, STEPS = 32, 8, 6
@@ -33,26 +39,38 @@ def _plan(world: int, fixed: tuple):
                    global_batch=BATCH, fixed=dict(fixed))
 
 
-def _train(world, plan, out, **kw):
-    from meshplan.train.spawn import run_ranks
-    case = dict(plan=plan, seq_len=SEQ, steps=STEPS, out=str(out), **kw)
-    return run_ranks(world, train_workers.train_run, case, timeout_s=180)
+def _case(plan, out, **kw) -> dict:
+    return dict(plan=plan, seq_len=SEQ, steps=STEPS, out=str(out), **kw)
 
 
 DP2 = (("dp", 2), ("zero", 3))
 
 
 @pytest.fixture(scope="module")
-def full_dp2(tmp_path_factory):
-    """An uninterrupted 6-step run under DP2 (ZeRO-3), checkpoint only at the end."""
-    return _train(2, _plan(2, DP2), tmp_path_factory.mktemp("full"), params=True)[0]
+def dp2_runs(tmp_path_factory):
+    """One spawned group of 2 ranks runs, in turn, every DP2 (ZeRO-3) training job of the resume
+    tests: an uninterrupted 6-step run (checkpoint only at the end), a run stopped at step 3 and
+    its resumption, and the same with background checkpoints every step (keep 2)."""
+    from worlds import spawn_cases
+    plan, base = _plan(2, DP2), tmp_path_factory.mktemp("dp2")
+    cases = {"full": _case(plan, base / "full", params=True),
+             "stop3": _case(plan, base / "sync", stop_at=3),
+             "resume": _case(plan, base / "sync", params=True),
+             "async_stop3": _case(plan, base / "async", stop_at=3, every=1, keep=2, **{"async": True}),
+             "async_resume": _case(plan, base / "async", every=1, keep=2, params=True, **{"async": True})}
+    return spawn_cases(2, train_workers.train_runs, cases, timeout_s=180), base
 
 
-def test_exact_resume_same_plan(tmp_path, full_dp2):
-    plan, full = _plan(2, DP2), full_dp2
-    first = _train(2, plan, tmp_path / "b", stop_at=3)[0]
+def _run(dp2_runs, name: str) -> list[dict]:
+    from worlds import ok
+    runs, _ = dp2_runs
+    ok(runs[name])
+    return runs[name]
+
+
+def test_exact_resume_same_plan(dp2_runs):
+    full, first, second = (_run(dp2_runs, n)[0] for n in ("full", "stop3", "resume"))
     assert sorted(first["losses"]) == [1, 2, 3] and first["checkpoint"].endswith("step_000003")
-    second = _train(2, plan, tmp_path / "b", params=True)[0]
     assert second["start"] == 3 and sorted(second["losses"]) == [4, 5, 6]
     for step in range(1, STEPS + 1):
         got = (first if step <= 3 else second)["losses"][step]
@@ -61,19 +79,19 @@ def test_exact_resume_same_plan(tmp_path, full_dp2):
         torch.testing.assert_close(second["params"][n], t, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_async_checkpoints_resume_exactly(tmp_path, full_dp2):
+def test_async_checkpoints_resume_exactly(dp2_runs):
     """Background checkpoints every step (each overlaps the next step; keep 2): stopping at 3 and
     resuming gives the uninterrupted run's losses and weights, and train() returns only after
     the last checkpoint is complete."""
-    plan, full = _plan(2, DP2), full_dp2
-    first = _train(2, plan, tmp_path, stop_at=3, every=1, keep=2, **{"async": True})
+    full = _run(dp2_runs, "full")[0]
+    first = _run(dp2_runs, "async_stop3")
     for r in first:
         assert r["complete"] == ["step_000002", "step_000003"] and r["other"] == [], r
     assert first[0]["checkpoint"].endswith("step_000003")
-    second = _train(2, plan, tmp_path, every=1, keep=2, params=True, **{"async": True})[0]
+    second = _run(dp2_runs, "async_resume")[0]
     assert second["start"] == 3 and second["checkpoint"].endswith("step_000006")
     assert second["complete"] == ["step_000005", "step_000006"] and second["other"] == []
-    meta = json.loads((tmp_path / "checkpoints" / "step_000006" / "meta.json").read_text())
+    meta = json.loads((dp2_runs[1] / "async" / "checkpoints" / "step_000006" / "meta.json").read_text())
     assert meta["step"] == 6 and meta["config"]["async_checkpoint"] is True
     for step in range(1, STEPS + 1):
         got = (first[0] if step <= 3 else second)["losses"][step]
@@ -83,19 +101,28 @@ def test_async_checkpoints_resume_exactly(tmp_path, full_dp2):
 
 
 def test_resume_under_another_plan(tmp_path):
+    """TP2 x DP2 (SP, ZeRO-3) stopped at step 3, resumed under PP2 x DP2: the continued losses are
+    the uninterrupted TP2 x DP2 run's (one spawned group of 4 ranks runs the three jobs in turn)."""
+    from worlds import ok, spawn_cases
     tp_dp = _plan(4, (("tp", 2), ("dp", 2), ("pp", 1), ("zero", 3), ("sp", True)))
     pp_dp = _plan(4, (("pp", 2), ("dp", 2), ("tp", 1), ("vp", 1), ("schedule", "1f1b"), ("zero", 3)))
-    full = _train(4, tp_dp, tmp_path / "a")[0]
-    _train(4, tp_dp, tmp_path / "b", stop_at=3)
-    resumed = _train(4, pp_dp, tmp_path / "b")[0]
+    runs = spawn_cases(4, train_workers.train_runs, {"full": _case(tp_dp, tmp_path / "a"),
+                                                     "stop3": _case(tp_dp, tmp_path / "b", stop_at=3),
+                                                     "resume": _case(pp_dp, tmp_path / "b")}, timeout_s=180)
+    for name in runs:
+        ok(runs[name])
+    full, resumed = runs["full"][0], runs["resume"][0]
     assert resumed["start"] == 3
     for step in (4, 5, 6):
         torch.testing.assert_close(resumed["losses"][step], full["losses"][step], rtol=1e-4, atol=1e-5)
 
 
-def _cli(*args, cwd, timeout=600):
-    return subprocess.run([sys.executable, "-m", "meshplan.cli", "train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(*args, what: str, cwd, timeout=300, start_only=False):
+    """`meshplan train ARGS` in a subprocess (tests/runtime/procs.py: a timeout that stretches
+    with the load, and a failure naming `what`); started only, to finish later, if start_only."""
+    proc = procs.Proc([sys.executable, "-m", "meshplan.cli", "train", *args], what=f"meshplan train ({what})",
+                      timeout=timeout, cwd=cwd)
+    return proc if start_only else proc.finish()
 
 
 def _final_params(ckpt_dir):
@@ -108,10 +135,13 @@ def _final_params(ckpt_dir):
 def test_killed_rank_restarts_from_checkpoint(tmp_path):
     common = ["--nproc", "2", "--steps", "6", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
               "--checkpoint-every", "2", "--fix", "dp=2"]
-    ok = _cli(*common, "--out", str(tmp_path / "clean"), cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr[-3000:]
+    # the uninterrupted reference and the run whose rank 1 dies in step 3 run side by side
+    clean = _cli(*common, "--out", str(tmp_path / "clean"), what="uninterrupted reference run", cwd=tmp_path,
+                 start_only=True)
     crashed = _cli(*common, "--out", str(tmp_path / "crash"), "--fail-at-step", "3", "--max-restarts", "1",
-                   cwd=tmp_path)
+                   what="run whose rank 1 dies in step 3, restarted once", cwd=tmp_path, start_only=True)
+    ok, crashed = clean.finish(), crashed.finish()
+    assert ok.returncode == 0, ok.stderr[-3000:]
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert "resumed from" in crashed.stdout and "step_000002" in crashed.stdout, crashed.stdout[-2000:]
     a = _final_params(tmp_path / "clean" / "checkpoints" / "step_000006")
@@ -127,11 +157,12 @@ def test_hung_rank_is_named_and_ends_the_job(tmp_path):
     """Rank 1 stops responding in step 3; with --timeout 2 rank 0's collective times out, it
     names rank 1 and exits non-zero, and torchrun stops the job. Bound: start-up (~10-20 s on
     2 busy cores) + 2 s timeout + at most 2 s waiting for other ranks to time out + teardown."""
-    t0 = time.monotonic()
-    r = _cli("--nproc", "2", "--steps", "6", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
-             "--fix", "dp=2", "--checkpoint-every", "0", "--timeout", "2", "--hang-at-step", "2",
-             "--out", str(tmp_path / "o"), cwd=tmp_path, timeout=180)
-    elapsed = time.monotonic() - t0
+    proc = _cli("--nproc", "2", "--steps", "6", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
+                "--fix", "dp=2", "--checkpoint-every", "0", "--timeout", "2", "--hang-at-step", "2",
+                "--out", str(tmp_path / "o"), what="run whose rank 1 hangs in step 3, --timeout 2", cwd=tmp_path,
+                timeout=180, start_only=True)
+    r = proc.finish()
+    elapsed = proc.quiet_elapsed          # seconds, counted as on a quiet machine (see procs.py)
     assert r.returncode != 0, r.stdout[-2000:]
     reason = ("meshplan: error: rank 1 stopped responding (rank 1 in step 3; no collective completed within 2 s, "
               "set by --timeout). Rank(s) 0 (step 3) timed out waiting for it")
@@ -141,11 +172,14 @@ def test_hung_rank_is_named_and_ends_the_job(tmp_path):
     assert [rec["step"] for rec in log] == [1, 2]
 
 
-def test_plan_for_another_world_size_is_refused(tmp_path):
+def test_plan_for_another_world_size_is_refused(tmp_path, capsys):
+    """Refused before any process starts: through `meshplan.cli.main` in this process."""
+    from meshplan import cli
     plan = _plan(4, (("dp", 4),))
     plan.save(tmp_path / "p.json")
-    r = _cli("--plan", str(tmp_path / "p.json"), "--nproc", "2", "--out", str(tmp_path / "o"), cwd=tmp_path)
-    assert r.returncode == 2 and "needs 4 processes" in r.stderr, r.stderr[-2000:]
+    code = cli.main(["train", "--plan", str(tmp_path / "p.json"), "--nproc", "2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs 4 processes" in err, err[-2000:]
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

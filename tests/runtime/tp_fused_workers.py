@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worlds import plans
+
 VOCAB = 256
 
 
@@ -102,10 +104,22 @@ def build_model(kind: str, *, seq_len: int):
 
 
 def plan_for(kind: str, world: int, fixed: dict, seq_len: int, global_batch: int):
+    """meshplan's plan for `kind` on `world` CPU processes, the layout `fixed` (cached)."""
+    return _plan(kind, world, tuple(sorted(fixed.items())), seq_len, global_batch)
+
+
+def prefetch_plans(calls) -> None:
+    """Make the plans plan_for(*call) for each call two at a time (worlds.prefetch)."""
+    _plan.prefetch([(kind, world, tuple(sorted(fixed.items())), seq, batch)
+                    for kind, world, fixed, seq, batch in calls])
+
+
+@plans
+def _plan(kind: str, world: int, fixed_items: tuple, seq_len: int, global_batch: int):
     import meshplan as mp
     from meshplan.cluster import Cluster
     return mp.plan(build_model(kind, seq_len=seq_len), Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world),
-                   seq_len=seq_len, global_batch=global_batch, fixed=fixed)
+                   seq_len=seq_len, global_batch=global_batch, fixed=dict(fixed_items))
 
 
 def equivalence(rank: int, world: int, case: dict) -> dict:
@@ -168,16 +182,10 @@ def _check_shards(pm, ref, shards: dict, rank: int, tp: int) -> None:
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
-    import torch.distributed as dist
-    out = {}
-    for name, case in cases.items():
-        try:
-            out[name] = equivalence(rank, world, case)
-        except Exception as e:  # noqa: BLE001 - reported per case; ranks stay in step
-            import traceback
-            out[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        dist.barrier()
-    return out
+    """Every case in one process group: equivalence, or the kind the case names."""
+    from worlds import each_case
+    kinds = {"reshard_optimizer": reshard_optimizer, "deferred": deferred_fused}
+    return each_case(rank, cases, lambda name, case: kinds.get(case.get("kind"), equivalence)(rank, world, case))
 
 
 def _build(case: dict):

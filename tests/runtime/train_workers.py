@@ -23,3 +23,11 @@ def train_run(rank: int, world: int, case: dict) -> dict:
     return {"losses": res.losses, "start": res.start_step, "checkpoint": res.checkpoint, "complete": done,
             "other": sorted(p.name for p in ckpts.iterdir() if p.name not in done),
             "params": pm.full_state_dict() if case.get("params") else None}
+
+
+def train_runs(rank: int, world: int, cases: dict) -> dict:
+    """Several train() runs in turn in one process group (starting ranks costs seconds), each as
+    a fresh job would run it (its own model, optimizer and output directory: a later run that
+    uses an earlier run's directory resumes from its checkpoint); errors are reported per run."""
+    from worlds import each_case
+    return each_case(rank, cases, lambda name, case: train_run(rank, world, case))
