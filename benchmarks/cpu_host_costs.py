@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         return 0
     from meshplan.cluster import Cluster
     from meshplan.cost_models import constants as K
-    from meshplan.cost_models.compute import cpu_rate_scale
+    from meshplan.cost_models.host import cpu_rate_scale
     scale = cpu_rate_scale(Cluster.preset("local-cpu").replace(gpus_per_node=NPROC, scaleup_domain=NPROC))
     to_ref = NPROC / K.CPU_HOST_CORES * scale
     lines = [f"# per-parameter host costs, {NPROC} gloo processes on {os.cpu_count()} cores, tiny-llama, "

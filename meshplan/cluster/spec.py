@@ -53,7 +53,7 @@ class GPUSpec:
     # CPU processes: microseconds one small autograd op (a mul of an 8x8 tensor in a chain of 60)
     # takes in each process while every process runs them at once, as `meshplan calibrate`
     # measures it; the cost model scales its host-work rates (dispatch, element-wise, SDPA, gloo
-    # host work) by it (compute.cpu_rate_scale). None: derived from the matmul rate.
+    # host work) by it (host.cpu_rate_scale). None: derived from the matmul rate.
     cpu_op_us: float | None = None
 
     def __post_init__(self) -> None:

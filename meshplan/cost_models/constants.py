@@ -209,7 +209,7 @@ CPU_HOST_CORES = 2                                                              
 #   processes at once on that host when quiet (2026-11-24, `meshplan calibrate --nproc 4`, load
 #   from other sessions below 1): 7.2 us per op, i.e. 3.6 us on a core of its own. A calibration's
 #   own measurement of it (GPUSpec.cpu_op_us) scales the host-work rates by the ratio
-#   (compute.cpu_rate_scale).
+#   (host.cpu_rate_scale).
 CPU_QUIET_OP_US_1T = 3.6                                                            # measured
 # ---- CPU processes: host work outside the traced plain ops (meshplan.cost_models.host) ---------
 # CPU seconds at the reference matmul rate (CPU_MICRO_MATMUL_GFLOPS_1T above): each was measured as
@@ -251,7 +251,7 @@ CPU_COLLECTIVE_HOST_S = 2.3e-3                                                  
 # - One action (a stage's forward or backward of one micro-batch) of torch.distributed.pipelining's
 #   schedule: A/B `pp=2` (8 micro-batches of 2) against `dp=2` (1 of 8) on 2 processes, the same
 #   FLOPs per rank: PP adds 78 ms of CPU per step; minus the extra per-op overhead of 8x more,
-#   smaller micro-batches that compute.cpu_op_overhead already charges (10 ms) and the 16 sends /
+#   smaller micro-batches that host.cpu_op_overhead already charges (10 ms) and the 16 sends /
 #   receives (16 x 1.86 ms), over the 16 actions: 2.4 ms each (torch.profiler at 4 processes agrees:
 #   the PP:<stage><F|B><mb> record functions' self time is ~2.8 ms an action); x 1.25.
 CPU_PP_ACTION_HOST_S = 3.0e-3                                                       # measured (A/B)

@@ -49,7 +49,7 @@ def concurrent_op_us(world: int) -> float:
     (median over ranks; collective): chains of CPU_OP_CHAIN multiplies of an 8x8 tensor with
     autograd on, the measurement constants.CPU_OP_FWD_S was defined by. Host work (dispatch,
     autograd recording, allocator) is what a CPU training process spends most of its time on at
-    small shapes, and it does not follow the matmul rate (compute.cpu_rate_scale)."""
+    small shapes, and it does not follow the matmul rate (host.cpu_rate_scale)."""
     import torch
     import torch.distributed as dist
 

@@ -10,17 +10,9 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
-from meshplan.cost_models.compute import cpu_thread_share, fp8_recipe_factor, is_cpu
+from meshplan.cost_models.compute import fp8_recipe_factor
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
-from meshplan.cost_models.host import (
-    fsdp_collectives,
-    fsdp_units,
-    routing_stat_reduces,
-    param_tensors,
-    partial_grad_reduces,
-    pp_host_time,
-    step_host_time,
-)
+from meshplan.cost_models.device import device_of
 from meshplan.cost_models.layer import LAYER_FUSIONS, Context, routing_layout, unfused_of
 from meshplan.cost_models.memory import (
     deepep_buffer_bytes,
@@ -166,9 +158,8 @@ def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
         ar = _collective_pair("all_reduce", gb * w.dparams, gb * w.eparams, g, cluster, dense_group=g.full)
         return ar, max(0.0, ar - eta * w.t_b)
     if L.zero in (1, 2):
-        # CPU processes: the runtime's FSDP units (host.fsdp_units) gather and reduce-scatter one
-        # at a time, each MoE layer's experts apart under EP, so each unit pays its own latency
-        units_e = sum(1 for i in w.layers if blocks[i].is_moe) if is_cpu(cluster) and L.ep > 1 else 1
+        # the units whose experts are gathered and reduce-scattered apart, each paying its latency
+        units_e = device_of(cluster).expert_fsdp_units(sum(1 for i in w.layers if blocks[i].is_moe), L)
         ag = collective_time("all_gather", K.PARAM_BYTES * w.dparams, g.dp, cluster) + \
             units_e * collective_time("all_gather", K.PARAM_BYTES * w.eparams / max(1, units_e), g.edp, cluster)
         rs = collective_time("reduce_scatter", gb * w.dparams, g.dp, cluster) + \
@@ -184,44 +175,6 @@ def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
     shard_e = L.edp if L.zero >= 1 else 1
     return K.OPTIMIZER_STEP_BYTES * (w.dparams / L.shard + w.eparams / shard_e) / \
         (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
-
-
-def _cpu_bubble(cluster, L: Layout, busy: float, bubble: float) -> float:
-    """The pipeline bubble a CPU process's step shows when the processes outnumber the cores.
-
-    A rank idling in the fill or drain blocks in a receive and the OS gives its core to ranks with
-    work, so nothing idles while any rank can run: the step is bounded below by the processes' work
-    over the cores (the rank's `busy` time, priced at its core share), and by the schedule's
-    critical path run at full speed, share x (busy + bubble), each rank on a core of its own while
-    the others wait. The bubble left is what the second bound adds to the first. On 2 cores with
-    pp2 x dp2 (share 0.5) and m = 2 micro-batches the 1F1B bubble, half the busy time, is hidden
-    entirely: the measured step equalled dp4's (0.147 s against 0.133 s, benchmarks/cpu_closing_loop.py) and the
-    processes' CPU time equalled dp4's. GPUs (and a process per core): the bubble as priced."""
-    if not is_cpu(cluster) or L.pp <= 1:
-        return bubble
-    share = cpu_thread_share(cluster)
-    return max(0.0, share * (busy + bubble) - busy)
-
-
-def _step_overhead(profile: ModelProfile, cluster, L: Layout, ranks: list[RankWork]) -> float:
-    """Fixed per-step time outside forward/backward: constants.STEP_OVERHEAD_S on GPUs; on CPU
-    processes the slowest rank's measured host pieces (host.step_host_time): the optimizer's and the
-    gradient norm's per-parameter loops, Partial-gradient all-reduces, and the loss and norm
-    all-reduces over every rank."""
-    if not is_cpu(cluster):
-        return K.STEP_OVERHEAD_S
-    sync = 2 * collective_time("all_reduce", 8, group(cluster, L.world, 1), cluster)
-    p = L.pp
-    blocks = profile.layer_blocks()
-
-    def rank_host(r: int, w: RankWork) -> float:
-        moe, last = sum(1 for i in w.layers if blocks[i].is_moe), r == p - 1
-        experts = sum(1 for i in w.layers for li in blocks[i].linears if li.role in ("expert_in", "expert_out"))
-        return step_host_time(param_tensors(profile, w.layers, first=r == 0, last=last), L, cluster, sync_s=sync,
-                              partial_reduces=partial_grad_reduces(profile, w.layers, L, last=last),
-                              collectives=fsdp_collectives(L, moe, len(w.layers)) + routing_stat_reduces(L, moe),
-                              fsdp_units=fsdp_units(L, moe, len(w.layers)), expert_params=experts)
-    return max(rank_host(r, w) for r, w in enumerate(ranks))
 
 
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
@@ -275,7 +228,7 @@ def stack_unfused(profile: ModelProfile, cluster, stack: Stack) -> frozenset:
     only), the traced model's own eager ones where the stack has fused kernels or runs the model
     as traced (meshplan's runtime on CPU), and all of them for an eager stack priced from a profile
     that records no fusions (a config's analytic profile: torchtitan without compile)."""
-    if stack.compile and not is_cpu(cluster):
+    if device_of(cluster).runs_compile(stack):
         return frozenset()
     if stack.fused_elementwise or profile.fusions:
         return unfused_of(profile)
@@ -338,10 +291,11 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe,
                         stack, fitted or K.FITTED)
     busy, bubble = pipeline_time(L.schedule, m, L.vp, [w.fb for w in ranks], [w.wgrad for w in ranks])
-    bubble = _cpu_bubble(cluster, L, busy, bubble)
+    dev = device_of(cluster)
+    bubble = dev.pipeline_bubble(cluster, L, busy, bubble)
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)
     pp_exposed, pp_total = _pp_comm(profile, cluster, L, m, ctx.tokens)
-    pp_exposed += pp_host_time(L, cluster, m)        # CPU processes: the sends' and receives' host work
+    pp_exposed += dev.pp_host_time(L, cluster, m)        # the sends' and receives' host work
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
     deferred = stack.pp_fsdp_deferred and L.pp > 1
     dp = [_dp_comm(w, blocks, L, groups, cluster, m, deferred, ctx.fitted) for w in ranks]
@@ -349,7 +303,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred) for r, w in enumerate(ranks)]
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
-    overhead = _step_overhead(profile, cluster, L, ranks)
+    overhead = dev.step_overhead(profile, cluster, L, ranks)
     step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead
     w = ranks[slow]
     time_s = {"compute": m * w.parts["compute"], "tp": m * w.parts["tp"], "cp": m * w.parts["cp"],
@@ -386,7 +340,7 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
         regime["moe_unbalanced"] = True
     moe = any(b.is_moe for b in profile.blocks)
     notes: tuple[str, ...] = ()
-    if not is_cpu(cluster):     # CPU processes: validated by the closing loop, not the published table
+    if device_of(cluster).validated_by_published_runs:
         floor, notes = extrapolation(plan_regimes(stack=stack.name, gpu_id=cluster.gpu.id, precision=precision,
                                                   fp8_recipe=recipe, ep_cross=ep_cross, seq_len=seq_len, moe=moe))
         band = max(band, floor)

@@ -6,8 +6,9 @@ loopback work and every per-parameter optimizer op takes the same cores the GEMM
 adds to the step instead of hiding behind kernels. Each term here is a measured per-event host
 cost (constants.CPU_*, in CPU seconds at the reference matmul rate CPU_MICRO_MATMUL_GFLOPS_1T)
 times a count derived from the traced block and the layout, slowed by the process's core share
-and speed like compute.cpu_op_overhead. All functions return 0 on GPU clusters (compute.is_cpu),
-so GPU predictions are unchanged.
+and speed (cpu_rate_scale). `CpuHostDevice` is this module's side of the device seam
+(cost_models.device): the estimate reaches these terms only through it, so no GPU formula
+carries a CPU branch.
 
 Counts (what the runtime does, meshplan/runtime):
 - TP (tensor_parallel.py): the sharded linears run on DTensors; under sequence parallelism the
@@ -33,19 +34,71 @@ Counts (what the runtime does, meshplan/runtime):
 
 from __future__ import annotations
 
+from meshplan.cluster import CPU_HOST_BF16_TFLOPS
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.compute import cpu_rate_scale, is_cpu
+from meshplan.cost_models.comm import collective_time, group
+from meshplan.cost_models.roofline import gemm_roofline
 from meshplan.ir.support import runs_as_ddp
 
-__all__ = ["host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time", "cp_host_time",
+__all__ = ["CpuHostDevice", "CPU_HOST", "cpu_thread_share", "cpu_speed", "cpu_rate_scale", "cpu_op_overhead",
+           "host_slowdown", "dtensor_op_counts", "tp_host_time", "ep_host_time", "cp_host_time",
            "pp_host_time", "param_tensors", "partial_grad_reduces", "step_host_time",
            "tp_collectives_per_layer", "tp_edge_host_time",
            "ring_blocks", "moe_loop_host_time", "fsdp_collectives", "fsdp_units", "routing_stat_reduces"]
 
 
+def cpu_thread_share(cluster) -> float:
+    """Fraction of one core each process gets: local-cpu's matmul rate is the host's (all cores)
+    divided among the processes, so processes x rate / host rate recovers the host's cores."""
+    return min(1.0, K.CPU_HOST_CORES * cluster.gpu.bf16_tflops / CPU_HOST_BF16_TFLOPS)
+
+
+def cpu_speed(cluster) -> float:
+    """This process's CPU speed relative to the host the CPU_* rates were measured on: its matmul
+    rate per core (local-cpu's constant or a calibrated one) over the matmul rate measured alongside
+    them (constants.CPU_MICRO_MATMUL_GFLOPS_1T)."""
+    per_core = cluster.gpu.bf16_tflops * 1e12 / cpu_thread_share(cluster)
+    return per_core / (K.CPU_MICRO_MATMUL_GFLOPS_1T * 1e9)
+
+
+def cpu_rate_scale(cluster) -> float:
+    """This process's rate for CPU work measured on one reference thread (the CPU_* constants):
+    its share of a core times its speed relative to the reference host.
+
+    A calibrated profile that measured the host's small-op time (GPUSpec.cpu_op_us: chains of
+    autograd muls, the op CPU_OP_FWD_S is defined by, run in every process at once) scales the
+    preset's rate by how much slower or faster that op runs than on the quiet reference host
+    (CPU_QUIET_OP_US_1T per op on a core of its own): the host work this scales (dispatch,
+    autograd, gloo's loopback work, small element-wise kernels) follows the host's small-op speed,
+    and the CPU_* constants hold for the quiet host at the preset's rate. (Scaling them by the
+    calibrated matmul rate instead predicted the default job 15% fast on the quiet host: 4
+    one-thread processes sustain 109 GFLOP/s of 512^3 bf16 matmul each there, 1.2x the preset's
+    2-thread 2048^3 rate split 4 ways, while its step matched the preset's prediction, dp4 0.133 s
+    measured against 0.132 predicted.) Otherwise: the matmul-derived share x speed."""
+    op_us = getattr(cluster.gpu, "cpu_op_us", None)
+    if op_us:
+        # preset share x preset speed x (the quiet op time at that share, CPU_QUIET_OP_US_1T / share,
+        # over the measured one): the share cancels, the measurement already holds it
+        preset_speed = CPU_HOST_BF16_TFLOPS / K.CPU_HOST_CORES * 1e3 / K.CPU_MICRO_MATMUL_GFLOPS_1T
+        return preset_speed * K.CPU_QUIET_OP_US_1T / op_us
+    return cpu_thread_share(cluster) * cpu_speed(cluster)
+
+
+def cpu_op_overhead(ops, cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of host overhead for a traced op list on a CPU process: views and
+    compute ops each pay their measured dispatch + autograd cost, slowed by the core share."""
+    if not ops:
+        return 0.0, 0.0
+    views = sum(1 for o in ops if getattr(o, "kind", "") == "view")
+    other = len(ops) - views
+    slow = 1.0 / cpu_rate_scale(cluster)
+    return ((views * K.CPU_VIEW_FWD_S + other * K.CPU_OP_FWD_S) * slow,
+            (views * K.CPU_VIEW_BWD_S + other * K.CPU_OP_BWD_S) * slow)
+
+
 def host_slowdown(cluster) -> float:
     """Wall seconds per reference CPU-second of host work on this process: 1 / (core share x speed),
-    as for compute.cpu_op_overhead."""
+    as for cpu_op_overhead."""
     return 1.0 / cpu_rate_scale(cluster)
 
 
@@ -85,7 +138,7 @@ def tp_collectives_per_layer(b, layout) -> int:
 
 def tp_host_time(b, layout, cluster) -> tuple[float, float]:
     """(forward, backward) host seconds of one layer's TP on a CPU process, one micro-batch."""
-    if not is_cpu(cluster) or layout.tp <= 1:
+    if layout.tp <= 1:
         return 0.0, 0.0
     n = dtensor_op_counts(b, layout)
     fwd = n["linear"] * K.CPU_DTENSOR_LINEAR_S[0] + n["norm"] * K.CPU_DTENSOR_NORM_S[0] + \
@@ -101,7 +154,7 @@ def tp_edge_host_time(profile, layout, cluster, *, first: bool, last: bool) -> t
     """(forward, backward) host seconds of TP outside the blocks on a CPU process, one micro-batch:
     the vocabulary-parallel embedding (first rank) and the output layer (+ the final norm under SP)
     on the last, each a DTensor op with one redistribution each way."""
-    if not is_cpu(cluster) or layout.tp <= 1:
+    if layout.tp <= 1:
         return 0.0, 0.0
     ops = (list(profile.pre_ops) if first else []) + (list(profile.post_ops) if last else [])
     lin = sum(1 for o in ops if o.kind in ("linear", "embedding"))
@@ -116,7 +169,7 @@ def tp_edge_host_time(profile, layout, cluster, *, first: bool, last: bool) -> t
 def ep_host_time(b, layout, cluster) -> tuple[float, float]:
     """(forward, backward) host seconds of one MoE layer's EP dispatch on a CPU process: the counts
     all-to-all and the two row all-to-alls forward, the two row all-to-alls backward."""
-    if not is_cpu(cluster) or layout.ep <= 1 or not b.is_moe:
+    if layout.ep <= 1 or not b.is_moe:
         return 0.0, 0.0
     s = host_slowdown(cluster) * K.CPU_COLLECTIVE_HOST_S
     return 3 * s, 2 * s
@@ -135,7 +188,7 @@ def cp_host_time(b, layout, cluster) -> tuple[float, float]:
     send/receive pair, and the ring's eager per-block ops (context_parallel._RingAttention: per
     block pair 28 ops forward, 16 of them views, and 36 backward, 18 views), where a flash kernel
     would run one op."""
-    if not is_cpu(cluster) or layout.cp <= 1 or not b.heads:
+    if layout.cp <= 1 or not b.heads:
         return 0.0, 0.0
     s = host_slowdown(cluster)
     steps = layout.cp - 1
@@ -153,7 +206,7 @@ def moe_loop_host_time(b, layout, cluster) -> tuple[float, float]:
     forward, 4 ops and 6 views backward). The traced block sees one grouped op per expert linear;
     the custom op's own Python (dispatch, bounds check, output allocation; its autograd wrapper
     in backward) is CPU_PY_CUSTOM_OP_S per call."""
-    if not is_cpu(cluster) or not b.is_moe:
+    if not b.is_moe:
         return 0.0, 0.0
     grouped = [li for li in b.linears if li.role in ("expert_in", "expert_out")]
     local = sum(max(1.0, li.count / layout.ep) for li in grouped)
@@ -170,7 +223,7 @@ def pp_host_time(layout, cluster, m: int) -> float:
     (stage, micro-batch) forward and backward is one action of torch.distributed.pipelining's
     schedule (CPU_PP_ACTION_HOST_S: its Python, the stage's input/output buffers, the per-stage
     autograd.backward and FSDP's per-call hooks)."""
-    if not is_cpu(cluster) or layout.pp <= 1:
+    if layout.pp <= 1:
         return 0.0
     v = layout.vp
     p2p = m * 2 * (2 * v - 1) * K.CPU_COLLECTIVE_HOST_S
@@ -237,10 +290,7 @@ def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_red
     (DTensor ops where the parameters are sharded), the gradient norm's per-parameter ops, the
     per-parameter Partial-gradient all-reduces, `collectives` more gloo collectives (fsdp_collectives),
     the FSDP units' own host work (`fsdp_units` of them, CPU_FSDP_UNIT_HOST_S each),
-    and `sync_s` (the loss and norm all-reduces, priced by the caller with comm.py). Other clusters:
-    constants.STEP_OVERHEAD_S."""
-    if not is_cpu(cluster):
-        return K.STEP_OVERHEAD_S
+    and `sync_s` (the loss and norm all-reduces, priced by the caller with comm.py)."""
     plain = K.CPU_ADAMW_PARAM_S + K.CPU_GRAD_NORM_PARAM_S
     dtensor = K.CPU_ADAMW_DTENSOR_PARAM_S + K.CPU_GRAD_NORM_DTENSOR_PARAM_S
     if layout.ep > 1 and runs_as_ddp(zero=layout.zero, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
@@ -254,3 +304,109 @@ def step_host_time(n_params: int, layout, cluster, *, sync_s: float, partial_red
     host = params + (partial_reduces + collectives) * K.CPU_COLLECTIVE_HOST_S + \
         fsdp_units * K.CPU_FSDP_UNIT_HOST_S
     return host * host_slowdown(cluster) + sync_s
+
+
+class CpuHostDevice:
+    """Pricing of local CPU processes (the `local-cpu` cluster and its calibrated profiles): the
+    host is the device, so besides the roofline every traced op, DTensor dispatch, gloo
+    collective, pipeline action and per-parameter optimizer op is charged at its measured host
+    cost (constants.CPU_*), and attention and element-wise work run at PyTorch's CPU kernels'
+    measured rates. Stateless: every method takes the cluster it prices."""
+
+    kind = "cpu-host"
+    # validated by the CPU closing loop (benchmarks/cpu_closing_loop.py), not the published runs
+    validated_by_published_runs = False
+
+    def runs_compile(self, stack) -> bool:
+        """The runtime compiles on CUDA only: CPU processes run the model as traced."""
+        return False
+
+    # -- kernels ----------------------------------------------------------------------------
+    def gemm_fixed_s(self, cluster, fp8: bool) -> float:
+        """The GEMM library's per-call work (CPU_GEMM_CALL_S) at this process's share and speed."""
+        return K.CPU_GEMM_CALL_S / cpu_rate_scale(cluster)
+
+    def grouped_gemm_time(self, rows: float, n: float, k: float, cluster, *, groups: float, fp8: bool,
+                          recipe: str, fitted: K.Fitted) -> float:
+        """No grouped kernel on CPU: meshplan::grouped_mm loops over the groups, one BF16 GEMM call
+        each (models/grouped_mm.py), each with its own fixed cost (its Python: moe_loop_host_time)."""
+        return groups * (gemm_roofline(rows, n, k, cluster, fitted=fitted) + self.gemm_fixed_s(cluster, False))
+
+    def attention_time(self, flops_fwd: float, cluster, *, backward: bool, kernel: str, shape,
+                       fitted: K.Fitted) -> float:
+        """PyTorch's CPU flash-attention kernel at its measured rates (constants.CPU_SDPA_*)."""
+        rate = (K.CPU_SDPA_BWD_GFLOPS_1T if backward else K.CPU_SDPA_FWD_GFLOPS_1T) * 1e9 * cpu_rate_scale(cluster)
+        return flops_fwd / rate
+
+    def elementwise_time(self, nbytes: float, cluster) -> float:
+        """bf16 element-wise ops on CPU cores run far below the copy bandwidth."""
+        return nbytes / (K.CPU_ELEMENTWISE_GB_S_1T * 1e9 * cpu_rate_scale(cluster))
+
+    def permute_time(self, nbytes: float, cluster) -> float:
+        """The eager index_select / mul / index_add of a MoE permutation (CPU_PERMUTE_GB_S_1T)."""
+        return nbytes / (K.CPU_PERMUTE_GB_S_1T * 1e9 * cpu_rate_scale(cluster))
+
+    # -- host work per layer and per step ----------------------------------------------------
+    def op_overhead(self, ops, cluster, fitted: K.Fitted) -> tuple[float, float]:
+        """Every traced op's dispatch + autograd cost; the fitted per-layer constant for a layer
+        priced from a config (no traced ops)."""
+        if not ops:
+            return fitted.layer_overhead_s, fitted.layer_overhead_s
+        return cpu_op_overhead(ops, cluster)
+
+    def layer_host(self, b, layout, cluster, policy: str) -> dict[str, tuple[float, float]]:
+        """Per-dimension (forward, backward + recompute) host seconds of one layer beyond its ops:
+        DTensor dispatch and collectives of TP, EP and CP, the grouped-GEMM loop."""
+        out = {"tp": tp_host_time(b, layout, cluster), "ep": ep_host_time(b, layout, cluster),
+               "cp": cp_host_time(b, layout, cluster), "compute": moe_loop_host_time(b, layout, cluster)}
+        if policy == "full":        # the recomputed forward dispatches and communicates again
+            out = {k: (f, bk + f) for k, (f, bk) in out.items()}
+        return out
+
+    def edge_host(self, profile, layout, cluster, *, first: bool, last: bool) -> tuple[float, float]:
+        return tp_edge_host_time(profile, layout, cluster, first=first, last=last)
+
+    def expert_fsdp_units(self, n_moe_layers: int, layout) -> int:
+        """The runtime's ZeRO-1/2 units (fsdp_units) gather and reduce-scatter one at a time, each
+        MoE layer's experts apart under EP, so each unit pays its own latency."""
+        return n_moe_layers if layout.ep > 1 else 1
+
+    def pipeline_bubble(self, cluster, layout, busy: float, bubble: float) -> float:
+        """The pipeline bubble a CPU process's step shows when the processes outnumber the cores.
+
+        A rank idling in the fill or drain blocks in a receive and the OS gives its core to ranks
+        with work, so nothing idles while any rank can run: the step is bounded below by the
+        processes' work over the cores (the rank's `busy` time, priced at its core share), and by
+        the schedule's critical path run at full speed, share x (busy + bubble), each rank on a
+        core of its own while the others wait. The bubble left is what the second bound adds to the
+        first. On 2 cores with pp2 x dp2 (share 0.5) and m = 2 micro-batches the 1F1B bubble, half
+        the busy time, is hidden entirely: the measured step equalled dp4's (0.147 s against
+        0.133 s, benchmarks/cpu_closing_loop.py) and the processes' CPU time equalled dp4's."""
+        if layout.pp <= 1:
+            return bubble
+        return max(0.0, cpu_thread_share(cluster) * (busy + bubble) - busy)
+
+    def pp_host_time(self, layout, cluster, m: int) -> float:
+        return pp_host_time(layout, cluster, m)
+
+    def step_overhead(self, profile, cluster, layout, ranks) -> float:
+        """The slowest pipeline rank's measured host pieces per step (step_host_time): the
+        optimizer's and the gradient norm's per-parameter loops, Partial-gradient all-reduces, the
+        FSDP units, and the loss and norm all-reduces over every rank (data loading is outside the
+        measured step)."""
+        L = layout
+        sync = 2 * collective_time("all_reduce", 8, group(cluster, L.world, 1), cluster)
+        p = L.pp
+        blocks = profile.layer_blocks()
+
+        def rank_host(r: int, w) -> float:
+            moe, last = sum(1 for i in w.layers if blocks[i].is_moe), r == p - 1
+            experts = sum(1 for i in w.layers for li in blocks[i].linears if li.role in ("expert_in", "expert_out"))
+            return step_host_time(param_tensors(profile, w.layers, first=r == 0, last=last), L, cluster, sync_s=sync,
+                                  partial_reduces=partial_grad_reduces(profile, w.layers, L, last=last),
+                                  collectives=fsdp_collectives(L, moe, len(w.layers)) + routing_stat_reduces(L, moe),
+                                  fsdp_units=fsdp_units(L, moe, len(w.layers)), expert_params=experts)
+        return max(rank_host(r, w) for r, w in enumerate(ranks))
+
+
+CPU_HOST = CpuHostDevice()

@@ -14,14 +14,13 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, dedup_all_to_all_time, dedup_copies
 from meshplan.cost_models.compute import (
     attention_time,
-    cpu_op_overhead,
     elementwise_time,
     gemm_time,
     grouped_gemm_time,
-    is_cpu,
     matmul_rate,
     permute_time,
 )
+from meshplan.cost_models.device import device_of
 from meshplan.cost_models.context import (
     COL_ROLES,
     LAYER_FUSIONS,
@@ -359,9 +358,7 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         a_fwd = full / matmul_rate(c.cluster, False, c.fitted) + elementwise_time(score_bytes, c.cluster)
         a_bwd = 2 * a_fwd
     e_fwd = elementwise_time(_elementwise_bytes(b, c), c.cluster) + permute_time(_permute_bytes(b, c), c.cluster)
-    o_fwd = o_bwd = c.fitted.layer_overhead_s
-    if is_cpu(c.cluster) and b.ops:      # CPU processes: host dispatch + autograd cost of every traced op
-        o_fwd, o_bwd = cpu_op_overhead(b.ops, c.cluster)
+    o_fwd, o_bwd = device_of(c.cluster).op_overhead(b.ops, c.cluster, c.fitted)
     compute_fwd = g_fwd + a_fwd + e_fwd + o_fwd
     compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + o_bwd   # dgrad + wgrad GEMMs
 

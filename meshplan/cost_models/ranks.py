@@ -19,13 +19,7 @@ from meshplan.cost_models.compute import (
     gemm_time,
     grad_accumulation_time,
 )
-from meshplan.cost_models.host import (
-    cp_host_time,
-    ep_host_time,
-    moe_loop_host_time,
-    tp_edge_host_time,
-    tp_host_time,
-)
+from meshplan.cost_models.device import device_of
 from meshplan.cost_models.layer import Context, activation_bytes, is_fp8_linear, layer_cost
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
@@ -189,28 +183,19 @@ def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> float:
     return n
 
 
-def _host(b, L: Layout, cluster, pol: str) -> dict[str, tuple[float, float]]:
-    """CPU processes: per-dimension (forward, backward + recompute) host seconds of one layer that
-    layer_cost does not charge (meshplan.cost_models.host; zero on GPUs)."""
-    out = {"tp": tp_host_time(b, L, cluster), "ep": ep_host_time(b, L, cluster), "cp": cp_host_time(b, L, cluster),
-           "compute": moe_loop_host_time(b, L, cluster)}
-    if pol == "full":        # the recomputed forward dispatches and communicates again
-        out = {k: (f, bk + f) for k, (f, bk) in out.items()}
-    return out
-
-
 def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float, float]:
     """Accumulate the rank's transformer layers into `w`; returns (forward, backward + recompute)
     seconds and the weights held that run in FP8."""
     fwd = bwd = fp8_w = 0.0
     cluster = table.ctx.cluster
+    dev = device_of(cluster)
     for j, i in enumerate(w.layers):
         b = table.blocks[i]
         pol = L.recompute_policy(j)
         c = table.cost(i, pol)
         fwd += c.fwd_s
         bwd += c.bwd_s + c.recompute_s
-        for k, (hf, hb) in _host(b, L, cluster, pol).items():
+        for k, (hf, hb) in dev.layer_host(b, L, cluster, pol).items():
             fwd += hf
             bwd += hb
             w.parts[k] += hf + hb
@@ -253,7 +238,7 @@ def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int)
             w.parts["tp"] += extra_tp
             w.comm["tp"] += extra_tp
     w.parts["compute"] += extra_f + extra_b
-    hf, hb = tp_edge_host_time(profile, L, cluster, first=r == 0, last=r == p - 1)   # CPU processes only
+    hf, hb = device_of(cluster).edge_host(profile, L, cluster, first=r == 0, last=r == p - 1)
     w.parts["tp"] += hf + hb
     return extra_f + extra_tp / 2 + hf, extra_b + extra_tp / 2 + hb
 

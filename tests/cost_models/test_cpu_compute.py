@@ -11,8 +11,9 @@ import pytest
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.compute import (attention_time, cpu_op_overhead, cpu_speed, cpu_thread_share,
-                                          elementwise_time, is_cpu)
+from meshplan.cost_models.compute import attention_time, elementwise_time
+from meshplan.cost_models.device import is_cpu
+from meshplan.cost_models.host import cpu_op_overhead, cpu_speed, cpu_thread_share
 
 
 def _cpu(nproc=4):
@@ -60,7 +61,8 @@ def test_default_job_estimate_charges_cpu_compute():
 
 
 def test_cpu_gemm_pays_its_call_cost_and_grouped_gemm_is_a_loop_of_calls():
-    from meshplan.cost_models.compute import cpu_rate_scale, gemm_time, grouped_gemm_time, matmul_rate
+    from meshplan.cost_models.compute import gemm_time, grouped_gemm_time, matmul_rate
+    from meshplan.cost_models.host import cpu_rate_scale
     cl = _cpu()
     call = K.CPU_GEMM_CALL_S / cpu_rate_scale(cl)
     # a CPU GEMM is its FLOPs at the matmul rate plus the library's fixed work per call
@@ -80,7 +82,8 @@ def test_cpu_gemm_pays_its_call_cost_and_grouped_gemm_is_a_loop_of_calls():
 
 
 def test_moe_permutation_runs_at_its_own_cpu_rate_and_gpu_unchanged():
-    from meshplan.cost_models.compute import cpu_rate_scale, permute_time
+    from meshplan.cost_models.compute import permute_time
+    from meshplan.cost_models.host import cpu_rate_scale
     cl = _cpu()
     nbytes = 1e6
     assert permute_time(nbytes, cl) == pytest.approx(nbytes / (K.CPU_PERMUTE_GB_S_1T * 1e9 * cpu_rate_scale(cl)))

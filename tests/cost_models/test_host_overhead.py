@@ -15,6 +15,9 @@ import meshplan as mp
 from meshplan.cluster import Cluster
 from meshplan.cost_models import constants as K
 from meshplan.cost_models import host as H
+from meshplan.cost_models.device import device_of
+from meshplan.cost_models.gpu import GPU
+from meshplan.cost_models.host import CPU_HOST
 from meshplan.ir.layout import Layout
 
 SEQ, GBS = 128, 16
@@ -63,7 +66,7 @@ def test_tp_host_time_scales_with_dtensor_ops_and_collectives(llama):
     want_f = (n["linear"] * K.CPU_DTENSOR_LINEAR_S[0] + n["norm"] * K.CPU_DTENSOR_NORM_S[0]
               + n["other"] * K.CPU_DTENSOR_OP_S[0] + coll) * H.host_slowdown(cl)
     assert f == pytest.approx(want_f) and bw > f
-    assert H.tp_host_time(b, Layout(tp=2, dp=2, sp=True), _h100()) == (0.0, 0.0)
+    assert "tp" not in device_of(_h100()).layer_host(b, Layout(tp=2, dp=2, sp=True), _h100(), "none")
     # without SP fewer ops run on DTensors and half the collectives are issued
     assert sum(H.tp_host_time(b, Layout(tp=2, dp=2, sp=False), cl)) < f + bw
 
@@ -85,10 +88,18 @@ def test_gpu_estimates_unchanged_by_host_terms(llama):
     est = _est(llama, h, dp=2, tp=2, cp=2, mbs=8)
     assert est.time_s["overhead"] == K.STEP_OVERHEAD_S
     L = Layout(tp=2, dp=1, cp=2, pp=2, ep=1)
-    for fn in (H.tp_host_time, H.cp_host_time, H.ep_host_time, H.moe_loop_host_time):
-        assert fn(llama.blocks[0], L, h) == (0.0, 0.0)
-    assert H.pp_host_time(L, h, m=8) == 0.0
-    assert H.step_host_time(39, L, h, sync_s=0.0) == K.STEP_OVERHEAD_S
+    dev = device_of(h)
+    assert dev is GPU and device_of(_cpu()) is CPU_HOST
+    for pol in ("none", "full"):
+        assert dev.layer_host(llama.blocks[0], L, h, pol) == {}
+    assert dev.edge_host(llama, L, h, first=True, last=True) == (0.0, 0.0)
+    assert dev.pp_host_time(L, h, m=8) == 0.0
+    assert dev.step_overhead(llama, h, L, []) == K.STEP_OVERHEAD_S
+    assert dev.op_overhead(llama.blocks[0].ops, h, K.FITTED) == (K.FITTED.layer_overhead_s,) * 2
+    # the same layout on CPU processes: every host term is charged
+    c = _cpu()
+    host = device_of(c).layer_host(llama.blocks[0], L, c, "none")
+    assert host["tp"][0] > 0 and host["cp"][0] > 0 and device_of(c).pp_host_time(L, c, m=8) > 0
 
 
 def test_step_overhead_on_cpu_is_the_measured_pieces(llama):
@@ -161,9 +172,11 @@ def test_host_terms_follow_the_calibrated_speed(llama):
 def test_cpu_pipeline_bubble_gives_idle_cores_to_busy_ranks(llama):
     """4 processes on 2 cores: ranks idling in the fill / drain give their cores to ranks with work,
     so the step is the larger of the work at the shared rate and the critical path at full speed."""
-    from meshplan.cost_models.compute import cpu_thread_share
-    from meshplan.cost_models.estimate import _cpu_bubble
+    from meshplan.cost_models.host import cpu_thread_share
     cl = _cpu()
+
+    def _cpu_bubble(cluster, layout, busy, bubble):
+        return device_of(cluster).pipeline_bubble(cluster, layout, busy, bubble)
     share = cpu_thread_share(cl)
     assert share == pytest.approx(0.5)
     # 1F1B, pp2, m = 2: bubble half the busy time -> hidden; m = 1: bubble = busy -> nothing left either

@@ -1,0 +1,96 @@
+"""GPU pricing behind the device seam (cost_models.device): kernel launch and prologue costs, the
+grouped expert GEMM, attention kernels at their measured rates, HBM-bound element-wise passes.
+Nothing host-side is charged per op: on a GPU the host runs ahead of the kernels, and the
+per-step host work is constants.STEP_OVERHEAD_S. Every formula here is validated against the
+published runs (cost_models.validation)."""
+
+from __future__ import annotations
+
+from meshplan.cost_models import constants as K
+from meshplan.cost_models.attention import AttnShape, shape_penalty, sm_count
+from meshplan.cost_models.roofline import fp8_cast_time, gemm_roofline, hbm_rate, matmul_rate
+
+__all__ = ["GpuDevice", "GPU"]
+
+_NO_HOST = (0.0, 0.0)
+
+
+class GpuDevice:
+    """Pricing of work on a GPU. Stateless: every method takes the cluster it prices."""
+
+    kind = "gpu"
+    # the published runs validate this device's formulas (their regimes' bands apply)
+    validated_by_published_runs = True
+
+    def runs_compile(self, stack) -> bool:
+        """Whether `stack` compiles the model here (torch.compile fuses the element-wise work)."""
+        return bool(stack.compile)
+
+    # -- kernels ----------------------------------------------------------------------------
+    def gemm_fixed_s(self, cluster, fp8: bool) -> float:
+        """A GEMM kernel's launch, prologue and last wave, beyond its FLOPs."""
+        return K.FP8_GEMM_FIXED_S if fp8 else K.GEMM_FIXED_S
+
+    def grouped_gemm_time(self, rows: float, n: float, k: float, cluster, *, groups: float, fp8: bool,
+                          recipe: str, fitted: K.Fitted) -> float:
+        """`groups` GEMMs of (rows x k) @ (k x n) in ONE grouped kernel (torch._grouped_mm; TE
+        GroupedLinear under Megatron-Core --moe-grouped-gemm): each group's rows occupy whole
+        GEMM_TILE_M-row tiles for the math; HBM traffic, the FP8 input cast and the fixed per-kernel
+        cost are paid on the real rows and once per kernel."""
+        padded = -(-rows // K.GEMM_TILE_M) * K.GEMM_TILE_M if rows >= 1 else K.GEMM_TILE_M
+        one = gemm_roofline(rows, n, k, cluster, fp8=fp8, math_rows=padded, fitted=fitted)
+        extra = fp8_cast_time(rows * k, cluster, recipe) if fp8 else 0.0
+        return groups * (one + extra) + self.gemm_fixed_s(cluster, fp8)
+
+    def attention_time(self, flops_fwd: float, cluster, *, backward: bool, kernel: str, shape: AttnShape | None,
+                       fitted: K.Fitted) -> float:
+        """The attention kernel `kernel` (constants.ATTN_KERNEL_RATE) at its plateau efficiency of
+        the GEMM rate, divided by `shape`'s penalty (attention.shape_penalty), plus a fixed cost per
+        kernel launched; without `shape`, the plateau rate alone."""
+        try:
+            speed = K.ATTN_KERNEL_RATE[kernel][1 if backward else 0]
+        except KeyError:
+            raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_RATE)}") from None
+        rate = matmul_rate(cluster, False, fitted) * speed
+        if backward:
+            t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * fitted.attn_bwd_eff)
+        else:
+            t = flops_fwd / (rate * fitted.attn_fwd_eff)
+        if shape is None:
+            return t
+        launches = shape.kernels * (K.ATTN_BWD_KERNELS if backward else 1)
+        return t * shape_penalty(shape, sm_count(cluster), backward=backward) + launches * K.ATTN_KERNEL_FIXED_S
+
+    def elementwise_time(self, nbytes: float, cluster) -> float:
+        return nbytes / hbm_rate(cluster)
+
+    def permute_time(self, nbytes: float, cluster) -> float:
+        """A MoE token permutation: memory-bound like any element-wise pass."""
+        return self.elementwise_time(nbytes, cluster)
+
+    # -- per-layer and per-step host work: none on a GPU beyond the fitted constants ---------
+    def op_overhead(self, ops, cluster, fitted: K.Fitted) -> tuple[float, float]:
+        """(forward, backward) fixed seconds per layer beyond its kernels (launch gaps)."""
+        return fitted.layer_overhead_s, fitted.layer_overhead_s
+
+    def layer_host(self, b, layout, cluster, policy: str) -> dict[str, tuple[float, float]]:
+        return {}
+
+    def edge_host(self, profile, layout, cluster, *, first: bool, last: bool) -> tuple[float, float]:
+        return _NO_HOST
+
+    def expert_fsdp_units(self, n_moe_layers: int, layout) -> int:
+        """Units whose expert weights are gathered / reduce-scattered apart: one bucket on a GPU."""
+        return 1
+
+    def pipeline_bubble(self, cluster, layout, busy: float, bubble: float) -> float:
+        return bubble
+
+    def pp_host_time(self, layout, cluster, m: int) -> float:
+        return 0.0
+
+    def step_overhead(self, profile, cluster, layout, ranks) -> float:
+        return K.STEP_OVERHEAD_S
+
+
+GPU = GpuDevice()
