@@ -8,6 +8,8 @@ including the exposed TP/CP/EP communication inside each layer (meshplan.cost_mo
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
 from meshplan.cost_models.compute import fp8_recipe_factor
@@ -258,8 +260,22 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
                         fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack, fitted=fitted)
     ctx = table.ctx
     layers = rank_layers(stage_layers, L.pp)
-    return [rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
-                      grad_buffer_bytes=grad_bytes(L)) for r in range(L.pp)], ctx
+    # pipeline ranks that hold the same sequence of blocks (policies, FP8 flags) in the same place
+    # (first, middle, last) do the same work: priced once, copied with their own layer indices
+    seen: dict[tuple, int] = {}
+    out: list[RankWork] = []
+    for r in range(L.pp):
+        key = (r == 0, r == L.pp - 1, tuple(map(table.layer_key, layers[r])))
+        first = seen.get(key)
+        if first is None:
+            seen[key] = r
+            out.append(rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
+                                 grad_buffer_bytes=grad_bytes(L)))
+        else:
+            w = out[first]
+            out.append(dataclasses.replace(w, layers=list(layers[r]), parts=dict(w.parts), comm=dict(w.comm),
+                                           twin=first))
+    return out, ctx
 
 
 def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, global_batch: int,
@@ -298,7 +314,10 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     pp_exposed += dev.pp_host_time(L, cluster, m)        # the sends' and receives' host work
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
     deferred = stack.pp_fsdp_deferred and L.pp > 1
-    dp = [_dp_comm(w, blocks, L, groups, cluster, m, deferred, ctx.fitted) for w in ranks]
+    dp: list[tuple[float, float]] = []
+    for w in ranks:     # a rank's data-parallel traffic follows its work: a twin's is the same
+        dp.append(dp[w.twin] if w.twin is not None else _dp_comm(w, blocks, L, groups, cluster, m, deferred,
+                                                                  ctx.fitted))
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
     mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred) for r, w in enumerate(ranks)]
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch

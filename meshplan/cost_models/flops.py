@@ -28,12 +28,21 @@ def attention_fwd_flops_per_token(b: BlockProfile, seq_len: int, *, causal_half:
     return f / 2 if (causal_half and b.causal) else f
 
 
+def _unique_blocks(p: ModelProfile) -> list[tuple[BlockProfile, int]]:
+    """Each unique block with the number of layers that run it: per-layer sums are per block x count."""
+    counts: dict[int, int] = {}
+    for i in p.layers:
+        counts[i] = counts.get(i, 0) + 1
+    return [(p.blocks[i], n) for i, n in counts.items()]
+
+
 def model_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, *, causal_half: bool = True) -> float:
     """Fwd+bwd model FLOPs of one step over `global_batch` sequences (no recompute)."""
     tokens = float(seq_len) * global_batch
     per_token = 0.0
-    for b in p.layer_blocks():
-        per_token += layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len, causal_half=causal_half)
+    for b, n in _unique_blocks(p):
+        per_token += n * (layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len,
+                                                                                    causal_half=causal_half))
     per_token += 2.0 * p.hidden * p.vocab        # output layer
     return 3.0 * per_token * tokens
 
@@ -41,21 +50,19 @@ def model_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, *, ca
 def recompute_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, layout) -> float:
     """Extra forward FLOPs spent recomputing, for hardware FLOPs / HFU."""
     tokens = float(seq_len) * global_batch
-    blocks = p.layer_blocks()
     rc = layout.recompute
-    if rc == "none" or rc == 0:
-        return 0.0
+    if rc == "none" or rc == 0 or rc == "norm_act":
+        return 0.0      # norm_act: norms and the experts' activation are element-wise, no matmul redone
+    blocks = _unique_blocks(p)
     if rc == "selective":
-        return tokens * sum(attention_fwd_flops_per_token(b, seq_len) for b in blocks)
-    if rc == "norm_act":
-        return 0.0      # norms and the experts' activation are element-wise: no matmul FLOPs are redone
+        return tokens * sum(n * attention_fwd_flops_per_token(b, seq_len) for b, n in blocks)
     if rc == "norm_moe":    # the MoE layers' GEMMs (router, experts, shared expert) run again
         moe_roles = ("router", "expert_in", "expert_out", "shared_in", "shared_out", "shared_folded")
-        return tokens * sum(li.flops_per_token for b in blocks for li in b.linears if li.role in moe_roles)
+        return tokens * sum(n * li.flops_per_token for b, n in blocks for li in b.linears if li.role in moe_roles)
     if rc == "op_sac":      # every second matmul runs again (torchtitan's op-level SAC)
-        return tokens * sum(layer_fwd_flops_per_token(b) for b in blocks) / 2
-    full = [layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len) for b in blocks]
+        return tokens * sum(n * layer_fwd_flops_per_token(b) for b, n in blocks) / 2
+    full = sum(n * (layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len)) for b, n in blocks)
     if rc == "full":
-        return tokens * sum(full)
-    frac = min(1.0, rc * layout.pp / max(1, len(blocks)))   # N layers per pipeline rank
-    return tokens * sum(full) * frac
+        return tokens * full
+    frac = min(1.0, rc * layout.pp / max(1, p.num_layers))   # N layers per pipeline rank
+    return tokens * full * frac

@@ -35,12 +35,14 @@ __all__ = ["RankWork", "LayerTable", "rank_layers", "layer_fp8_flags", "rank_wor
 # (softmax, reused for its gradient by fused cross-entropy kernels) (derived).
 _LOGIT_BYTES = K.BF16 + K.FP32
 _LAYER_CACHE: dict = {}
+_RANK_CACHE: dict = {}      # (layer table, a rank's layer sequence) -> its sums (_add_layers)
 _LAYER_CACHE_MAX = 200_000
 _DIMS = ("tp", "cp", "ep")
 
 
 def clear_layer_cache() -> None:
     _LAYER_CACHE.clear()
+    _RANK_CACHE.clear()
 
 
 def embedding_time(profile: ModelProfile, cluster, tokens: float, sp_div: int) -> float:
@@ -118,6 +120,7 @@ class LayerTable:
         self._ctxs: dict = {}
         self._local: dict[tuple, Any] = {}
         self._act: dict[tuple, float] = {}
+        self._keys = [(bi, flag) for bi, flag in zip(profile.layers, layer_fp8)]
         self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
                     L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused,
                     getattr(L, "cp_comm_type", "p2p"), ctx.fp8_recipe,
@@ -132,6 +135,10 @@ class LayerTable:
             c = self._ctxs[flag] = dataclasses.replace(self.ctx, fp8=flag is not False,
                                                        fp8_linears=flag if isinstance(flag, frozenset) else None)
         return c
+
+    def layer_key(self, i: int) -> tuple:
+        """What layer i's costs depend on besides the layout and its policy: its block and FP8 flag."""
+        return self._keys[i]
 
     def cost(self, i: int, policy: str):
         lk = (self.profile.layers[i], policy, self.layer_fp8[i])
@@ -169,6 +176,7 @@ class RankWork:
     layers: list[int] = field(default_factory=list)
     parts: dict = field(default_factory=lambda: {"compute": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0})
     comm: dict = field(default_factory=lambda: {k: 0.0 for k in _DIMS})
+    twin: int | None = None         # an earlier pipeline rank with the same work (the estimate's copy)
 
 
 def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> float:
@@ -185,7 +193,35 @@ def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> float:
 
 def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float, float]:
     """Accumulate the rank's transformer layers into `w`; returns (forward, backward + recompute)
-    seconds and the weights held that run in FP8."""
+    seconds and the weights held that run in FP8.
+
+    Most pipeline ranks hold the same sequence of layers (same blocks, policies and FP8 flags), and
+    candidates that differ only in what the layer table does not see (dp, zero, schedule, pp
+    where the per-rank sequence repeats) hold it again: the sums are computed once per sequence
+    and reused (the same additions in the same order, so the result is the same)."""
+    key = (table.key, L.recompute, tuple(map(table.layer_key, w.layers)))
+    hit = _RANK_CACHE.get(key)
+    if hit is None:
+        if len(_RANK_CACHE) > _LAYER_CACHE_MAX:
+            _RANK_CACHE.clear()
+        hit = _RANK_CACHE[key] = _sum_layers(w.layers, table, L)
+    fwd, bwd, fp8_w, parts, comm, scalars = hit
+    for k, v in parts.items():
+        w.parts[k] += v
+    for k, v in comm.items():
+        w.comm[k] += v
+    w.wgrad += scalars[0]
+    w.act += scalars[1]
+    w.largest_full = max(w.largest_full, scalars[2])
+    w.dparams += scalars[3]
+    w.eparams += scalars[4]
+    return fwd, bwd, fp8_w
+
+
+def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
+    """The sums _add_layers applies: (fwd, bwd, fp8 weights, parts, comm, (wgrad, act,
+    largest fully recomputed layer, dense params, expert params))."""
+    w = RankWork(layers=list(layers))
     fwd = bwd = fp8_w = 0.0
     cluster = table.ctx.cluster
     dev = device_of(cluster)
@@ -212,7 +248,7 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
         w.eparams += b.expert_params / (L.ep * L.etp)
         if table.layer_fp8[i] is not False:
             fp8_w += _fp8_weight_elements(b, L, table.ctx_of(i))
-    return fwd, bwd, fp8_w
+    return fwd, bwd, fp8_w, dict(w.parts), dict(w.comm), (w.wgrad, w.act, w.largest_full, w.dparams, w.eparams)
 
 
 def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int) -> tuple[float, float]:

@@ -12,7 +12,10 @@ those ranks form the expert-data-parallel (EDP) group.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import functools
+import math
+
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from meshplan.errors import ConfigError, LayoutError
@@ -72,7 +75,9 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (O(sqrt n): the planner asks for those of 100,000-GPU counts)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +205,9 @@ class Layout:
         return "full" if index_in_rank < rc else "none"
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # every field is a scalar but stage_layers (a tuple of ints): a shallow read, not asdict's
+        # recursive copy (the search converts thousands of layouts)
+        d = {name: getattr(self, name) for name in _field_names()}
         if d["stage_layers"] is not None:
             d["stage_layers"] = list(d["stage_layers"])
         return d
@@ -288,7 +295,7 @@ def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch
                           f"the degrees must multiply to {n}: {hint}")
     if seq_len < 1 or global_batch < 1:
         raise LayoutError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be positive")
-    blocks = profile.layer_blocks()
+    blocks = [profile.blocks[i] for i in sorted(set(profile.layers))]     # each block once
     attn = [b for b in blocks if b.heads]
     if attn:
         heads = min(b.heads for b in attn)
@@ -351,3 +358,8 @@ def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch
     if isinstance(L.recompute, int) and not isinstance(L.recompute, bool) and L.recompute > nl // L.pp:
         raise LayoutError(f"recompute={L.recompute} layers per stage, but a pipeline rank holds only {nl // L.pp}")
     return (nl // stages,) * stages
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Layout))

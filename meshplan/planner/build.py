@@ -9,7 +9,7 @@ from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
 from meshplan.cost_models.uncertainty import prefer_simpler
 from meshplan.errors import DoesNotFitError, LayoutError, MeshplanError
 from meshplan.ir.estimate import GB, Estimate
-from meshplan.ir.layout import Layout, check_layout
+from meshplan.ir.layout import Layout, check_layout, divisors
 from meshplan.ir.plan import FusedKernel, Plan, RunnerUp
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
@@ -164,6 +164,47 @@ def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], se
     return "".join(msg)
 
 
+def _mesh_dps(n: int, profile: ModelProfile, seq_len: int, domain: int) -> list[int]:
+    """Data-parallel degrees some tp x cp x pp leaves on n GPUs: tp dividing the attention heads
+    (and the NVLink domain, <= 8), cp with seq_len in 2*cp chunks (<= 32), pp <= the layers."""
+    heads = [g for b in profile.blocks if b.heads for g in (b.heads, b.kv_heads or b.heads)]
+    tps = [t for t in divisors(n) if t <= min(8, domain) and all(h % t == 0 for h in heads)
+           and profile.vocab % t == 0]
+    out = []
+    for dp in divisors(n):
+        rest = n // dp
+        if any(rest % tp == 0 and any(rest // tp % cp == 0 and rest // tp // cp <= profile.num_layers
+                                      for cp in divisors(rest // tp) if cp <= 32 and (cp == 1 or seq_len % (2 * cp) == 0))
+               for tp in tps):
+            out.append(dp)
+    return out
+
+
+def _no_mesh_message(profile: ModelProfile, cluster, seq_len: int, global_batch: int) -> str:
+    """Why the search found no layout to price at all, and GPU counts / batch sizes that have one."""
+    n, node, domain = cluster.num_gpus, max(1, cluster.gpus_per_node), cluster.scaleup_domain
+    if domain > node and domain % node == 0:
+        node = domain       # whole scale-up domains (NVL72 racks)
+    counts = []
+    for k in range(1, 257):
+        counts += [c for c in (n - k * node, n + k * node)
+                   if c > 0 and any(global_batch % d == 0 for d in _mesh_dps(c, profile, seq_len, domain))]
+        if counts:
+            break
+    dps = _mesh_dps(n, profile, seq_len, domain)
+    batches = sorted({max(d, round(global_batch / d) * d) for d in dps}, key=lambda b: (abs(b - global_batch), b))[:2]
+    hint = []
+    if counts:
+        hint.append(f"{' or '.join(map(str, sorted(counts)))} GPUs")
+    if batches:
+        hint.append(f"a global batch of {' or '.join(map(str, batches))} sequences")
+    return (f"no layout of {profile.name} can be formed on {n} x {cluster.gpu.id} with global batch {global_batch} "
+            f"at seq {seq_len}: every split of {n} GPUs into tensor (<= {min(8, domain)}), context (<= 32) and "
+            f"pipeline (<= {profile.num_layers} layers) degrees the model can take leaves a data-parallel degree "
+            f"that does not divide {global_batch} sequences. What would work: "
+            f"{', or '.join(hint) if hint else 'a GPU count and a global batch with common factors'}")
+
+
 def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, global_batch: int,
                  force_in=(), force_out=(), stack=None) -> tuple[str, ...]:
     """FP8 placement ILP: which linears gain from FP8 within the memory left on each stage.
@@ -203,6 +244,8 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
         raise LayoutError(f"no layout the runtime can run was found: {Layout.from_dict(est.layout).short()} and "
                           f"the others searched cannot run: {why}. Fix fewer degrees (e.g. leave tp/ep free) "
                           "so the planner can choose a layout the runtime supports")
+    if not result.ranked and not result.rejected and not result.stats.get("meshes"):
+        raise LayoutError(_no_mesh_message(profile, cluster, seq_len, global_batch))
     if not result.ranked:
         raise DoesNotFitError(_no_fit_message(profile, cluster, result.rejected, seq_len))
     # the pipeline-stage ILP may move layers off the embedding / output stages; try it on the

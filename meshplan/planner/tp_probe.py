@@ -10,7 +10,7 @@ read from the residual stream, so on a rank holding 3C/tp features it fails, whi
 that splits by local head counts or reshapes with -1 runs. The trace records constants either
 way, so the probe runs the model: a copy on fake tensors (FakeTensorMode: shapes without storage,
 and transformers skips its data-dependent checks on them; no weights are copied), shortened to
-one block of each kind (the tracer's `shrunk`), once as it is, then with every block's linears
+one block of each kind (the tracer's `shrunk`) before it is copied, once as it is, then with every block's linears
 given their local weight shapes under the runtime's labels (build._role_placements) and the
 attention modules' head counts made local. If the first run works and the second raises, or a
 block's output shape changes, tensor parallelism is refused for the model with the error it
@@ -41,18 +41,36 @@ def tp_probe(model, profile: ModelProfile, tp: int = 2) -> str:
     probe cannot tell: the model does not run eagerly on the meta device); else why not."""
     if not isinstance(model, nn.Module) or not any(b.ops and b.instances for b in profile.blocks):
         return ""
+    key = (type(model).__module__, type(model).__qualname__, profile.fingerprint, tp,
+           tuple((b.signature, b.heads, b.kv_heads, b.head_dim) for b in profile.blocks))
+    if key not in _VERDICTS:
+        if len(_VERDICTS) > 256:
+            _VERDICTS.clear()
+        _VERDICTS[key] = _probe(model, profile, tp)
+    return _VERDICTS[key]
+
+
+# (model class, structure fingerprint, tp) -> verdict: the answer is a property of the model's code
+# and block shapes, so plans of the same model (a what-if sweep, a re-plan) ask once
+_VERDICTS: dict[tuple, str] = {}
+
+
+def _probe(model: nn.Module, profile: ModelProfile, tp: int) -> str:
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshplan.planner.blocks import find_block_containers, shrunk
+    from meshplan.planner.trace_export import static_experts, train_mode
     labels = _labels(profile, tp)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        probe = _fake_copy(model, mode)
+        # shortened to one block of each kind BEFORE the fake copy: copying every layer of a
+        # 126-layer model only to drop all but one of them cost most of the probe
+        with shrunk(model, find_block_containers(model)) as fmap:
+            probe = _fake_copy(model, mode)
         args, kwargs = _inputs(probe)
     except Exception:  # noqa: BLE001 - a model the probe cannot copy or feed: no verdict
         return ""
-    from meshplan.planner.blocks import find_block_containers, shrunk
-    from meshplan.planner.trace_export import static_experts, train_mode
-    containers = find_block_containers(probe)
-    with static_experts(probe, "batched_mm"), train_mode(probe), shrunk(probe, containers) as fmap, torch.no_grad(), mode:
+    with static_experts(probe, "batched_mm"), train_mode(probe), torch.no_grad(), mode:
         modules = {fmap.original(f): m for f, m in probe.named_modules()}
         blocks = [inst for b in profile.blocks for inst in b.instances if inst in modules]
         try:

@@ -75,6 +75,22 @@ def test_no_fit_error_says_what_would_fit():
     assert "llama3-405b" in msg and "GB" in msg and "more GPUs" in msg
 
 
+def test_no_mesh_error_names_the_divisibility_and_counts_that_work():
+    """37 nodes of 8: no tp (dividing 8 KV heads) x cp x pp (<= 32 layers) leaves a data-parallel
+    degree dividing the batch; the error says so (not "does not fit") and names counts that work."""
+    from meshplan.errors import LayoutError
+    cl = mp.Cluster(gpu="h100-sxm", num_gpus=296, gpus_per_node=8)
+    with pytest.raises(LayoutError) as e:
+        plan(LLAMA8B, cl, seq_len=4096, global_batch=64)
+    msg = str(e.value)
+    assert "can be formed on 296" in msg and "does not divide 64" in msg
+    counts = [int(x) for x in msg.split("What would work: ")[1].split(" GPUs")[0].split(" or ")]
+    assert counts and all(c % 8 == 0 and abs(c - 296) <= 64 for c in counts)
+    for c in counts:     # each suggestion plans
+        assert plan(LLAMA8B, mp.Cluster(gpu="h100-sxm", num_gpus=c, gpus_per_node=8), seq_len=4096,
+                    global_batch=64).layout.world == c
+
+
 def test_explain_mentions_breakdown_memory_runnerups(p70):
     text = p70.explain()
     for needle in ("Predicted step", "Memory per GPU", "Bottleneck", "Runner-ups", "compute"):
