@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from meshplan.errors import ConfigError
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import pipeline as _pp
+from meshplan.runtime.loss_parallel import VocabShard, vocab_parallel_cross_entropy
 from meshplan.runtime.mesh import Meshes
 from meshplan.runtime.packed_projections import from_tp_order, tp_order_params
 from meshplan.runtime.moe_folding import reduce_expert_grads
@@ -39,8 +40,9 @@ class ParallelModel:
     device: torch.device
     schedule: object | None = None
     fsdp_units: list[nn.Module] = field(default_factory=list)
-    loss_fn: object = None                  # (logits, labels) -> summed loss; default: cross entropy
+    loss_fn: object = None                  # (whole logits, labels) -> summed loss; default: cross entropy
     fused_head: object = None               # fused.FusedHead when the loss runs fused with the output layer
+    vocab_shard: VocabShard | None = None   # this rank's vocab slice: the default loss runs vocab-parallel
     fused_modules: list[str] = field(default_factory=list)   # modules running meshplan's fused kernels here
     kernels: dict[str, str] = field(default_factory=dict)    # plan's fused kernel -> what runs here and why
     data_parallel: str = "none"             # "fsdp" | "ddp" | "none" (see ddp.data_parallel_mode)
@@ -151,10 +153,16 @@ class ParallelModel:
         return float(t.item())
 
     def _summed_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's summed loss. A user's `loss_fn` gets whole logits (under TP the
+        output layer gathers them); the default cross entropy runs fused with the output layer
+        (`fused_head`, tp = 1), or on this rank's vocabulary slice of the logits under TP
+        (`vocab_shard`: they were never gathered), or on whole logits."""
         if self.loss_fn is not None:
             return self.loss_fn(logits, target)
         if self.fused_head is not None:     # `logits` is the hidden state: the head runs in the loss
             return self.fused_head.loss(logits, target, ignore_index=IGNORE_INDEX)
+        if self.vocab_shard is not None:
+            return vocab_parallel_cross_entropy(logits, target, self.vocab_shard, ignore_index=IGNORE_INDEX)
         return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
 

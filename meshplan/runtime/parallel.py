@@ -177,7 +177,11 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     fp32 master weights and gradient reduction); `None` or torch.float32 runs everything in the
     model's own dtype (what numerical-equivalence tests use). `loss_fn(logits, labels)` must
     return the SUM over tokens (default: cross entropy ignoring -100); with a `loss_fn` the
-    output layer keeps its eager form (the fused linear + cross-entropy computes the default loss).
+    output layer keeps its eager form (the fused linear + cross-entropy computes the default loss)
+    and, under TP, the loss gets whole logits: the output layer all-gathers them over the
+    vocabulary, so every TP rank holds the full (tokens x vocab) logits and their gradient. The
+    default loss instead runs on each rank's vocabulary slice (runtime/loss_parallel.py), as
+    the cost model prices it.
     `fused_kernels`: "auto" (default) swaps in the kernels the plan lists (Plan.fused_kernels)
     that are faster than eager with this device's backend (fused.FASTER_THAN_EAGER: Triton on
     CUDA; on CPU none - the reference fallbacks are slower); True swaps every listed kernel
@@ -234,6 +238,14 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     stages = []
     fused_head, fused_modules = None, []
     run_kernels, kernels = choose_kernels(plan.fused_kernels, device.type, fused_kernels)
+    tp_size = mesh["tp"].size()
+    # the fused linear + cross-entropy needs the whole vocabulary on one rank (its kernel turns
+    # each chunk's logits into loss and gradient with a local softmax normaliser); under TP the
+    # default loss runs vocabulary-parallel instead (loss_parallel.py). The planner never lists
+    # it for tp > 1; a hand-written plan that does gets the eager head.
+    fuse_loss = loss_fn is None and tp_size == 1
+    if loss_fn is None and tp_size > 1 and any(k.kernel == "linear_cross_entropy" for k in run_kernels):
+        kernels["linear_cross_entropy"] = f"eager (tp={tp_size}: vocabulary-parallel cross entropy)"
     for spec in local_specs:
         # 1. pipeline split (the model itself when there is one stage)
         # (a later stage runs the model's forward on token ids of the LOCAL length: seq_len / cp)
@@ -244,7 +256,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         else:
             stage.to(device)
         if run_kernels:                                                              # 1b. fused kernels
-            swapped = apply_fused_kernels(stage, run_kernels, fuse_loss=loss_fn is None)
+            swapped = apply_fused_kernels(stage, run_kernels, fuse_loss=fuse_loss)
             fused_head = swapped.head or fused_head
             fused_modules += swapped.modules
         stages.append(stage)
@@ -256,10 +268,13 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     swaps: list = []
     compile_on, compiled = compile_wanted(compile, device.type, lay.schedule, lay.pp), []
     expert_modules: list[list[str]] = []
+    vocab_shard = None      # set on the ranks holding the output layer when it stays vocab-sharded
     layers_before = 0       # layers of this pipeline rank in earlier virtual stages (recompute counts per rank)
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, plan.blocks)
-        apply_tensor_parallel(stage, tp_plan, mesh["tp"])                           # 2. TP / SP
+        # the default loss runs on the vocabulary slices: the output layer keeps its logits sharded
+        shard = apply_tensor_parallel(stage, tp_plan, mesh["tp"], shard_vocab=loss_fn is None)   # 2. TP / SP
+        vocab_shard = shard if shard is not None else vocab_shard
         _retie(stage, tied)
         if len(specs) > 1 and mesh["tp"].size() > 1 and plan.sequence_parallel:
             # the sequence-sharded residual stream crosses stages as local shards
@@ -301,6 +316,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device, ignore=ignore))
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
+                       vocab_shard=vocab_shard,
                        fused_modules=fused_modules, meshes=meshes, kernels=kernels, data_parallel=dp_mode,
                        ddp=ddps, autocast_dtype=None if use_fsdp else compute_dtype, async_tp=async_tp,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))

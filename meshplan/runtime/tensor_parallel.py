@@ -33,8 +33,15 @@ on the sequence: code reading `x.shape` (head reshapes, position ids, causal mas
 the embedding output, as in transformers' Llama) sees the global sequence length, residual adds
 stay DTensor + DTensor, and the next column-parallel linear gathers its input by its placement.
 Inside TP regions the user's reshapes see local feature sizes; attention modules that reshape with `-1` need nothing, and those that keep
-head counts as attributes get them divided ("heads"). The loss sees full logits: the head's
-output is gathered (Replicate) because the loss function is the user's.
+head counts as attributes get them divided ("heads").
+
+The output layer (the "colwise" module outside the blocks) is column-parallel over the
+vocabulary. With the runtime's default loss its output stays sharded (Shard(-1), a plain local
+tensor of (batch, seq, vocab / tp)) and the cross entropy runs vocabulary-parallel
+(meshplan.runtime.loss_parallel): no rank holds whole logits, which is what the cost model
+prices. Whatever the model does to the logits after the output layer must then be element-wise
+(a cast, a soft-cap). A user's `loss_fn` gets whole logits instead: the head's output is
+all-gathered (Replicate), at the memory of full logits (and their gradient) on every TP rank.
 
 Communication (all through DTensor redistributions): the activation entering each block's
 attention / feed-forward sub-module is made a Replicate DTensor once, by a pre-hook on that
@@ -42,7 +49,8 @@ sub-module (torchtitan's `PrepareModuleInput`): one all-gather under SP, none wi
 backward one reduce-scatter / all-reduce of the summed input gradient of all its column-parallel
 linears (not one per linear: wq, wk, wv each gathering the same activation cost 2.5x the
 collectives). Row-parallel outputs are all-reduced (reduce-scattered under SP), their
-transposes in backward. Overlap of these with
+transposes in backward. The vocabulary-parallel loss adds two all-reduces of (tokens,) and
+(3, tokens) fp32 statistics per micro-batch in forward, none in backward. Overlap of these with
 compute is async TP (`enable_async_tp`, the plan's tp_comm_overlap: symmetric memory + compiled
 blocks, CUDA only); on CPU they are synchronous.
 """
@@ -54,6 +62,7 @@ from torch import nn
 
 from meshplan.errors import LayoutError
 from meshplan.ir.tp_locality import HEAD_COUNT_ATTRS, localise_heads
+from meshplan.runtime.loss_parallel import VocabShard
 
 __all__ = ["apply_tensor_parallel", "HEAD_COUNT_ATTRS", "enable_async_tp"]
 
@@ -177,11 +186,27 @@ def _local_styles(placements: dict[str, str], blocks: tuple[str, ...], modules: 
     return out
 
 
-def _head(sequence: bool):
+def _head(sequence: bool, shard_vocab: bool):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
-    # gathered logits: the user's loss function sees whole tensors
-    return ColwiseParallel(input_layouts=Shard(1) if sequence else Replicate(), output_layouts=Replicate())
+    # shard_vocab: the default loss runs on the vocabulary slices (loss_parallel.py); otherwise
+    # the logits are gathered, since the user's loss function expects whole tensors
+    return ColwiseParallel(input_layouts=Shard(1) if sequence else Replicate(),
+                           output_layouts=Shard(-1) if shard_vocab else Replicate())
+
+
+def _vocab_shard(head: nn.Module, fqn: str, tp_mesh) -> VocabShard:
+    """Where this rank's slice of the vocabulary lies, checked against the sharded head weight."""
+    from torch.distributed.tensor import DTensor
+    w = head.weight
+    shard = VocabShard(group=tp_mesh.get_group(), rank=tp_mesh.get_local_rank(), size=tp_mesh.size(),
+                       vocab=w.shape[0])
+    rows = w.to_local().shape[0] if isinstance(w, DTensor) else w.shape[0]
+    if rows != shard.width:
+        raise LayoutError(f"{fqn}.weight holds {rows} vocabulary rows on this rank, expected {shard.width} "
+                          f"of {shard.vocab} (torch.chunk's split over tp={shard.size}); pass parallelize(..., "
+                         "loss_fn=...) to run on gathered logits")
+    return shard
 
 
 def _split_sequence_output(tp_mesh):
@@ -208,13 +233,17 @@ def _attention_of(fqn: str, placements: dict[str, str], blocks: tuple[str, ...])
     return mine[0] if len(mine) == 1 else None
 
 
-def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
+def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh, *, shard_vocab: bool = False) -> VocabShard | None:
     """Shard `stage` (a whole model or a pipeline stage of it) over `tp_mesh` as the plan's
-    placements (module FQN -> label) say."""
+    placements (module FQN -> label) say.
+
+    `shard_vocab`: the default loss will run vocabulary-parallel, so the output layer keeps its
+    logits sharded over the vocabulary; returns this rank's slice of it when `stage` holds the
+    output layer (None otherwise, and when the logits are gathered)."""
     from torch.distributed.tensor.parallel import parallelize_module
     tp = tp_mesh.size()
     if tp == 1:
-        return
+        return None
     placements, blocks = plan.placements, tuple(plan.blocks)
     modules = dict(stage.named_modules())
     sequence = plan.sequence_parallel
@@ -223,6 +252,7 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
         raise LayoutError(f"placements {unknown} are not supported by the runtime yet (it runs "
                           f"{list(_SUPPORTED)}); re-plan with ep=1 or for a dense model")
     parents = _colwise_parents(placements, blocks, modules)
+    head: str | None = None
     local_styles = _local_styles(placements, blocks, modules, sequence)   # before head counts go local
     styles: dict = {}
     for fqn, label in placements.items():
@@ -238,7 +268,8 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
             if sequence:
                 mod.register_forward_hook(_split_sequence_output(tp_mesh))
         elif block is None and label == "colwise":       # the output layer (outside the blocks)
-            styles[fqn] = _head(sequence)
+            styles[fqn] = _head(sequence, shard_vocab)
+            head = fqn if shard_vocab else None
         else:
             style = _styles(label, sequence, mod, fqn,
                             gathered_after=any(p.startswith(block + ".") for p in parents) if block else False)
@@ -250,6 +281,7 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh) -> None:
         style.apply(modules[fqn], tp_mesh)
     for fqn in sorted(parents):
         modules[fqn].register_forward_pre_hook(_gather_once(tp_mesh, sequence), with_kwargs=True)
+    return _vocab_shard(modules[head], head, tp_mesh) if head is not None else None
 
 
 def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:
