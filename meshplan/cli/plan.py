@@ -10,7 +10,7 @@ import meshplan as mp
 from meshplan.cli.common import cluster_from_args, parse_layout
 from meshplan.cluster import GPUS, Cluster
 from meshplan.errors import MeshplanError
-from meshplan.export import EXPORT_STACKS, FORMATS as EXPORT_FORMATS, export_text
+from meshplan.export import EXPORT_STACKS, FORMATS as EXPORT_FORMATS, export_constraints, export_text
 from meshplan.ir.stack import STACKS
 from meshplan.reports.html import write_plan_report
 
@@ -37,6 +37,16 @@ def cmd_plan(args) -> int:
     if args.export and args.stack and args.stack != EXPORT_STACKS[args.export]:
         raise MeshplanError(f"--export {args.export} runs on the {EXPORT_STACKS[args.export]} stack, not {args.stack}; "
                             f"leave --stack out (or pass --stack {EXPORT_STACKS[args.export]})")
+    if args.export:
+        # what the target cannot run for this model (beyond its stack's offer): planned around, so the
+        # top plan exports; a key the user fixed is left as given (the export then names the problem)
+        must, why = export_constraints(args.export, args.model, args.precision)
+        fixed = dict(fixed or {})
+        for (key, value), reason in zip(must.items(), why, strict=True):
+            if key not in fixed:
+                fixed[key] = value
+                print(f"--export {args.export}: planning with {reason}", file=sys.stderr)
+        fixed = fixed or None
     t0 = time.perf_counter()
     print(f"planning {args.model} on {cluster.num_gpus} x {cluster.gpu.id} for the {stack} stack ...",
           file=sys.stderr, flush=True)

@@ -50,7 +50,7 @@ def _pipeline_layout_string(sl: tuple[int, ...]) -> str:
 class _Recompute:
     """Megatron-Core's recompute settings (TransformerConfig recompute_* fields)."""
 
-    granularity: str | None = None     # None | "selective" (also "norm_act") | "full"
+    granularity: str | None = None     # None | "selective" (also "norm_act", "norm_moe") | "full"
     method: str | None = None          # None | "uniform" | "block"
     num_layers: int | None = None
     modules: tuple[str, ...] = ()
@@ -81,6 +81,18 @@ def _megatron_recompute(v: _View, rc: Any) -> _Recompute:
         # experts' activation; "moe_act" is left out for a dense model, where it has nothing to act on
         moe = v.shape is None or v.shape.experts > 0
         return _Recompute(granularity="selective", modules=("layernorm",) + (("moe_act",) if moe else ()))
+    if rc == "norm_moe":
+        # Megatron-Core's own policy too: re-run the two norms and the whole MoE layer (its token
+        # dispatch included), keeping only the MoE layer's input
+        if v.shape is not None and v.shape.experts == 0:
+            raise ConfigError("recompute 'norm_moe' re-runs the MoE layers, and this model has none; re-plan with "
+                              "fixed={'recompute': 'norm_act'} or 'selective'")
+        return _Recompute(granularity="selective", modules=("layernorm", "moe"))
+    if isinstance(rc, str) and rc != "full":
+        # op_sac is torchtitan's op-level checkpointing: Megatron-Core chooses recomputed modules, not ops
+        raise ConfigError(f"Megatron-Core has no recompute setting for the plan's {rc!r} policy; re-plan for the "
+                          "megatron-core stack, or with fixed={'recompute': 'selective'} (or 'full', 'none'), or "
+                          "export to torchtitan")
     if rc == "full" or (isinstance(rc, int) and rc >= v.layers_per_rank):
         return _Recompute(granularity="full", method="uniform", num_layers=1)
     # N fully recomputed layers per pipeline rank. Megatron's "block" method recomputes the first

@@ -12,10 +12,10 @@ from typing import Any, Mapping
 from meshplan.errors import ConfigError, UnknownNameError
 from meshplan.export.megatron import megatron_export
 from meshplan.export.nemo import nemo_export
-from meshplan.export.torchtitan import torchtitan_export
+from meshplan.export.torchtitan import torchtitan_constraints, torchtitan_export
 from meshplan.export.view import FORMATS, Export
 
-__all__ = ["export_text", "to_toml"]
+__all__ = ["export_text", "to_toml", "export_constraints"]
 
 
 def _toml_value(x: Any) -> str:
@@ -73,6 +73,8 @@ def _header(plan: Any, exp: Export, comment: str) -> list[str]:
     lines = [f"{comment} meshplan plan for {plan.model} on {plan.world_size} GPUs: {lay.short()}, "
              f"seq {plan.seq_len}, global batch {plan.global_batch}, {plan.precision}",
              f"{comment} names checked against {exp.version}"]
+    if exp.target:
+        lines.append(f"{comment} written for {exp.target}")
     lines += [f"{comment} NOTE: {n}" for n in exp.notes]
     return lines
 
@@ -106,3 +108,14 @@ def export_text(plan: Any, fmt: str, model: Any = None) -> str:
         lines += [_shell_word(f"{k}={_override_value(val, fmt == 'megatron-bridge')}") for k, val in exp.data.items()]
         return "\n".join(lines)
     raise UnknownNameError("export format", fmt, list(FORMATS))
+
+
+def export_constraints(fmt: str, model: Any, precision: str = "bf16") -> tuple[dict[str, Any], list[str]]:
+    """Layout keys the target fixes for `model` beyond what its stack offers (for torchtitan, e.g.
+    cp=1 for models it runs with FlexAttention), with one reason per key; `meshplan plan --export`
+    plans with them unless --fix sets them. Empty for targets without such limits."""
+    if fmt not in FORMATS:
+        raise UnknownNameError("export format", fmt, list(FORMATS))
+    if fmt == "torchtitan":
+        return torchtitan_constraints(model, precision)
+    return {}, []

@@ -46,6 +46,9 @@ class Export:
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     env: dict[str, str] = dataclasses.field(default_factory=dict)   # environment the launch needs
     notes: tuple[str, ...] = ()
+    # what the export is written for beyond the version: the recipe (NeMo 2, Megatron-Bridge) or the
+    # model name and flavor (torchtitan); printed in the header
+    target: str = ""
 
 
 # ---- what every exporter reads from the plan ------------------------------------------------------
@@ -153,6 +156,15 @@ def _check_precision(plan: Any, target: str, allowed: tuple[str, ...]) -> None:
     if plan.precision not in allowed:
         raise ConfigError(f"{target} export: precision {plan.precision!r} is not supported there; "
                           f"re-plan with precision in {allowed}")
+
+
+def _model_name(plan: Any, model: Any) -> str:
+    """The model's name: `model` when it names one (a preset name, a ModelConfig's or profile's
+    name, a config mapping's "name"), else the plan's."""
+    if isinstance(model, str):
+        return model
+    name = model.get("name") if isinstance(model, dict) else getattr(model, "name", None)
+    return name or plan.model
 
 
 def _uniform_middle(sl: tuple[int, ...]) -> bool:
