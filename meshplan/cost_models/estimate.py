@@ -8,7 +8,7 @@ including the exposed TP/CP/EP communication inside each layer (meshplan.cost_mo
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group, p2p_time
@@ -179,12 +179,24 @@ def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
         (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
 
 
+def _activation_bytes(w: RankWork, r: int, profile: ModelProfile, L: Layout, m: int, tokens: float) -> float:
+    """Activation bytes pipeline rank r holds at its peak: its micro-batches in flight."""
+    p = L.pp
+    held = in_flight(L.schedule, m, p, L.vp, r)
+    activ = w.act * held + w.largest_full
+    if r == 0:
+        activ += K.BF16 * profile.hidden * tokens / (L.tp if L.sp else 1) * held
+    if r == p - 1:
+        activ += head_activation_bytes(profile, tokens, L.tp)
+    return activ
+
+
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
                  fp8: bool, pp_deferred: bool = False) -> dict[str, float]:
     """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
     keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
     reduce-scatter."""
-    p, v, shard = L.pp, L.vp, L.shard
+    shard = L.shard
     gb, ob = grad_bytes(L), optimizer_bytes(L)    # fp32 master + Adam moments in L.optimizer_dtype
     sd = state_bytes(w.dparams, shard, L.zero, grad_bytes=gb, optimizer_bytes=ob)
     se = state_bytes(w.eparams, L.edp, L.zero, grad_bytes=gb, optimizer_bytes=ob)
@@ -200,13 +212,7 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         # the unsharded gradients of every layer of the stage, held from the first backward to the
         # step's reduce-scatter (in the parameters' bf16; FSDP2 casts to the reduce dtype per bucket)
         mem["gradients"] += K.PARAM_BYTES * (w.dparams + w.eparams) - sd["gradients"] - se["gradients"]
-    held = in_flight(L.schedule, m, p, v, r)
-    activ = w.act * held + w.largest_full
-    if r == 0:
-        activ += K.BF16 * profile.hidden * tokens / (L.tp if L.sp else 1) * held
-    if r == p - 1:
-        activ += head_activation_bytes(profile, tokens, L.tp)
-    mem["activations"] = activ
+    mem["activations"] = _activation_bytes(w, r, profile, L, m, tokens)
     mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * (w.dparams + w.eparams) if fp8 else 0.0
     if L.moe_dispatcher == "deepep" and L.ep > 1 and any(blocks[i].is_moe for i in w.layers):
         # DeepEP's registered NVLink/RDMA buffers, one per process (memory.deepep_buffer_bytes); only
@@ -273,8 +279,9 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
                                  grad_buffer_bytes=grad_bytes(L)))
         else:
             w = out[first]
-            out.append(dataclasses.replace(w, layers=list(layers[r]), parts=dict(w.parts), comm=dict(w.comm),
-                                           twin=first))
+            twin = copy.copy(w)     # the same work: only the layer indices and the twin differ
+            twin.layers, twin.parts, twin.comm, twin.twin = list(layers[r]), dict(w.parts), dict(w.comm), first
+            out.append(twin)
     return out, ctx
 
 
@@ -319,7 +326,13 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         dp.append(dp[w.twin] if w.twin is not None else _dp_comm(w, blocks, L, groups, cluster, m, deferred,
                                                                   ctx.fitted))
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
-    mem_stages = [_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred) for r, w in enumerate(ranks)]
+    mem_stages: list[dict[str, float]] = []
+    for r, w in enumerate(ranks):
+        if w.twin is None:
+            mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred))
+        else:       # a twin holds what its twin holds but for the micro-batches in flight
+            mem_stages.append(dict(mem_stages[w.twin],
+                                   activations=_activation_bytes(w, r, profile, L, m, ctx.tokens) / GB))
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
     overhead = dev.step_overhead(profile, cluster, L, ranks)
