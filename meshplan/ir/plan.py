@@ -113,7 +113,6 @@ class Plan:
     global_batch: int
     precision: str
     layout: Layout
-    mesh: dict[str, int]               # axis name -> degree, in MESH_AXES order
     blocks: tuple[str, ...] = ()       # repeated-block FQNs, execution order
     placements: dict[str, str]         # module FQN -> one of PLACEMENTS
     stages: tuple[tuple[str, ...], ...]   # virtual stage -> module FQNs (stage s runs on pipeline rank s % pp)
@@ -131,12 +130,7 @@ class Plan:
         for name, typ in (("layout", Layout), ("estimate", Estimate)):
             if not isinstance(getattr(self, name), typ):
                 raise TypeError(f"Plan.{name} must be a {typ.__name__}, not {type(getattr(self, name)).__name__}")
-        if tuple(self.mesh) != MESH_AXES:
-            raise ConfigError(f"plan mesh axes {tuple(self.mesh)} must be {MESH_AXES}")
         lay = self.layout
-        want = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
-        if dict(self.mesh) != want:
-            raise ConfigError(f"plan mesh {dict(self.mesh)} disagrees with its layout ({lay.short()}); re-plan")
         if len(self.stages) != lay.pp * lay.vp:
             raise ConfigError(f"plan lists {len(self.stages)} pipeline stages; its layout has pp*vp = "
                               f"{lay.pp * lay.vp}; re-plan")
@@ -145,6 +139,12 @@ class Plan:
             raise ConfigError(f"plan placements {bad} are unknown; placements are one of {PLACEMENTS}")
 
     # ---- derived views (one home: the layout) --------------------------------------------
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The device mesh: axis name -> degree, in MESH_AXES order (pp, dp, cp, tp)."""
+        lay = self.layout
+        return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+
     @property
     def world_size(self) -> int:
         n = 1
@@ -201,6 +201,9 @@ class Plan:
         d = dict(d)
         if "version" not in d:
             raise ConfigError("not a meshplan plan: no 'version' field")
+        # the mesh is written for readers and derived from the layout on load; a file whose mesh
+        # disagrees with its layout was edited by hand
+        saved_mesh = d.pop("mesh", None)
         if d["version"] != PLAN_VERSION:
             raise ConfigError(f"plan version {d['version']} is not supported by this meshplan "
                               f"(expects {PLAN_VERSION}); re-run meshplan plan")
@@ -215,7 +218,12 @@ class Plan:
         try:
             d["layout"] = Layout.from_dict(d["layout"])
             d["estimate"] = Estimate.from_dict(d["estimate"])
-            d["mesh"] = {a: int(d["mesh"][a]) for a in MESH_AXES}
+            if saved_mesh is not None:
+                lay = d["layout"]
+                want = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+                if {a: int(saved_mesh[a]) for a in MESH_AXES} != want:
+                    raise ConfigError(f"plan mesh {dict(saved_mesh)} disagrees with its layout ({lay.short()}); "
+                                      "re-plan")
             d["blocks"] = tuple(d.get("blocks", ()))
             d["stages"] = tuple(tuple(s) for s in d["stages"])
             d["fp8_modules"] = tuple(d.get("fp8_modules", ()))

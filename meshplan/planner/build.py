@@ -288,7 +288,6 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                                    peak_memory_gb=e.peak_memory_gb, fits=False, reason=why_lost(e, best)))
     placement_notes: list[str] = []
     placements = placements_for(profile, lay, cluster, seq_len=seq_len, notes=placement_notes)
-    mesh = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
     fp8_modules: tuple[str, ...] = ()
     if best.precision == "fp8":
         fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch, fp8_force_in, fp8_force_out,
@@ -298,7 +297,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                                 precision="fp8", fp8_modules=frozenset(fp8_modules), stack=stack)
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, stack=stack.name, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
-                precision=best.precision, layout=lay, mesh=mesh, blocks=block_instances(profile),
+                precision=best.precision, layout=lay, blocks=block_instances(profile),
                 placements=placements, stages=stage_modules(profile, stage_layers),
                 num_microbatches=best.num_microbatches, fp8_modules=fp8_modules,
                 fused_kernels=_fused_kernels(profile, lay), estimate=best, runner_ups=tuple(runner_ups),

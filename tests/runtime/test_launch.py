@@ -113,7 +113,7 @@ def _write_plan(path, *, world_mesh, gpus_per_node, nodes):
                       lay, seq_len=128, global_batch=8)
     plan = Plan(model="tiny-llama", model_fingerprint="m", cluster={"name": "c", "gpus_per_node": gpus_per_node,
                                                                    "nodes": nodes},
-                cluster_fingerprint="c", seq_len=128, global_batch=8, precision="bf16", layout=lay, mesh=world_mesh,
+                cluster_fingerprint="c", seq_len=128, global_batch=8, precision="bf16", layout=lay,
                 placements={}, stages=((),) * lay.pp, num_microbatches=1, estimate=est)
     plan.save(path)
     return path
