@@ -8,16 +8,24 @@ rank with most of the work). `load_balanced_positions` gives the global position
 tokens; `shard_sequence` cuts a (B, S, ...) tensor to them.
 
 Ring attention (`ring_attention`). Each rank keeps its queries; keys and values travel around
-the ring (send to r+1, receive from r-1; cp-1 shifts), and each arriving K/V block is merged
-into the output with the online-softmax (logsumexp) rule, so no rank ever holds the S x S
-scores. Causal masking is decided per (query chunk, key chunk) pair from the global chunk
-indices: an earlier key chunk is attended fully, the same chunk with the causal triangle, a
-later chunk not at all (skipped: no compute). One autograd Function covers the whole ring: its
-backward sends K/V around once more together with the dK/dV accumulated for them, which end on
-the rank that owns them after cp shifts. Because it is a single graph node, every rank runs the
-same sends and receives in backward whatever blocks it skipped (a ring of per-shift autograd
-nodes would drop unused shifts from the backward of some ranks and deadlock the ring). Softmax
-statistics and block products are computed in fp32 whatever the input dtype.
+the ring (send to r+1, receive from r-1; cp-1 shifts). Each (query chunk, key chunk) pair is one
+call of a fused attention kernel that returns the block's output and log-sum-exp (LSE) without
+materialising its scores (CPU: aten's _scaled_dot_product_flash_attention_for_cpu, which takes
+GQA as is; CUDA: FlashAttention for fp16/bf16, else the memory-efficient kernel, with the key/value
+heads repeated; the CUDA path is not exercised by the CPU-only tests), and the blocks are merged
+with the online-softmax rule (out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i) into an
+fp32 running output and LSE. So memory is O(local tokens): no rank holds a score block, let
+alone the S x S scores. Causal masking is decided per pair from the global chunk indices: an
+earlier key chunk is attended fully (is_causal=False), the same chunk with the causal triangle
+(is_causal=True), a later chunk not at all (skipped: no compute). One autograd Function covers
+the whole ring: its backward runs the kernel's backward per pair, given the FINAL merged output
+and LSE (so each block's probabilities are its share of the softmax over the whole sequence and
+the block gradients add up to the full ones), accumulates dQ locally in fp32, and sends K/V around
+once more together with the fp32 dK/dV accumulated for them, which end on the rank that owns them
+after cp shifts. Because it is a single graph node, every rank runs the same sends and receives
+in backward whatever blocks it skipped (a ring of per-shift autograd nodes would drop unused
+shifts from the backward of some ranks and deadlock the ring). The kernels read the input dtype
+and accumulate in fp32; a block's output and gradients come back in the input dtype.
 
 How a model uses it without changes (`apply_context_parallel`):
 - the model's attention calls `F.scaled_dot_product_attention`; the stage's forward and every
@@ -119,20 +127,11 @@ class _Ring:
         return recv
 
 
-# ---- block math (fp32) -----------------------------------------------------------------------
+# ---- block kernels ---------------------------------------------------------------------------
 def _pair_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
     if not causal or q_chunk > k_chunk:
         return _FULL
     return _DIAGONAL if q_chunk == k_chunk else _MASKED
-
-
-def _scores(q5: Tensor, k: Tensor, kind: str) -> Tensor:
-    """q5 (B, Hkv, G, c, d) already scaled, k (B, Hkv, c, d) -> (B, Hkv, G, c, c) fp32 scores."""
-    s = q5 @ k.unsqueeze(2).transpose(-1, -2)
-    if kind == _DIAGONAL:
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
 
 
 def _blocks(q_chunks, kv_src: int, cp: int, causal: bool):
@@ -144,34 +143,104 @@ def _blocks(q_chunks, kv_src: int, cp: int, causal: bool):
                 yield a, b, kind
 
 
+def _cuda_flash_ok(q: Tensor) -> bool:
+    # FlashAttention-2 takes half precision and head dims up to 256 in multiples of 8; anything
+    # else (fp32 above all) goes to the memory-efficient kernel, which also returns the LSE
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    # the CUDA kernels want as many key/value heads as query heads (the CPU kernel takes GQA as is)
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_groups(t: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return t
+    B, H, L, d = t.shape
+    return t.reshape(B, H // groups, groups, L, d).sum(2)
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    """Fused attention of one block: (output in q's dtype, LSE (B, H, Lq) fp32, the kernel's RNG state
+    for its backward); no score matrix is held.
+
+    q (B, H, Lq, d), k/v (B, Hkv, Lk, d). `causal` is the top-left triangle, which is the
+    diagonal block's mask because its query and key chunks are the same tokens.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    g = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, g), _repeat_kv(v, g)
+    if _cuda_flash_ok(q):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (seed, offset)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                                    causal, scale=scale)
+    return out, lse[..., :q.shape[2]], (seed, offset)   # the kernel pads the LSE's length to its tile size
+
+
+def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                    scale: float, rng: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one block, given the FINAL merged output and LSE of these queries.
+
+    The block's probabilities are exp(s - lse) with the merged lse, i.e. this block's share of the
+    softmax over all keys, and the kernel's rowsum(dout * out) is the merged softmax's term, so
+    the per-block gradients add up to those of attention over the whole sequence.
+    """
+    if q.device.type == "cpu":
+        return tuple(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale))
+    g = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, g), _repeat_kv(v, g)
+    if _cuda_flash_ok(q):
+        # None: undefined cumulative lengths, i.e. dense (not variable-length) batches
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, *rng,
+            scale=scale)
+    else:
+        # the kernel reads the LSE at the tile-padded length its forward returned; padded rows
+        # belong to no query
+        lse_p = F.pad(lse, (0, (-q.shape[2]) % 32), value=float("inf")).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse_p, *rng, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _sum_groups(dk, g), _sum_groups(dv, g)
+
+
 class _RingAttention(torch.autograd.Function):
+    """The whole ring as one autograd node (see the module docstring). The query, output, LSE and
+    gradient halves are views taken once per call (the K/V halves once per ring step), so a block
+    pair costs the kernel plus a handful of element-wise ops on the host."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring, causal, scale):
         B, H, S, d = q.shape
-        Hkv = k.shape[1]
-        G, c = H // Hkv, S // 2
-        q5 = q.float().reshape(B, Hkv, G, S, d) * scale
-        out = torch.zeros(B, Hkv, G, S, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((B, Hkv, G, S), float("-inf"), dtype=torch.float32, device=q.device)
+        # the running output and LSE are fp32 whatever the input dtype: each merge rescales them
+        out = torch.zeros(B, H, S, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
+        q_h, out_h, lse_h = q.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=-1)
         mine = _chunks_of(ring.rank, ring.size)
         kv = torch.stack([k, v])
+        rng: tuple = ()
         for step in range(ring.size):
             pending = ring.start_shift(kv, _KV_TAG) if step < ring.size - 1 else None
-            kf, vf = kv[0].float(), kv[1].float()
+            k_h, v_h = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for a, b, kind in _blocks(mine, (ring.rank - step) % ring.size, ring.size, causal):
-                qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                s = _scores(q5[..., qs, :], kf[..., ks, :], kind)
-                blse = torch.logsumexp(s, dim=-1)
-                part = torch.exp(s - blse.unsqueeze(-1)) @ vf[..., ks, :].unsqueeze(2)
-                new = torch.logaddexp(lse[..., qs], blse)
-                out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
-                                   + part * torch.exp(blse - new).unsqueeze(-1))
-                lse[..., qs] = new
+                bout, blse, rng = _block_forward(q_h[a], k_h[b], v_h[b], kind == _DIAGONAL, scale)
+                # online-softmax merge, out = sum_i exp(lse_i - lse) out_i with lse = logsumexp_i lse_i,
+                # one block at a time: the new block's weight is exp(blse - new) = sigmoid(blse - old)
+                # (1 for the first block, whose old lse is -inf), and out moves that far towards it
+                w = torch.sigmoid(blse - lse_h[a]).unsqueeze(-1)
+                out_h[a].lerp_(bout.float(), w)
+                torch.logaddexp(lse_h[a], blse, out=lse_h[a])
             if pending is not None:
                 kv = ring.finish(pending)
-        result = out.reshape(B, H, S, d).to(q.dtype)
+        result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+        # without dropout the CUDA kernels' RNG state is the same (unused) for every block
+        ctx.ring, ctx.causal, ctx.scale, ctx.rng = ring, causal, scale, rng
         return result
 
     @staticmethod
@@ -180,34 +249,32 @@ class _RingAttention(torch.autograd.Function):
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
         B, H, S, d = q.shape
         Hkv = k.shape[1]
-        G, c = H // Hkv, S // 2
-        q5 = q.float().reshape(B, Hkv, G, S, d) * scale
-        do5 = grad_out.float().reshape(B, Hkv, G, S, d)
-        delta = (do5 * out.float().reshape(B, Hkv, G, S, d)).sum(-1)        # rowsum(dO * O)
-        dq5 = torch.zeros_like(q5)
+        # the kernels want grad_out in the dtype of q and out (autograd may hand it in another one)
+        grad_out = grad_out.to(q.dtype)
+        dq = torch.zeros(B, H, S, d, dtype=torch.float32, device=q.device)
+        q_h, out_h, lse_h = q.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=-1)
+        do_h, dq_h = grad_out.chunk(2, dim=2), dq.chunk(2, dim=2)
         mine = _chunks_of(ring.rank, ring.size)
         kv = torch.stack([k, v])
         dkv = torch.zeros(2, B, Hkv, S, d, dtype=torch.float32, device=q.device)   # travels with kv
         for step in range(ring.size):
             pending = ring.start_shift(kv, _KV_TAG) if step < ring.size - 1 else None
-            kf, vf = kv[0].float(), kv[1].float()
+            k_h, v_h = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            dk_h, dv_h = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             for a, b, kind in _blocks(mine, (ring.rank - step) % ring.size, ring.size, causal):
-                qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                kb, vb = kf[..., ks, :], vf[..., ks, :]
-                p = torch.exp(_scores(q5[..., qs, :], kb, kind) - lse[..., qs].unsqueeze(-1))
-                do = do5[..., qs, :]
-                dkv[1, ..., ks, :] += (p.transpose(-1, -2) @ do).sum(2)
-                ds = p * (do @ vb.unsqueeze(2).transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
-                dq5[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
-                dkv[0, ..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2)   # q5 carries the scale
+                bdq, bdk, bdv = _block_backward(do_h[a], q_h[a], k_h[b], v_h[b], out_h[a], lse_h[a],
+                                                kind == _DIAGONAL, scale, ctx.rng)
+                # fp32 accumulators: half-precision block gradients are summed without rounding
+                dq_h[a].add_(bdq)
+                dk_h[b].add_(bdk)
+                dv_h[b].add_(bdv)
             if ring.size > 1:
                 # the gradient of the block just used moves on with it; after the last step it
                 # arrives at the rank that owns the block
                 dkv = ring.finish(ring.start_shift(dkv, _DKV_TAG))
             if pending is not None:
                 kv = ring.finish(pending)
-        return (dq5.reshape(B, H, S, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, is_causal: bool = True,
@@ -235,6 +302,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, is_causal: bool = 
     if q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
         raise LayoutError(f"{q.shape[1]} query heads and {k.shape[1]} key/value heads need enable_gqa=True "
                           "and a head count divisible by the key/value head count")
+    if q.device.type not in ("cpu", "cuda"):
+        raise LayoutError(f"context-parallel attention runs fused attention kernels on CPU and CUDA only, got "
+                          f"tensors on {q.device}; {_REPLAN}")
     if q.shape[2] % 2:
         raise ConfigError(f"a local sequence of {q.shape[2]} tokens cannot hold the two chunks of the "
                           f"load-balanced split; use a seq_len divisible by 2*cp")

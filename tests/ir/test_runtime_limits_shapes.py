@@ -44,6 +44,9 @@ def test_tp_forward_limit_names_the_reason():
 
 
 def test_full_width_attention_is_planned_without_tp():
+    # the probe's model zoo lives beside the probe's tests (tests/planner), on the path however
+    # this file is collected
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "planner"))
     from test_tp_probe import GPT, LocalAttention, NanoAttention
     cl = mp.Cluster.preset("local-cpu")
     with pytest.raises(MeshplanError, match=r"block h.0 fails on tensor-parallel local shapes"):

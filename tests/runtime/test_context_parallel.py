@@ -1,15 +1,16 @@
 """Context parallelism: ring attention and CP plans against the single-device model (gloo, CPU).
 
 Ring attention alone is compared with F.scaled_dot_product_attention on the whole sequence
-(forward and dq/dk/dv; tolerances in cp_workers.py). Each plan case parallelises the model with
-cp > 1, runs one global batch forward and backward, takes one AdamW step and compares loss,
-every full gradient and every parameter with the unsharded model (numerics.equivalence and its
-tolerances: CP only reorders sums - the softmax over ring blocks, the loss and the gradients over
-CP ranks - so the fp32 rounding argument there holds unchanged). Cases that share a world size
-run in one spawned process group (starting ranks costs seconds): 2 ranks (`world2`: ring
-attention alone, what it refuses, CP2 with recompute, GPT and transformers Llama, a short batch
-refused) and 4 ranks (`world4`: ring attention alone, CP x FSDP, CP x TP with SP, CP x PP, and a
-bf16 training run). Each test reads its cases' results.
+(forward and dq/dk/dv; tolerances in cp_workers.py) and shown to hold no score block (the
+largest tensor any op creates inside it, against one block's size). Each plan case parallelises
+the model with cp > 1, runs one global batch forward and backward, takes one AdamW step and
+compares loss, every full gradient and every parameter with the unsharded model
+(numerics.equivalence and its tolerances: CP only reorders sums - the softmax over ring blocks,
+the loss and the gradients over CP ranks - so the fp32 rounding argument there holds unchanged).
+Cases that share a world size run in one spawned process group (starting ranks costs seconds): 2
+ranks (`world2`: ring attention alone, what it refuses, CP2 with recompute, GPT and transformers
+Llama, a short batch refused) and 4 ranks (`world4`: ring attention alone, CP x FSDP, CP x TP
+with SP, CP x PP, and a bf16 training run). Each test reads its cases' results.
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def test_ring_attention_matches_sdpa(world2, world4, world, case):
     for rank, r in enumerate(results):
         err = r["attention"][case]
         assert "error" not in err, f"rank {rank}: {err['error']}\n{err.get('tb', '')}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_holds_no_score_block(world2, world4, world):
+    """Each ring step runs the fused kernel: no tensor of a (query chunk x key chunk) score block's
+    size is created, in forward or backward (cp_workers.largest_ring_tensors records every aten
+    op's outputs); the largest is O(local tokens): the fp32 output / dK,dV buffers, at most 2x q."""
+    for rank, r in enumerate(world2 if world == 2 else world4):
+        m = r["memory"]
+        assert "error" not in m, f"rank {rank}: {m['error']}\n{m.get('tb', '')}"
+        # the kernels ran (else a small largest tensor would say nothing about them)
+        assert "_scaled_dot_product_flash_attention_for_cpu.default" in m["forward_ops"]
+        assert "_scaled_dot_product_flash_attention_for_cpu_backward.default" in m["backward_ops"]
+        assert m["score_block"] >= 16 * m["q"]        # a case where one score block would stand out
+        assert m["forward"] <= 2 * m["q"], m
+        assert m["backward"] <= 2 * m["q"], m
 
 
 @pytest.mark.parametrize("name", sorted(CASES_2))
