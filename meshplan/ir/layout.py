@@ -39,8 +39,9 @@ SCHEDULES = ("1f1b", "interleaved", "zb", "zbv", "gpipe")
 # each layer's input. Which of them a stack runs: meshplan.ir.stack.Stack.recompute.
 RECOMPUTE = ("none", "selective", "norm_act", "norm_moe", "op_sac", "full")
 # Gradient buffer / reduction dtype: "fp32" is Megatron-LM's default for bf16 training
-# (accumulate_allreduce_grads_in_fp32) and meshplan's runtime (FSDP2 reduce_dtype=fp32); "bf16" is
-# Megatron's --grad-reduce-in-bf16 and NeMo 1.x's distributed_fused_adam grad_sync_dtype=bf16.
+# (accumulate_allreduce_grads_in_fp32); "bf16" is Megatron's --grad-reduce-in-bf16 and NeMo 1.x's
+# distributed_fused_adam grad_sync_dtype=bf16. meshplan's runtime reduces in either (FSDP2
+# reduce_dtype, DDP's bf16 all-reduce hook) and keeps the stored gradients fp32.
 GRAD_DTYPES = ("fp32", "bf16")
 # Adam moment (m, v) dtype; master weights stay fp32 either way. "bf16" is Transformer Engine's
 # FusedAdam(exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16) and Megatron-Core's --exp-avg-dtype bf16

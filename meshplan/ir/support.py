@@ -92,12 +92,26 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         out.append(f"recompute={rc!r} is a policy of other stacks (Megatron-Core's --recompute-modules moe, "
                    "torchtitan's op-level selective checkpointing); the runtime recomputes 'none', 'selective', "
                    "'norm_act', 'full' or a number of fully recomputed layers")
+    # "flash" is the stack's own kernel, which for meshplan is SDPA's FlashAttention-2: "fa2" names it too
     if _get(layout, "attn_kernel", "flash") not in ("flash", "fa2"):
         out.append(f"attn_kernel={_get(layout, 'attn_kernel', 'flash')!r}: the runtime calls PyTorch's "
-                   "scaled_dot_product_attention (FlashAttention-2 on CUDA); use attn_kernel='flash'")
+                   "scaled_dot_product_attention (FlashAttention-2 on CUDA); use attn_kernel='flash' (or 'fa2', "
+                   "the same kernel)")
     if _get(layout, "moe_capacity_factor", None) is not None:
-        out.append("moe_capacity_factor: the runtime routes every token to its experts (dropless), with no "
-                   "capacity padding or dropping; leave moe_capacity_factor unset")
+        out.append(f"moe_capacity_factor={_get(layout, 'moe_capacity_factor', None)!r}: the runtime routes every "
+                   "token to its experts (dropless), with no capacity padding or dropping; leave "
+                   "moe_capacity_factor unset (None)")
+    dispatcher = _get(layout, "moe_dispatcher", "alltoall")
+    if dispatcher != "alltoall":
+        out.append(f"moe_dispatcher={dispatcher!r}: the runtime moves MoE tokens by one all-to-all copy per "
+                   "(token, chosen expert) (runtime/expert_parallel.py), not DeepEP's per-GPU / per-domain "
+                   "forwarding; use moe_dispatcher='alltoall'")
+    impl = _get(layout, "fsdp_impl", "fsdp2")
+    if impl != "fsdp2":
+        out.append(f"fsdp_impl={impl!r}: the runtime's ZeRO-3 is PyTorch FSDP2 (fully_shard, one unit per "
+                   "block, runtime/fsdp.py); use fsdp_impl='fsdp2'")
+    out += _grad_dtype_limits(_get(layout, "grad_dtype", "fp32"), dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp,
+                              zero=zero)
     if cp > 1 and cp_comm != "p2p":
         out.append(f"cp_comm_type={cp_comm!r}: the runtime's context parallelism is the ring of K/V blocks "
                    "('p2p'); use cp_comm_type='p2p'")
@@ -148,6 +162,24 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
             out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
                        "needs at least one layer")
     return out
+
+
+def _grad_dtype_limits(grad_dtype: str, *, dp: int, cp: int, tp: int, pp: int, ep: int, etp: int,
+                       zero: int) -> list[str]:
+    """grad_dtype="bf16" runs as the data-parallel reduction in bf16: FSDP2's reduce_dtype
+    (runtime/fsdp.py) or DDP's bf16 all-reduce hook (runtime/ddp.py). Where neither reduces a
+    gradient, the runtime keeps fp32 gradients (autocast), which the cost model does not price."""
+    if grad_dtype == "fp32":
+        return []
+    if dp * cp == 1:
+        return [f"grad_dtype={grad_dtype!r} with one data-parallel rank (dp x cp = 1): the runtime reduces "
+                "gradients in bf16 through FSDP2 or DDP, and with no data-parallel reduction it keeps fp32 "
+                "gradients; use grad_dtype='fp32', or dp x cp > 1"]
+    if ep > 1 and runs_as_ddp(zero=zero, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp):
+        return [f"grad_dtype={grad_dtype!r} under DDP (zero=0) with expert parallelism (ep={ep}): the experts' "
+                "gradients are all-reduced apart from DDP's buckets, in fp32; use zero>=1 (FSDP2 reduces every "
+                "gradient in bf16) or grad_dtype='fp32'"]
+    return []
 
 
 def runs_as_ddp(*, zero: int, dp: int, tp: int, pp: int, cp: int, ep: int, etp: int = 1) -> bool:

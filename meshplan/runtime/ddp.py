@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshplan.errors import ConfigError
 from meshplan.ir.support import runs_as_ddp
 
 __all__ = ["ddp_runs", "data_parallel_mode", "wrap_ddp", "autocast_forward"]
@@ -40,9 +41,28 @@ def _sum_allreduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap_ddp(stage: nn.Module, group, device: torch.device, *, ignore: list[str] = ()) -> nn.Module:
+def _sum_allreduce_bf16_hook(group, bucket):
+    """DDP communication hook for grad_dtype "bf16": the bucket is cast to bf16, SUMmed over the
+    group in bf16 (half the bytes, as the cost model prices it) and written back into the fp32
+    bucket. Not torch's bf16_compress_hook: that one divides by the world size (an average)."""
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16)
+    work = dist.all_reduce(low, group=group, async_op=True)
+
+    def back(fut):
+        buf.copy_(fut.value()[0])
+        return buf
+    return work.get_future().then(back)
+
+
+def wrap_ddp(stage: nn.Module, group, device: torch.device, *, ignore: list[str] = (),
+             grad_dtype: str = "fp32") -> nn.Module:
     """DDP over `group`; `ignore`: parameter names DDP leaves alone (expert-parallel DTensors, whose
-    gradients are reduced over their own data-parallel ranks: moe_folding.reduce_expert_grads)."""
+    gradients are reduced over their own data-parallel ranks: moe_folding.reduce_expert_grads).
+    `grad_dtype`: the layout's gradient reduction dtype, "fp32" or "bf16" (the all-reduce runs in
+    bf16; ir.support refuses bf16 where expert gradients would be reduced apart in fp32)."""
+    if grad_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"grad_dtype={grad_dtype!r}: DDP reduces gradients in 'fp32' or 'bf16'")
     if ignore:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, list(ignore))
     with warnings.catch_warnings():     # broadcast_buffers=False: buffers are derived (rope tables), never synced
@@ -50,7 +70,7 @@ def wrap_ddp(stage: nn.Module, group, device: torch.device, *, ignore: list[str]
         ddp = DistributedDataParallel(stage, process_group=group, broadcast_buffers=False,
                                       gradient_as_bucket_view=True,
                                       device_ids=[device.index] if device.type == "cuda" else None)
-    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    ddp.register_comm_hook(group, _sum_allreduce_bf16_hook if grad_dtype == "bf16" else _sum_allreduce_hook)
     return ddp
 
 

@@ -22,8 +22,9 @@ so it works after TP as the fixed order wants.
 
 Transformer Engine: `te.pytorch.Linear` with the plan's weights copied in, run inside
 `te.pytorch.fp8_autocast(recipe)` around each swapped module's forward. It needs CUDA; selected
-by `backend="te"` (or "auto" on a CUDA device where TE imports). It is not combined with DTensor
-TP here: under tp > 1 the runtime refuses it and names torchao as the backend that works.
+by `backend="te"` (or "auto" on a CUDA device where TE imports, for tp == 1 and a TE recipe). It is
+not combined with DTensor TP here: "auto" picks torchao under tp > 1, and an explicit "te" is
+refused there, naming torchao as the backend that works.
 
 `module_precisions` reports what each parameterised module actually computes in, so a plan's
 precision is never silently changed: parallelize() logs one line per kind and `meshplan train`
@@ -57,13 +58,23 @@ def backend_available(backend: str) -> bool:
         return False
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that will run: "auto" is Transformer Engine on CUDA when installed, else torchao.
-    Raises ConfigError naming the package to install when the chosen one is missing."""
+def _te_runs(device: torch.device, tp: int, recipe: str | None) -> bool:
+    """Whether the Transformer Engine backend can run this layout: CUDA, no DTensor tensor
+    parallelism (its te.Linear is not a DTensor module), and a recipe it has ("rowwise" is
+    torchao's)."""
+    return device.type == "cuda" and tp == 1 and recipe in (None, "tensorwise", "delayed")
+
+
+def resolve_backend(backend: str, device: torch.device, *, tp: int = 1, recipe: str | None = None) -> str:
+    """The backend that will run: "auto" is Transformer Engine where installed and able to run the
+    layout (CUDA, tp == 1, its recipes), else torchao. Raises ConfigError naming the package to
+    install when the chosen one is missing."""
     if backend not in BACKENDS:
         raise ConfigError(f"fp8 backend {backend!r}: use one of {BACKENDS}")
     if backend == "auto":
-        if device.type == "cuda" and backend_available("te"):
+        # TE is preferred where it runs, but apply_fp8 refuses it under tp > 1 and has no rowwise
+        # scaling: "auto" must not pick a backend that then refuses the plan it was asked to run
+        if backend_available("te") and _te_runs(device, tp, recipe):
             return "te"
         backend = "torchao"
     if backend == "te" and device.type != "cuda":
@@ -180,7 +191,7 @@ def apply_fp8(stage: nn.Module, fp8_modules: Iterable[str], *, backend: str = "a
     here = [m for m in wanted if m in modules and type(modules[m]).__name__ not in ("_PassThrough",)]
     if not here:
         return Fp8Swap([], "none", recipe)
-    name = resolve_backend(backend, device)
+    name = resolve_backend(backend, device, tp=tp, recipe=recipe)
     if name == "te" and tp > 1:
         raise ConfigError("the Transformer Engine backend is not combined with meshplan's DTensor tensor "
                           f"parallelism (tp={tp}); use fp8_backend='torchao' or a plan with tp=1")

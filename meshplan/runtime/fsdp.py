@@ -23,7 +23,8 @@ all-gather is prefetched and each unit's gradient reduce-scatter runs while earl
 compute their backward. `overlap=False` turns explicit prefetching off (units unshard on
 demand), which the tests use to check that results do not depend on it.
 
-Gradients are summed across data-parallel ranks (divide factor 1): the loss is already divided
+Gradients are reduced in fp32, or in bf16 when the layout says grad_dtype="bf16"
+(MixedPrecisionPolicy.reduce_dtype), and summed across data-parallel ranks (divide factor 1): the loss is already divided
 by the global token count, so the sum is the global-batch mean gradient.
 
 Expert parallelism (MoE parallel folding, moe_folding.py): expert modules (parameters DTensors,
@@ -46,7 +47,8 @@ __all__ = ["apply_fsdp"]
 
 def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, reshard_after_forward: bool,
                param_dtype: torch.dtype | None, overlap: bool = True, experts: list[str] = (),
-               expert_mesh=None, one_unit_below_zero3: bool = False) -> list[nn.Module]:
+               expert_mesh=None, one_unit_below_zero3: bool = False,
+               reduce_dtype: torch.dtype | None = None) -> list[nn.Module]:
     """Shard `stage` over `dp_mesh`; returns the FSDP units, expert modules first, then blocks,
     root last.
 
@@ -57,9 +59,17 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     `experts`: FQNs of expert-parallel modules (parameters already DTensors over the EP axis),
     sharded over `expert_mesh` (the edp axis) as units of their own before the blocks, so that
     the block units over `dp_mesh` leave their parameters alone.
+    `reduce_dtype`: the gradient reduction's dtype (the layout's grad_dtype: torch.bfloat16 for
+    "bf16", whatever `param_dtype` is); None reduces in fp32 (or in the parameters' own dtype when
+    there is no `param_dtype`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    if reduce_dtype is None:
+        reduce_dtype = torch.float32 if param_dtype else None
+    # bf16 reduce: the unsharded gradients (and ZeRO-1's accumulation across micro-batches) stay
+    # bf16 and are reduce-scattered in bf16, the bytes the cost model prices for grad_dtype "bf16";
+    # FSDP2 casts the reduced shard back to the fp32 parameter's dtype for the optimizer
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = bool(reshard_after_forward) if zero == 3 else False
     expert_units = []
     for fqn in experts:

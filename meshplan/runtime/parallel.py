@@ -174,7 +174,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     """Apply `plan` to `model` inside an initialised default process group of the plan's size.
 
     `compute_dtype`: "plan" (default) takes the plan's precision (bf16 parameters and compute,
-    fp32 master weights and gradient reduction); `None` or torch.float32 runs everything in the
+    fp32 master weights, gradients reduced in the layout's grad_dtype); `None` or torch.float32 computes in the
     model's own dtype (what numerical-equivalence tests use). `loss_fn(logits, labels)` must
     return the SUM over tokens (default: cross entropy ignoring -100); with a `loss_fn` the
     output layer keeps its eager form (the fused linear + cross-entropy computes the default loss)
@@ -190,8 +190,10 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     TRITON_INTERPRET=1), the plain-PyTorch reference otherwise.
     Data parallelism (`ParallelModel.data_parallel`): FSDP2 for zero 1-3, DDP for zero=0 (where
     `ddp_runs`), nothing for one data-parallel rank; mixed precision then comes from autocast.
+    Gradients are reduced in the layout's grad_dtype: "bf16" is FSDP2's reduce_dtype or DDP's bf16
+    all-reduce hook, whatever `compute_dtype` (ir.support refuses it where nothing reduces).
     `fp8`: for an FP8 plan, swap exactly Plan.fp8_modules for FP8 linears (runtime/fp8.py) with
-    `fp8_backend` ("auto": Transformer Engine on CUDA when installed, else torchao; "torchao", "te")
+    `fp8_backend` ("auto": Transformer Engine on CUDA when installed and tp == 1, else torchao; "torchao", "te")
     and `fp8_recipe` (None: the plan's Layout.fp8_recipe; "tensorwise", "rowwise", or TE's "delayed");
     False is the explicit override that runs
     the plan in `compute_dtype` instead. A missing backend fails here, before any collective.
@@ -214,7 +216,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         compute_dtype = None
     run_fp8 = fp8 and plan.precision == "fp8" and bool(plan.fp8_modules)
     if run_fp8:     # a missing package fails before any collective, naming what to install
-        _fp8.resolve_backend(fp8_backend, device)
+        _fp8.resolve_backend(fp8_backend, device, tp=lay.tp, recipe=fp8_recipe or lay.fp8_recipe)
     specs = _pp.stage_specs(plan.stages)
     _pp.check_stage_coverage(model, plan.stages)
     _pp.check_stage_entries(model, specs)
@@ -302,7 +304,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                                       reshard_after_forward=lay.reshard_after_forward,
                                       param_dtype=compute_dtype, overlap=overlap,
                                       experts=experts, expert_mesh=meshes.expert_fsdp,
-                                      one_unit_below_zero3=device.type == "cpu")
+                                      one_unit_below_zero3=device.type == "cpu",
+                                      reduce_dtype=torch.bfloat16 if lay.grad_dtype == "bf16" else None)
         elif compute_dtype is not None:
             autocast_forward(stage, compute_dtype, device.type)
             if fused_head is not None:
@@ -313,7 +316,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             _mat.materialize([stage], reference, device, rng_state=rng_start)
         if dp_mode == "ddp" and (materialize or not deferred):     # DDP checks real tensors
             ignore = [f"{fqn}.{n}" for fqn in experts for n, _ in stage.get_submodule(fqn).named_parameters()]
-            ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device, ignore=ignore))
+            ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device, ignore=ignore, grad_dtype=lay.grad_dtype))
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
                        vocab_shard=vocab_shard,
