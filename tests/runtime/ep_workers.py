@@ -110,13 +110,7 @@ def step_and_compare(model, plan):
     opt.step()
     params = pm.full_state_dict()
     ref_loss, ref_grads, ref_params = numerics.reference(ref, x, y)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
-    for n in ref_grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
-    for n in ref_params:
-        torch.testing.assert_close(params[n], ref_params[n], **numerics.PARAM_TOL,
-                                   msg=lambda m, n=n: f"param {n}: {m}")
+    numerics.assert_matches_reference(loss, grads, params, ref_loss, ref_grads, ref_params)
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
     return pm, loss, norm, ref_loss, ref_norm

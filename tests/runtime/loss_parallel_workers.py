@@ -137,13 +137,7 @@ def end_to_end(rank: int, world: int, case: dict) -> dict:
     opt.step()
     params = pm.full_state_dict()
     ref_loss, ref_grads, ref_params = numerics.reference(ref, x, y)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
-    for n in ref_grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], **numerics.GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
-    for n in ref_params:
-        torch.testing.assert_close(params[n], ref_params[n], **numerics.PARAM_TOL,
-                                   msg=lambda m, n=n: f"param {n}: {m}")
+    numerics.assert_matches_reference(loss, grads, params, ref_loss, ref_grads, ref_params)
     shard = pm.vocab_shard
     return {"loss": loss, "ref_loss": ref_loss, "head_out": head_out, "vocab_wide": sorted(wide.shapes),
             "vocab_shard": None if shard is None else (shard.start, shard.width),

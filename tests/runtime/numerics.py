@@ -109,6 +109,16 @@ class _CountCollectives:
         self._mode.__exit__(*exc)
 
 
+def assert_matches_reference(loss, grads: dict, params: dict, ref_loss, ref_grads: dict, ref_params: dict) -> None:
+    """A sharded step's loss, full gradients and updated parameters equal the single-device step's."""
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], **GRAD_TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+    for n in ref_params:
+        torch.testing.assert_close(params[n], ref_params[n], **PARAM_TOL, msg=lambda m, n=n: f"param {n}: {m}")
+
+
 def equivalence(rank: int, world: int, case: dict) -> dict:
     """Run one plan sharded and unsharded; raise AssertionError on any mismatch."""
     from meshplan.runtime import parallelize
