@@ -159,7 +159,7 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
 def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
          fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False,
          fused_kernels: bool = True, stack: Stack | str | None = None, fp8_force_in: Sequence[str] = (),
-         fp8_force_out: Sequence[str] = (), for_runtime: bool | None = None):
+         fp8_force_out: Sequence[str] = (), for_runtime: bool | None = None, optimizer: str | None = None):
     """Find the fastest layout that fits: returns a `Plan` (see `Plan.explain()`).
 
     stack: the software that will run the plan (meshplan.ir.stack): "meshplan" (default: meshplan's
@@ -176,6 +176,8 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     "fp32" is planned with BF16 costs (warned) and trained in fp32.
     fixed: constrain any layout key, e.g. {"tp": 8, "recompute": "full"}; {"optimizer_dtype": "bf16"}
     keeps Adam's moments in bf16 (fp32 master weights; 8 instead of 12 optimizer bytes/param).
+    optimizer: "adamw" (default) or "muon" (the same as fixed={"optimizer": ...}): Muon for the
+    hidden matrices, priced with its state, step buffers and owner exchange (cost_models/muon.py).
     fused_kernels: list the modules meshplan's fused kernels replace (Plan.fused_kernels; found
     from the traced graph) and cost them fused; False keeps every module eager and costs it so.
     fp8_force_in / fp8_force_out: linears (FQNs or glob patterns, e.g. "layers.0.*") the FP8 placement
@@ -192,6 +194,10 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     cl = resolve_cluster(cluster)
     precisions, run_as = _precisions(precision, cl)
     fixed = dict(fixed or {})
+    if optimizer is not None:
+        if fixed.get("optimizer", optimizer) != optimizer:
+            raise ConfigError(f"optimizer={optimizer!r} but fixed={{'optimizer': {fixed['optimizer']!r}}}: give one")
+        fixed["optimizer"] = optimizer
     prof = profile(model, seq_len=seq_len)
     if not fused_kernels:
         prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))

@@ -2,7 +2,7 @@
 
 One module per group of subcommands, each with `register(subparsers)`:
 plan.py (estimate, plan, models, clusters), train.py (train), launch.py (launch),
-whatif.py (whatif), calibrate.py (calibrate); common.py holds the shared argument helpers.
+whatif.py (whatif), calibrate.py (calibrate), data.py (data prepare); common.py holds the shared argument helpers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 # modules that add subcommands with register(subparsers), in `meshplan --help` order
 _SUBCOMMAND_MODULES: tuple[str, ...] = ("meshplan.cli.plan", "meshplan.cli.train", "meshplan.cli.launch",
-                                        "meshplan.cli.whatif", "meshplan.cli.calibrate")
+                                        "meshplan.cli.whatif", "meshplan.cli.calibrate", "meshplan.cli.data")
 
 
 def build_parser() -> argparse.ArgumentParser:

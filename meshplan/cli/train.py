@@ -18,6 +18,7 @@ from pathlib import Path
 
 import meshplan as mp
 from meshplan.api import Plan, load_model
+from meshplan.cli import data as data_cli
 from meshplan.cli.common import parse_layout
 from meshplan.cluster import Cluster
 from meshplan.errors import ConfigError, MeshplanError
@@ -43,8 +44,9 @@ def register(sub) -> None:
     t.add_argument("--model", default=None,
                    help="preset name, path/to/file.py:factory, or a transformers config.json (default: the "
                         f"model --plan was made for, else {DEFAULT_MODEL})")
-    t.add_argument("--data", default=None, help="directory of text files or a uint16/uint32 token file "
-                                                "(default: the corpus shipped with meshplan)")
+    t.add_argument("--data", default=None, help="a directory from `meshplan data prepare`, text files (a file or "
+                                                "directory), JSONL/Parquet files, a uint16/uint32 token file, or a "
+                                                "blend A:0.7,B:0.3 (default: the corpus shipped with meshplan)")
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--global-batch", type=int, default=None,
                    help=f"sequences per step (default: the plan's with --plan, else {DEFAULT_BATCH})")
@@ -65,6 +67,9 @@ def register(sub) -> None:
                    help="torch.compile each transformer block: auto = on CUDA GPUs only (default: %(default)s)")
     t.add_argument("--optimizer-dtype", default=None, choices=["fp32", "bf16"],
                    help="Adam moments' dtype (master weights stay fp32); default: the plan's layout (fp32)")
+    t.add_argument("--optimizer", default=None, choices=["adamw", "muon"],
+                   help="muon: Muon (Newton-Schulz orthogonalised momentum) for the hidden matrices, AdamW for "
+                        "embeddings, head, norms, routers; planned and priced as such; default: the plan's (adamw)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--seed", type=int, default=0)
@@ -90,6 +95,7 @@ def register(sub) -> None:
                    help="seconds a collective may wait while training before the job fails, naming the rank "
                         "that stopped responding")
     _register_training_options(t)
+    data_cli.register_train_options(t)
     t.add_argument("--worker", metavar="ARGS_JSON", default=None, help=argparse.SUPPRESS)
     # testing aids: one rank crashes (--fail-at-step) or stops responding (--hang-at-step)
     t.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -130,8 +136,20 @@ def _register_training_options(t) -> None:
                    help="also keep every checkpoint whose step is a multiple of this (milestones)")
     g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
                    default=None, help="grow the global batch from START by INCREMENT over SAMPLES samples")
+    g.add_argument("--batch-schedule", metavar="STEP:BATCH,...", default=None,
+                   help='global batch by step, e.g. "0:64,100:128,500:256" (64 from step 0, 128 from step 100, '
+                        "...); the plan is made for the last, largest batch (--global-batch defaults to it)")
     g.add_argument("--init-from", default=None,
                    help="fine-tune: load only the weights from a checkpoint or a safetensors directory")
+    g = t.add_argument_group("observability and fp16")
+    g.add_argument("--log", metavar="tensorboard,wandb", default="",
+                   help="also log metrics to TensorBoard (<out>/tb) and/or Weights & Biases (WANDB_MODE=offline "
+                        "is honoured); each needs its package installed")
+    g.add_argument("--loss-scaling", choices=["auto", "dynamic", "off"], default="auto",
+                   help="fp16 dynamic loss scaling: auto = when the model computes in fp16")
+    g.add_argument("--fp32-grads", metavar="PATTERNS", default=None,
+                   help="parameters whose gradients reduce in fp32 when the plan reduces in bf16 (grad_dtype "
+                        "bf16), e.g. router,expert_bias,norm (substrings or globs of parameter names)")
 
 
 def _moe_overrides(args) -> dict:
@@ -177,6 +195,8 @@ def _plan(args, world_size: int | None = None):
     fixed = parse_layout(args.fix) if args.fix else {}
     if getattr(args, "optimizer_dtype", None):
         fixed["optimizer_dtype"] = args.optimizer_dtype
+    if getattr(args, "optimizer", None):
+        fixed["optimizer"] = args.optimizer
     if getattr(args, "fp8_recipe", None) in ("tensorwise", "rowwise"):
         fixed["fp8_recipe"] = args.fp8_recipe       # priced as run ("delayed" costs as tensorwise)
     plan = mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
@@ -185,12 +205,15 @@ def _plan(args, world_size: int | None = None):
 
 
 def _with_options(plan, args):
-    """--optimizer-dtype applied to the plan's layout; an FP8 plan whose backend package is
+    """--optimizer-dtype and --optimizer applied to the plan's layout; an FP8 plan whose backend package is
     missing fails here, before any process is launched, naming the package to install."""
     check_fp8_backend(plan, args)
     want = getattr(args, "optimizer_dtype", None)
     if want and plan.layout.optimizer_dtype != want:
         plan = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, optimizer_dtype=want))
+    algo = getattr(args, "optimizer", None)         # --optimizer on a reused plan (--plan)
+    if algo and plan.layout.optimizer != algo:
+        plan = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, optimizer=algo))
     return plan
 
 
@@ -215,8 +238,9 @@ def check_fp8_backend(plan, args) -> None:
     from meshplan.runtime.fp8 import resolve_backend
     if plan.precision != "fp8" or not plan.fp8_modules or not run_precision(plan, getattr(args, "precision", None))["fp8"]:
         return
-    resolve_backend(getattr(args, "fp8_backend", "auto"),
-                    torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    # the layout's tp and recipe: "auto" resolves as the ranks will (TE only where it runs the layout)
+    resolve_backend(getattr(args, "fp8_backend", "auto"), torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                    tp=plan.layout.tp, recipe=getattr(args, "fp8_recipe", None) or plan.layout.fp8_recipe)
 
 
 def _save_atomic(path: Path, text: str) -> None:
@@ -335,7 +359,8 @@ def train_config(args):
         raise ConfigError(f"--init-from {args.init_from!r} does not exist; give a checkpoint's step_N directory "
                           "or a directory of safetensors files")
     return TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
-                       data=args.data, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+                       data=args.data, **data_cli.train_options(args),
+                       out_dir=args.out, checkpoint_every=args.checkpoint_every,
                        keep_checkpoints=getattr(args, "keep", 2),
                        async_checkpoint=getattr(args, "async_checkpoint", False),
                        resume=not args.no_resume, collective_timeout_s=args.timeout,
@@ -348,13 +373,21 @@ def train_config(args):
                        rampup_batch_size=tuple(args.rampup_batch_size) if getattr(
                            args, "rampup_batch_size", None) else None,
                        init_from=getattr(args, "init_from", None),
-                       profile_steps=_profile_steps(getattr(args, "profile", None)))
+                       profile_steps=_profile_steps(getattr(args, "profile", None)),
+                       batch_schedule=getattr(args, "batch_schedule", None) or None,
+                       log=getattr(args, "log", "") or (),
+                       loss_scaling=getattr(args, "loss_scaling", "auto"))
 
 
 def _check_data(args) -> None:
     """Open --data as rank 0 will (a text folder is tokenised into the cache the ranks then read)
     and check it holds one global batch of sequences."""
     from meshplan.train.data import TokenDataset
+    if getattr(args, "tokenizer", None) or getattr(args, "eval_data", None) or (
+            args.data is not None and ("," in args.data or not Path(args.data).exists())):
+        from meshplan.train.loop import _vocab
+        # blends, tokenizers, validation data (cli/data.py)
+        return data_cli.check_train_data(args, _vocab(_load(args, "meta")))
     if args.data is None:
         return
     ds = TokenDataset.open(args.data)
@@ -367,6 +400,7 @@ def _check_data(args) -> None:
 def _model_from_plan(args) -> Plan | None:
     """With --plan: the saved plan (checked readable here), and --model taken from it when not given.
     Without: --model defaults to the tiny Llama."""
+    _batch_from_schedule(args)
     if not args.plan:
         args.model = args.model or DEFAULT_MODEL
         args.seq_len = DEFAULT_SEQ if args.seq_len is None else args.seq_len
@@ -391,6 +425,20 @@ def _model_from_plan(args) -> Plan | None:
                               "and no file; pass the model with --model (path/to/file.py:factory or a config JSON)")
         args.model = source
     return plan
+
+
+def _batch_from_schedule(args) -> None:
+    """--batch-schedule: plan for its last (largest) batch; --global-batch, when given, must be it."""
+    from meshplan.train.batch_schedule import parse_batch_schedule
+    if not getattr(args, "batch_schedule", None):
+        return
+    last = parse_batch_schedule(args.batch_schedule)[-1][1]
+    if args.global_batch is None:
+        args.global_batch = last
+    elif args.global_batch != last:
+        raise ConfigError(f"--global-batch {args.global_batch} differs from the last batch of --batch-schedule "
+                          f"({last}); the plan is made for the schedule's final batch: leave --global-batch out "
+                          f"or end the schedule at {args.global_batch}")
 
 
 def _check_model_matches(plan, args) -> None:
@@ -461,7 +509,13 @@ def _worker(args, plan=None) -> int:
         pm = parallelize(model, plan, **run_precision(plan, getattr(args, "precision", None)),
                          fp8_backend=getattr(args, "fp8_backend", "auto"),
                          fp8_recipe=getattr(args, "fp8_recipe", None),
-                         compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"))
+                         compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"),
+                         fp32_grads=getattr(args, "fp32_grads", None) or ())
+        if getattr(args, "fp32_grads", None) and dist.get_rank() == 0:
+            kept = ", ".join(pm.fp32_grads[:6]) + (" ..." if len(pm.fp32_grads) > 6 else "")
+            print(f"--fp32-grads {args.fp32_grads}: " + (f"gradients of {len(pm.fp32_grads)} modules reduce in fp32 "
+                  f"({kept})" if pm.fp32_grads else f"nothing to change (the plan reduces gradients in "
+                  f"{plan.layout.grad_dtype}, or no parameter matches, or one data-parallel rank)"), flush=True)
         cfg = train_config(args)
         try:
             res = train(model, plan, cfg, pm=pm)

@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     w.add_argument("--json", metavar="PATH", help="write the full sweep as JSON")
     w.add_argument("--markdown", metavar="PATH", help="write a Markdown report")
     w.add_argument("--html", metavar="PATH", help="write a self-contained HTML report with plots")
+    w.add_argument("--jobs", type=int, default=None,
+                   help="processes planning the points in parallel (default: one per core from 8 points on; 1: none)")
     w.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress line on stderr (default: when stderr is a terminal)")
     w.set_defaults(fn=cmd_whatif)
@@ -64,7 +66,8 @@ def cmd_whatif(args) -> int:
     w = whatif(args.model, tokens=args.tokens, seq_len=args.seq_len, global_batch=args.global_batch,
                gpus=args.gpu, counts=args.gpus, deadline_days=args.deadline, budget_usd=args.budget,
                prices=args.price, precision=args.precision, progress=progress,
-               rampup=tuple(args.rampup_batch_size) if getattr(args, "rampup_batch_size", None) else None)
+               rampup=tuple(args.rampup_batch_size) if getattr(args, "rampup_batch_size", None) else None,
+               jobs=args.jobs)
     print(w.to_table())
     if args.json:
         Path(args.json).write_text(w.to_json() + "\n", encoding="utf-8")

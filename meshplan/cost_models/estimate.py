@@ -17,12 +17,14 @@ from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.layer import LAYER_FUSIONS, Context, routing_layout, unfused_of
 from meshplan.cost_models.memory import (
+    adam_bytes,
     deepep_buffer_bytes,
     grad_bytes,
     optimizer_bytes,
     state_bytes,
     zero3_working_bytes,
 )
+from meshplan.cost_models.muon import muon_rank_memory, muon_rank_time
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
 from meshplan.cost_models.ranks import (
     LayerTable,
@@ -36,6 +38,7 @@ from meshplan.cost_models.ranks import (
     rank_layers,
     rank_work,
 )
+from meshplan.cost_models.roofline import matmul_rate
 from meshplan.cost_models.uncertainty import extrapolation, imbalance_risk, plan_regimes, regime_of, step_uncertainty
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
@@ -179,6 +182,21 @@ def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
         (cluster.gpu.hbm_tb_s * 1e12 * K.HBM_EFF)
 
 
+def _with_muon(dp: list[tuple[float, float]], ranks: list[RankWork], profile: ModelProfile, L: Layout, cluster,
+               g: _DPGroups, opt_max: float) -> tuple[list[tuple[float, float]], float]:
+    """Each rank's (total, exposed) DP seconds plus Muon's exchange; the optimizer time plus the
+    slowest rank's Newton-Schulz (cost_models/muon.py)."""
+    dense = group(cluster, L.tp * max(1, L.shard), 1)       # tp fastest, then the optimizer's dp shard
+    ns_max = 0.0
+    out = []
+    for r, (w, (total, exposed)) in enumerate(zip(ranks, dp)):
+        comm, ns = muon_rank_time(w, r, profile, L, cluster, dense_group=dense, expert_group=g.edp,
+                                  matmul_flops_s=matmul_rate(cluster, False))
+        out.append((total + comm, exposed + comm))
+        ns_max = max(ns_max, ns)
+    return out, opt_max + ns_max
+
+
 def _activation_bytes(w: RankWork, r: int, profile: ModelProfile, L: Layout, m: int, tokens: float) -> float:
     """Activation bytes pipeline rank r holds at its peak: its micro-batches in flight."""
     p = L.pp
@@ -213,6 +231,10 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         # step's reduce-scatter (in the parameters' bf16; FSDP2 casts to the reduce dtype per bucket)
         mem["gradients"] += K.PARAM_BYTES * (w.dparams + w.eparams) - sd["gradients"] - se["gradients"]
     mem["activations"] = _activation_bytes(w, r, profile, L, m, tokens)
+    if L.optimizer == "muon":       # AdamW's part, and the step's buffers (cost_models/muon.py)
+        for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L),
+                                         activations=mem["activations"]).items():
+            mem[k] = mem.get(k, 0.0) + extra
     mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * (w.dparams + w.eparams) if fp8 else 0.0
     if L.moe_dispatcher == "deepep" and L.ep > 1 and any(blocks[i].is_moe for i in w.layers):
         # DeepEP's registered NVLink/RDMA buffers, one per process (memory.deepep_buffer_bytes); only
@@ -326,6 +348,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         dp.append(dp[w.twin] if w.twin is not None else _dp_comm(w, blocks, L, groups, cluster, m, deferred,
                                                                   ctx.fitted))
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
+    if L.optimizer == "muon":       # the owner exchange (exposed DP traffic) and Newton-Schulz
+        dp, opt_max = _with_muon(dp, ranks, profile, L, cluster, groups, opt_max)
     mem_stages: list[dict[str, float]] = []
     for r, w in enumerate(ranks):
         if w.twin is None:

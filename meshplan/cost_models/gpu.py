@@ -9,6 +9,7 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.attention import AttnShape, shape_penalty, sm_count
 from meshplan.cost_models.roofline import fp8_cast_time, gemm_roofline, hbm_rate, matmul_rate
+from meshplan.cost_models.pipeline import pipeline_time_lower_bound
 
 __all__ = ["GpuDevice", "GPU"]
 
@@ -85,6 +86,11 @@ class GpuDevice:
 
     def pipeline_bubble(self, cluster, layout, busy: float, bubble: float) -> float:
         return bubble
+
+    def pipeline_lower_bound(self, layout, m: int, total_fb: float) -> float:
+        """A lower bound on the step's busy + bubble time (pipeline.pipeline_time_lower_bound): a
+        GPU idles in the schedule's bubble."""
+        return pipeline_time_lower_bound(layout.schedule, m, layout.vp, layout.pp, total_fb)
 
     def pp_host_time(self, layout, cluster, m: int) -> float:
         return 0.0

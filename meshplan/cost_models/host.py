@@ -386,6 +386,11 @@ class CpuHostDevice:
             return bubble
         return max(0.0, cpu_thread_share(cluster) * (busy + bubble) - busy)
 
+    def pipeline_lower_bound(self, layout, m: int, total_fb: float) -> float:
+        """A lower bound on the step's busy + bubble time: the busiest rank's work, m x sum / pp
+        (pipeline_bubble may hide the whole bubble on a CPU)."""
+        return m * total_fb / max(layout.pp, 1)
+
     def pp_host_time(self, layout, cluster, m: int) -> float:
         return pp_host_time(layout, cluster, m)
 

@@ -12,23 +12,35 @@ Optimizer state by `Layout.optimizer_dtype` (the dtype of Adam's m and v; master
   "fp32"  4 + 4 + 4 = 12 bytes per parameter (K.OPTIMIZER_BYTES; Megatron-LM's default)
   "bf16"  4 + 2 + 2 =  8 bytes per parameter (Transformer Engine FusedAdam with
           exp_avg_dtype=exp_avg_sq_dtype=bf16; Megatron-Core --exp-avg-dtype/--exp-avg-sq-dtype bf16)
+With `Layout.optimizer="muon"` the hidden matrices hold fp32 master + momentum, 4 + 4 = 8 bytes per
+parameter, and the embedding, head and final norm keep AdamW's bytes (cost_models/muon.py, which
+also prices the step's transient buffers).
 """
 
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
+from meshplan.cost_models.muon import MUON_MATRIX_BYTES
 
-__all__ = ["state_bytes", "grad_bytes", "optimizer_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
+__all__ = ["state_bytes", "grad_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
 # master weights (always fp32) + Adam's two moments in the layout's optimizer_dtype
 _MASTER_BYTES = K.FP32
 _MOMENT_BYTES = {"fp32": K.FP32, "bf16": K.BF16}
 
 
-def optimizer_bytes(layout) -> float:
-    """Optimizer bytes per parameter: fp32 master weights + Adam m and v in layout.optimizer_dtype."""
+def adam_bytes(layout) -> float:
+    """AdamW's bytes per parameter: fp32 master weights + m and v in layout.optimizer_dtype."""
     dtype = getattr(layout, "optimizer_dtype", "fp32")
     return _MASTER_BYTES + 2 * _MOMENT_BYTES[dtype]
+
+
+def optimizer_bytes(layout) -> float:
+    """Optimizer bytes per parameter: AdamW's (adam_bytes), or with layout.optimizer="muon" the
+    hidden matrices' fp32 master + momentum (cost_models/muon.py, which adds the AdamW part back)."""
+    if getattr(layout, "optimizer", "adamw") == "muon":
+        return MUON_MATRIX_BYTES
+    return adam_bytes(layout)
 
 
 def state_bytes(params: float, shard: int, zero: int, *, grad_bytes: float = K.GRAD_BYTES,

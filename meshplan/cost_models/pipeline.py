@@ -11,7 +11,7 @@ For uneven ranks the (p-1)*t term becomes sum(t_r) - max(t_r): the fill and drai
 
 from __future__ import annotations
 
-__all__ = ["pipeline_time", "in_flight"]
+__all__ = ["pipeline_time", "pipeline_time_lower_bound", "in_flight"]
 
 
 def pipeline_time(schedule: str, m: int, vp: int, rank_fb: list[float], rank_w: list[float]) -> tuple[float, float]:
@@ -36,6 +36,22 @@ def pipeline_time(schedule: str, m: int, vp: int, rank_fb: list[float], rank_w: 
     else:   # "1f1b", "gpipe"
         bubble = fill
     return busy, bubble
+
+
+def pipeline_time_lower_bound(schedule: str, m: int, vp: int, p: int, total_fb: float) -> float:
+    """A lower bound on busy + bubble of `pipeline_time` for `p` ranks whose per-micro-batch times
+    sum to at least `total_fb`, however the work is split between them (the search's bound).
+
+    With t_max >= sum/p: 1F1B's m t_max + (sum - t_max) = (m - 1) t_max + sum; interleaved's
+    m t_max + (sum - t_max)/vp = (m - 1/vp) t_max + sum/vp; the zero-bubble schedules' bubble may
+    vanish, leaving m t_max. Each is smallest at t_max = sum/p and grows with sum."""
+    if p <= 1:
+        return m * total_fb
+    if schedule == "interleaved":
+        return (m - 1 / vp) * total_fb / p + total_fb / vp
+    if schedule in ("zb", "zbv"):
+        return m * total_fb / p
+    return (m - 1) * total_fb / p + total_fb       # "1f1b", "gpipe"
 
 
 def in_flight(schedule: str, m: int, p: int, vp: int, rank: int) -> float:

@@ -310,7 +310,11 @@ def complexity(layout: Mapping[str, Any], regime: Mapping[str, bool] | None = No
     return int(n)
 
 
-def prefer_simpler(ranked: list, *, max_candidates: int = 64):
+# prefer_simpler looks this far down the ranking (further only for a layout with less upper-side risk)
+PREFER_SIMPLER_WINDOW = 64
+
+
+def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW):
     """Choose among fitting estimates ranked fastest first. Returns (chosen, note): the fastest
     unless a simpler (lower `complexity`) and no less certain (band no wider on the upper side)
     layout is slower by less than the band of the gain, in which case the simplest such layout (then the fastest of

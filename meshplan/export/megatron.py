@@ -13,7 +13,7 @@ from typing import Any
 
 from meshplan.errors import ConfigError
 from meshplan.export.view import (
-    FP8_FORMAT, FP8_RECIPE, VERSIONS, Export, _check_precision, _fp8_notes, _uniform_middle, _View, _view,
+    FP8_FORMAT, VERSIONS, Export, megatron_fp8_recipe, _check_precision, _fp8_notes, _uniform_middle, _View, _view,
 )
 
 __all__ = ["megatron_export", "to_megatron_args"]
@@ -193,7 +193,7 @@ def megatron_export(plan: Any, model: Any = None) -> Export:
           "--seq-length", str(plan.seq_len)]
     a.append("--fp16" if plan.precision == "fp16" else "--bf16")
     if plan.precision == "fp8":
-        a += ["--fp8-format", FP8_FORMAT, "--fp8-recipe", FP8_RECIPE]
+        a += ["--fp8-format", FP8_FORMAT, "--fp8-recipe", megatron_fp8_recipe(v.layout, "Megatron-LM")]
         lead, tail = _fp8_notes(plan, v, "Megatron-LM")
         if lead or tail:
             a += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(lead),

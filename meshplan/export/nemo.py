@@ -23,7 +23,7 @@ from typing import Any
 from meshplan.errors import ConfigError, UnknownNameError
 from meshplan.export.megatron import _megatron_recompute, _megatron_schedule, _pipeline_layout_string
 from meshplan.export.view import (
-    FP8_FORMAT, VERSIONS, Export, _check_precision, _fp8_notes, _model_name, _uniform_middle, _View, _view,
+    FP8_FORMAT, VERSIONS, Export, megatron_fp8_recipe, _check_precision, _fp8_notes, _model_name, _uniform_middle, _View, _view,
 )
 
 __all__ = ["nemo_export", "to_nemo", "NEMO_RECIPES", "BRIDGE_RECIPES"]
@@ -199,7 +199,7 @@ def _precision(plan: Any, v: _View, o: dict[str, Any], P: _Paths, flavor: str, t
     lead, tail = _fp8_notes(plan, v, target)
     if flavor == "nemo":
         o[P.mp + "fp8"] = FP8_FORMAT
-        o[P.mp + "fp8_recipe"] = recipe
+        o[P.mp + "fp8_recipe"] = megatron_fp8_recipe(v.layout, "NeMo")
         o[P.mp + "first_last_layers_bf16"] = bool(lead or tail)
         o[P.mp + "num_layers_at_start_in_bf16"] = lead
         o[P.mp + "num_layers_at_end_in_bf16"] = tail

@@ -16,7 +16,7 @@ from meshplan.errors import ConfigError
 from meshplan.export.shape import ModelShape, model_shape
 from meshplan.ir.layout import Layout
 
-__all__ = ["FORMATS", "VERSIONS", "FP8_FORMAT", "FP8_RECIPE", "Export"]
+__all__ = ["FORMATS", "VERSIONS", "FP8_FORMAT", "FP8_RECIPE", "Export", "megatron_fp8_recipe"]
 
 FORMATS = ("megatron", "torchtitan", "nemo", "megatron-bridge")
 # the stack (meshplan.ir.stack preset) each export target runs: `meshplan plan --export X` plans for it
@@ -34,6 +34,19 @@ VERSIONS = {
 # "hybrid" = E4M3 forward, E5M2 gradients, the format every Megatron FP8 recipe uses.
 FP8_FORMAT = "hybrid"
 FP8_RECIPE = "tensorwise"
+# the FP8 scalings Megatron-Core's --fp8-recipe / TransformerConfig.fp8_recipe take that meshplan
+# prices (Megatron-Core also has "delayed"); row-wise scaling is torchao's
+MEGATRON_FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
+
+
+def megatron_fp8_recipe(layout: Any, target: str) -> str:
+    """The plan's FP8 scaling as Megatron-Core names it, or a ConfigError saying what to re-plan with."""
+    recipe = getattr(layout, "fp8_recipe", None) or FP8_RECIPE
+    if recipe not in MEGATRON_FP8_RECIPES:
+        raise ConfigError(f"{target} (Megatron-Core) has no FP8 scaling {recipe!r} (torchao's row-wise scaling); "
+                          f"re-plan with fixed={{'fp8_recipe': 'tensorwise'}} (or one of "
+                          f"{', '.join(MEGATRON_FP8_RECIPES[1:])})")
+    return recipe
 
 
 @dataclass(frozen=True, kw_only=True)

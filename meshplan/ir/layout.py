@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from meshplan.errors import ConfigError, LayoutError
 
-__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "OPTIMIZER_DTYPES", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
+__all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "OPTIMIZER_DTYPES", "OPTIMIZERS", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
            "FP8_RECIPES", "CP_COMM_TYPES", "divisors"]
 
 # Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
@@ -48,6 +48,11 @@ GRAD_DTYPES = ("fp32", "bf16")
 # --exp-avg-sq-dtype bf16: 4 + 2 + 2 = 8 optimizer bytes per parameter instead of 12
 # (cost_models/memory.py); meshplan's runtime runs it with runtime/optim.py.
 OPTIMIZER_DTYPES = ("fp32", "bf16")
+# The optimizer: "adamw", or "muon" (train/muon.py): Muon's momentum + Newton-Schulz update on the
+# hidden matrices (fp32 master + momentum: 8 bytes per parameter), AdamW on embeddings, head,
+# norms and routers; each matrix is orthogonalised whole on one owner rank, which costs a gather
+# of gradient shards and a scatter of updates per step (cost_models/muon.py).
+OPTIMIZERS = ("adamw", "muon")
 # How MoE tokens reach their experts: "alltoall" sends one copy per (token, chosen expert) (NCCL
 # all-to-all, Megatron's alltoall dispatcher); "deepep" sends one copy per (token, destination GPU)
 # inside a scale-up domain and one per (token, destination domain) across it, forwarding inside the
@@ -103,6 +108,7 @@ class Layout:
     stage_layers: tuple[int, ...] | None = None   # layers per virtual stage (pp*vp entries); None = even split
     grad_dtype: str = "fp32"        # gradient buffer and reduction dtype (GRAD_DTYPES)
     optimizer_dtype: str = "fp32"   # Adam moments' dtype (OPTIMIZER_DTYPES); master weights stay fp32
+    optimizer: str = "adamw"        # OPTIMIZERS: "adamw", or "muon" for the hidden matrices
     moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
     # MoE routing: None = dropless (an aux-loss-balanced router; the busiest EP rank gets more than the
     # mean: cost_models.layer.moe_load_factor); c > 0 = every expert padded / dropped to c x its mean
@@ -157,6 +163,7 @@ class Layout:
         if self.fsdp_shard and self.zero != 3:
             raise ConfigError(f"fsdp_shard={self.fsdp_shard} (HSDP) needs zero=3, not zero={self.zero}")
         for name, known in (("grad_dtype", GRAD_DTYPES), ("optimizer_dtype", OPTIMIZER_DTYPES),
+                            ("optimizer", OPTIMIZERS),
                             ("moe_dispatcher", MOE_DISPATCHERS),
                             ("fsdp_impl", FSDP_IMPLS), ("attn_kernel", ATTN_KERNELS),
                             ("fp8_recipe", FP8_RECIPES), ("cp_comm_type", CP_COMM_TYPES)):
@@ -247,6 +254,8 @@ class Layout:
             parts.append(f"grads-{self.grad_dtype}")
         if self.optimizer_dtype != "fp32":
             parts.append(f"adam-{self.optimizer_dtype}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
         if self.moe_dispatcher != "alltoall" and self.ep > 1:
             parts.append(self.moe_dispatcher)
         if self.attn_kernel != "flash" and self.flash_attention:

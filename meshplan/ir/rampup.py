@@ -14,10 +14,50 @@ import math
 
 from meshplan.errors import ConfigError
 
-__all__ = ["BatchRampup"]
+__all__ = ["BatchPhases", "BatchRampup"]
 
 
-class BatchRampup:
+class BatchPhases:
+    """A global batch size that changes by step: `phases` lists, for each size, (first step,
+    samples consumed before it, batch size), in step order. Every batch-size schedule (the linear
+    ramp-up here, the step-based `meshplan.train.batch_schedule.StepBatchSchedule`) is one of these,
+    so the sampler, the training loop and the time-to-train report read them one way."""
+
+    phases: list[tuple[int, int, int]]
+    final: int                                  # the last (and largest) batch: what the plan is made for
+
+    def state(self) -> list:
+        """What identifies the schedule in a checkpoint's data position (a resume must match it)."""
+        raise NotImplementedError
+
+    @property
+    def end_step(self) -> int:
+        """The first step at the final global batch."""
+        return self.phases[-1][0]
+
+    def _phase(self, step: int) -> tuple[int, int, int]:
+        return next(p for p in reversed(self.phases) if p[0] <= step)
+
+    def batch_size(self, step: int) -> int:
+        return self._phase(step)[2]
+
+    def consumed(self, step: int) -> int:
+        """Samples read by the steps before `step`."""
+        first, consumed, size = self._phase(step)
+        return consumed + (step - first) * size
+
+    def steps_for(self, samples: int) -> int:
+        """Steps needed to consume `samples` samples."""
+        first, consumed, size = next(p for p in reversed(self.phases) if p[1] <= samples)
+        return first + -(-(samples - consumed) // size)
+
+    def sizes(self) -> list[int]:
+        """The distinct batch sizes that some step uses, in order (a ramp-up phase may last 0 steps)."""
+        used = [p[2] for p, nxt in zip(self.phases, self.phases[1:] + [None]) if nxt is None or nxt[0] > p[0]]
+        return list(dict.fromkeys(used))
+
+
+class BatchRampup(BatchPhases):
     """Global batch size by step during a ramp-up (see the module docstring); `final` is the
     plan's global batch. `multiple`: every batch must be a multiple of it (dp x micro-batch size)."""
 
@@ -58,24 +98,3 @@ class BatchRampup:
 
     def state(self) -> list[int]:
         return [self.start, self.increment, self.samples, self.final]
-
-    @property
-    def end_step(self) -> int:
-        """The first step at the final global batch."""
-        return self.phases[-1][0]
-
-    def _phase(self, step: int) -> tuple[int, int, int]:
-        return next(p for p in reversed(self.phases) if p[0] <= step)
-
-    def batch_size(self, step: int) -> int:
-        return self._phase(step)[2]
-
-    def consumed(self, step: int) -> int:
-        """Samples read by the steps before `step`."""
-        first, consumed, size = self._phase(step)
-        return consumed + (step - first) * size
-
-    def steps_for(self, samples: int) -> int:
-        """Steps needed to consume `samples` samples."""
-        first, consumed, size = next(p for p in reversed(self.phases) if p[1] <= samples)
-        return first + -(-(samples - consumed) // size)

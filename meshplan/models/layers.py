@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from meshplan.models.config import ModelConfig
 
-__all__ = ["FeedForward", "make_norm", "rope_tables", "apply_rope"]
+__all__ = ["FeedForward", "make_norm", "rope_tables", "apply_rope", "document_layout"]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -26,12 +26,33 @@ def rope_tables(config: ModelConfig, device: torch.device | str | None = None) -
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x (B, T, heads, head_dim) by position (Llama layout)."""
+    """Rotate channel pairs (2i, 2i+1) of x (B, T, heads, head_dim) by position (Llama layout).
+
+    cos/sin are (T, hd/2) for positions 0..T-1, or (B, T, hd/2) for per-row positions (packed
+    documents, each restarting at position 0)."""
     pairs = x.float().unflatten(-1, (-1, 2))                         # (B, T, n, hd/2, 2)
     a, b = pairs[..., 0], pairs[..., 1]                              # (B, T, n, hd/2)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]          # (1, T, 1, hd/2)
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]            # (B, T, 1, hd/2)
+    else:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]      # (1, T, 1, hd/2)
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)                            # (B, T, n, hd)
+
+
+def document_layout(document_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """For packed sequences (B, T) of document ids: the attention mask that keeps each token to
+    the earlier tokens of its own document, (B, 1, T, T) bool (True: may attend; block-diagonal
+    causal, never an empty row: a token always sees itself), and each token's position inside its
+    document (B, T) int64, so rotary or learned positions restart at 0 with every document."""
+    T = document_ids.shape[1]
+    idx = torch.arange(T, device=document_ids.device)                           # (T,)
+    same = document_ids[:, :, None] == document_ids[:, None, :]                 # (B, T, T)
+    mask = same & (idx[:, None] >= idx[None, :])                                # (B, T, T)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]                 # (B, T) first token of a document
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return mask[:, None], idx - first
 
 
 class FeedForward(nn.Module):

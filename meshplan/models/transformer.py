@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from meshplan.errors import ConfigError
 from meshplan.models.config import ModelConfig
-from meshplan.models.layers import FeedForward, apply_rope, make_norm, rope_tables
+from meshplan.models.layers import FeedForward, apply_rope, document_layout, make_norm, rope_tables
 from meshplan.models.moe import MoE
 
 __all__ = ["Transformer", "Block", "Attention", "FeedForward", "causal_lm_loss", "IGNORE_INDEX"]
@@ -50,7 +50,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.hidden, kv_dim, bias=config.bias)
         self.wo = nn.Linear(q_dim, config.hidden, bias=config.bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, mask: Tensor | None = None) -> Tensor:
+        """mask: None for plain causal attention, else (B, 1, T, T) bool, True where a query may
+        attend (packed documents: block-diagonal causal, see layers.document_layout)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)                 # (B, T, heads, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim)                 # (B, T, kv_heads, hd)
@@ -58,7 +60,10 @@ class Attention(nn.Module):
         if self.use_rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, n, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))          # (B, T, h)
 
 
@@ -76,13 +81,18 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(
                 config.hidden, config.ffn_hidden, activation=config.activation, bias=config.bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, mask: Tensor | None = None) -> Tensor:
+        x = x + (self.attention(self.attention_norm(x), rope) if mask is None
+                 else self.attention(self.attention_norm(x), rope, mask))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: forward(input_ids (B, T)) -> logits (B, T, vocab)."""
+    """Decoder-only language model: forward(input_ids (B, T)) -> logits (B, T, vocab).
+
+    With `document_ids` (B, T) (packed documents), attention stays inside each document and
+    positions restart at 0 with each one: every document's logits are those of running it alone.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -108,18 +118,24 @@ class Transformer(nn.Module):
         else:
             self.positions = None
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
         T = input_ids.shape[1]
         if T > self.config.seq_len:
             raise ConfigError(
                 f"sequence of {T} tokens is longer than the model's seq_len={self.config.seq_len}; "
                 f"build the model with seq_len>={T}")
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # (B, T, h)
+        mask = None
+        if document_ids is None:
+            positions = self.positions[:T] if self.positions is not None else None
+            rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope_cos is not None else None
+        else:
+            mask, positions = document_layout(document_ids)                  # (B, 1, T, T), (B, T)
+            rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(self.positions[:T])
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope_cos is not None else None
+            h = h + self.pos_embeddings(positions)
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h     # (B, T, vocab)

@@ -134,8 +134,9 @@ def explain(plan) -> str:
     s = plan.search
     if s:
         p("")
+        bound = f", {s['pruned_bound']} skipped by the step-time bound" if s.get("pruned_bound") else ""
         p(f"Searched {s.get('meshes', 0)} meshes, {s.get('estimates', 0)} estimates "
-          f"({s.get('pruned_memory', 0)} meshes pruned by memory) in {s.get('seconds', 0):.2f} s")
+          f"({s.get('pruned_memory', 0)} meshes pruned by memory{bound}) in {s.get('seconds', 0):.2f} s")
         if s.get("placement_note"):
             p(f"Note: {s['placement_note']}")
     return "\n".join(out)

@@ -20,6 +20,8 @@ blocks share one solution.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import OrderedDict
 
 from meshplan.errors import ConfigError, TraceError
@@ -83,11 +85,20 @@ def build_problem(block: BlockProfile, cluster, *, tp: int, tokens: int, seq_len
 _CACHE: OrderedDict[tuple, BlockSharding] = OrderedDict()
 
 
+def _tp_fabric(cluster, tp: int) -> tuple:
+    """What the ILP sees of `cluster`: the GPU and fabric figures and the TP group's geometry, not
+    the node count (a what-if sweep over cluster sizes solves each block once per TP degree)."""
+    fields = dataclasses.asdict(cluster)
+    del fields["nodes"], fields["name"]
+    per, domains = cluster.placement(tp, 1) if tp > 1 else (1, 1)
+    return json.dumps(fields, sort_keys=True, default=str), per, domains
+
+
 def shard_block(block: BlockProfile, cluster, *, tp: int, tokens: int, sp_allowed: bool = True,
                 time_limit_s: float = 5.0, **options) -> BlockSharding:
     """Solve the sharding ILP of one unique block (cached; `options` as in `build_problem`)."""
     key = (block.signature, tuple((o.name, o.input_shapes) for o in block.ops[:1]), len(block.ops),
-           tp, tokens, sp_allowed, time_limit_s, tuple(sorted(options.items())), cluster.fingerprint())
+           tp, tokens, sp_allowed, time_limit_s, tuple(sorted(options.items())), _tp_fabric(cluster, tp))
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

@@ -14,6 +14,7 @@ Every surviving candidate is scored with the same `estimate_profile` users call.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from dataclasses import dataclass, field, fields
@@ -21,12 +22,14 @@ from typing import Any, Iterable, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
+from meshplan.cost_models.uncertainty import PREFER_SIMPLER_WINDOW
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 from meshplan.ir.support import runs_as_ddp, runtime_limits
+from meshplan.planner.bound import MeshBound, policies_of
 from meshplan.planner.traits import model_traits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
@@ -34,11 +37,12 @@ __all__ = ["SearchResult", "search", "FIXABLE"]
 # execution choices a user may fix that the search otherwise leaves at their defaults: the software
 # stack (kept as given, e.g. to score a published run on its own framework's conventions) and the
 # Adam moments' dtype (bf16 changes the optimizer's numerics: the user's call, or plan()'s fallback
-# when nothing fits with fp32 moments; never a silent speed choice)
+# when nothing fits with fp32 moments; never a silent speed choice), and the optimizer (Muon, too,
+# changes the numerics: only when asked)
 # (moe_capacity_factor: the MoE routing mode, once Layout has that field; cost_models.layer.moe_load_factor)
 PASSED_THROUGH = tuple(k for k in (
     "sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
-    "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "moe_capacity_factor")
+    "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "optimizer", "moe_capacity_factor")
     if k in {f.name for f in fields(Layout)})
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
            "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
@@ -63,6 +67,10 @@ CP_MIN_TOKENS_PER_RANK = 1024
 MAX_VP: int | None = 12        # None: no cap beyond one layer per chunk
 # schedules with one model chunk per pipeline rank: a fixed one keeps vp = 1 (never rewritten)
 SINGLE_CHUNK_SCHEDULES = ("1f1b", "zb", "gpipe")
+# The planner chooses among (uncertainty.prefer_simpler) and explains with (runner-ups) at most
+# this many of the fastest fitting estimates; the search's bound keeps every estimate that can
+# enter them
+PLANNER_WINDOW = PREFER_SIMPLER_WINDOW
 
 
 @dataclass
@@ -138,7 +146,8 @@ def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
 
 
 def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
-                          zero: int, grad_dtype: str = "fp32", optimizer_dtype: str = "fp32") -> float:
+                          zero: int, grad_dtype: str = "fp32", optimizer_dtype: str = "fp32",
+                          optimizer: str = "adamw") -> float:
     """Weights + grads + optimizer of the most loaded pipeline rank, no activations (the
     bytes per parameter of cost_models.memory, for the gradient dtype the search prices)."""
     dense = sum((b.params - b.expert_params) * b.count for b in profile.blocks)
@@ -146,7 +155,7 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
     dense_gpu = (dense / pp + profile.embedding_params) / tp
     expert_gpu = expert / pp / ep
 
-    lay = Layout(grad_dtype=grad_dtype, optimizer_dtype=optimizer_dtype)
+    lay = Layout(grad_dtype=grad_dtype, optimizer_dtype=optimizer_dtype, optimizer=optimizer)
 
     def per_param(d: int) -> float:
         return sum(state_bytes(1.0, d, zero, grad_bytes=grad_bytes(lay), optimizer_bytes=optimizer_bytes(lay)).values())
@@ -157,11 +166,13 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
 def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[str, ...],
            fixed: Mapping[str, Any] | None = None, allow_cross_domain: bool = False,
            keep: int = 256, stack: Stack | str | None = None, traits=None,
-           fp8_modules: frozenset | None = None) -> SearchResult:
+           fp8_modules: frozenset | None = None, bound: bool = True) -> SearchResult:
     """Rank every candidate layout (see the module docstring) that `stack` runs (meshplan.ir.stack;
     default meshplan's runtime, whose limits meshplan.ir.support declares), priced as it runs them.
     fp8_modules: the module set precision "fp8" candidates are priced with (planner.ilp_fp8.
-    fp8_layer_modules: what the plan's FP8 placement will run); None prices every linear in FP8."""
+    fp8_layer_modules: what the plan's FP8 placement will run); None prices every linear in FP8.
+    bound: cost candidates cheapest lower bound first and skip those that cannot reach the
+    planner's window (planner.bound; `_cost_in_bound_order`); False costs every candidate."""
     t0 = time.perf_counter()
     stack = resolve_stack(stack)
     runtime = stack.runtime_checks
@@ -183,7 +194,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
 
     _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns, n=n)
 
-    stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "estimates": 0, "runtime_excluded": 0}
+    stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "pruned_bound": 0, "estimates": 0,
+             "runtime_excluded": 0}
     ranked: list[Estimate] = []
     rejected: list[Estimate] = []
     traits = traits or model_traits(profile)
@@ -191,6 +203,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     unsupported: list[Estimate] = []
     unsupported_why: list[str] = []
     ustats = dict.fromkeys(stats, 0)
+    todo: list[tuple[dict, int, str | None]] = []     # (candidate, dp, why the runtime cannot run it)
     for tp in _opts("tp", f, (t for t in divisors(n) if t <= 64)):
         if not tp_ok(tp):
             stats["pruned_divisibility"] += 1
@@ -232,7 +245,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
                         if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero,
-                                                f.get("grad_dtype", "fp32"), f.get("optimizer_dtype", "fp32")) > \
+                                                f.get("grad_dtype", "fp32"), f.get("optimizer_dtype", "fp32"),
+                                                f.get("optimizer", "adamw")) > \
                                 cluster.usable_memory_gb:
                             stats["pruned_memory"] += 1
                             continue
@@ -256,13 +270,10 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                                 cand, limits = dict(cand, sp=False), []
                             if limits:
                                 stats["runtime_excluded"] += 1
-                                n0 = len(unsupported)
-                                _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp,
-                                           unsupported, [], ustats, fp8_modules, stack)
-                                unsupported_why.extend([limits[0]] * (len(unsupported) - n0))
-                                continue
-                            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch,
-                                       precisions, dp, ranked, rejected, stats, fp8_modules, stack)
+                            todo.append((cand, dp, limits[0] if limits else None))
+    _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, precisions, fp8_modules, stack,
+                         stats, ustats, ranked, rejected, unsupported, unsupported_why,
+                         bound=bound and not _unbalanced_experts(profile))
     ranked.sort(key=lambda e: e.step_time_s)
     # keep the leanest rejections (for "does not fit" messages) and the fastest ones (layouts that
     # would have won with more memory, shown as runner-ups)
@@ -310,20 +321,82 @@ def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0, stack: 
     return [r for r in out if stack.offers_recompute(r)]
 
 
+def _unbalanced_experts(profile: ModelProfile) -> bool:
+    """Routers nothing balances: an expert-parallel layout then carries an upper-side risk, and the
+    planner may prefer a layout with less of it from anywhere down the ranking (uncertainty.
+    prefer_simpler), so the search costs every candidate."""
+    return profile.moe_balance == "none" and any(b.is_moe for b in profile.blocks)
+
+
+def _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, precisions, fp8_modules, stack,
+                         stats, ustats, ranked, rejected, unsupported, unsupported_why, *, bound: bool) -> None:
+    """Cost the candidates of `todo`, appending to ranked / rejected / unsupported in `todo`'s order.
+
+    With `bound`, candidates are costed in the order of their lower bound (planner.bound) and the
+    rest are skipped once the bound exceeds the step of the PLANNER_WINDOW-th fastest fitting
+    estimate found: none of them could enter the window the planner chooses and explains from
+    (uncertainty.prefer_simpler's candidates, the runner-ups), nor be faster than the chosen
+    layout. The estimates kept are exactly those a full search ranks in that window."""
+    results: list[tuple[list, list, list] | None] = [None] * len(todo)
+    order = range(len(todo))
+    if bound and todo:
+        # the per-layer policies of every recompute option a candidate tries (they differ by pp only
+        # in the partial counts, all "full" + "none")
+        pps = dict.fromkeys(cand["pp"] for cand, _, _ in todo)
+        policies = policies_of(rc for pp in pps for rc in _opts("recompute", f, _recompute_options(
+            profile, pp, seq_len, stack)))
+        lower = MeshBound(profile, cluster, seq_len=seq_len, global_batch=global_batch, precisions=precisions,
+                          policies=policies, fp8_modules=fp8_modules, stack=stack)
+        lbs = [lower(cand, _mbs_options(cand, global_batch // dp, f, stack)) for cand, dp, _ in todo]
+        order = sorted(order, key=lambda i: (lbs[i], i))
+    window: list[float] = []        # the fastest fitting steps found (a max-heap, negated)
+    for n, i in enumerate(order):
+        if bound and len(window) >= PLANNER_WINDOW and lbs[i] > -window[0]:
+            stats["pruned_bound"] = len(todo) - n
+            break
+        cand, dp, why = todo[i]
+        fit: list = []
+        over: list = []
+        excluded: list = []
+        if why is not None:
+            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp, excluded, [], ustats,
+                       fp8_modules, stack)
+        else:
+            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp, fit, over, stats,
+                       fp8_modules, stack)
+            for e in fit:
+                if len(window) < PLANNER_WINDOW:
+                    heapq.heappush(window, -e.step_time_s)
+                elif e.step_time_s < -window[0]:
+                    heapq.heapreplace(window, -e.step_time_s)
+        results[i] = (fit, over, excluded)
+    for i, res in enumerate(results):
+        if res is not None:
+            ranked.extend(res[0])
+            rejected.extend(res[1])
+            unsupported.extend(res[2])
+            unsupported_why.extend([todo[i][2]] * len(res[2]))
+
+
+def _mbs_options(base: Mapping[str, Any], per_dp: int, f: Mapping[str, Any], stack: Stack) -> list[int]:
+    """The micro-batch sizes a mesh tries: divisors of its per-rank batch up to MAX_MBS (or the
+    fixed one). torch.distributed.pipelining (meshplan's runtime, torchtitan) needs at least pp
+    micro-batches per step; the cost model itself prices fewer (Megatron's 1F1B allows it), so a
+    user may still fix mbs, and a plan for a stack without that limit may choose it."""
+    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
+            (base["pp"] == 1 or per_dp // m >= base["pp"] or not stack.pp_min_microbatches)]
+    return _opts("mbs", f, mbss)
+
+
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats,
                fp8_modules: frozenset | None = None, stack: Stack | None = None) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
     stack = stack or resolve_stack(None)
-    per_dp = global_batch // dp
-    # torch.distributed.pipelining (meshplan's runtime, torchtitan) needs at least pp micro-batches
-    # per step; the cost model itself prices fewer (Megatron's 1F1B allows it), so a user may still
-    # fix mbs, and a plan for a stack without that limit may choose it
-    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
-            (base["pp"] == 1 or per_dp // m >= base["pp"] or not stack.pp_min_microbatches)]
+    mbss = _mbs_options(base, global_batch // dp, f, stack)
     for precision in precisions:
         for rc in _opts("recompute", f, _recompute_options(profile, base["pp"], seq_len, stack)):
             best_here = None
-            for mbs in _opts("mbs", f, mbss):
+            for mbs in mbss:
                 lay = dict(base, mbs=mbs, recompute=rc)
                 try:
                     est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -46,6 +47,7 @@ from meshplan.errors import ConfigError, DoesNotFitError, MeshplanError
 from meshplan.ir.rampup import BatchRampup
 from meshplan.reports.html import whatif_html
 from meshplan.reports.render import to_markdown, to_table, verdicts
+from meshplan.reports.whatif_pool import run_points
 from meshplan.reports.whatif_inputs import (
     DEFAULT_COUNTS, DEFAULT_GPUS, PriceSource, _Option, _options, _price_sources, parse_counts,
     parse_duration_days, parse_money, parse_prices, parse_tokens,
@@ -348,10 +350,64 @@ def _planned_row(opt: _Option, cl, plan, price: float | None, tokens: float, sec
         limits_s=limits, estimate=json.loads(json.dumps(est.to_dict())), plan_seconds=seconds)
 
 
+# a sweep this large is planned by several processes (when the machine has the cores): below it,
+# starting them (a few seconds each, importing torch) costs more than it saves
+PARALLEL_MIN_POINTS = 8
+
+
+def _jobs(jobs: int | None, points: int) -> int:
+    if jobs is not None:
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise ConfigError(f"jobs must be a whole number >= 1 (1: plan in this process), got {jobs!r}")
+        return min(jobs, max(points, 1))
+    if points < PARALLEL_MIN_POINTS:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                      # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, points))
+
+
+def _plan_point(prof, opt: _Option, price: PriceSource, cl, *, seq_len: int, global_batch: int, precision: str,
+                tokens: float, rampup) -> tuple[WhatIfRow, str | None]:
+    """One point of the sweep: its row, and its plan's JSON where one was found."""
+    t1 = time.perf_counter()
+    base = dict(gpu=opt.label, gpu_id=opt.spec.id, num_gpus=cl.num_gpus, nodes=cl.nodes,
+                gpus_per_node=cl.gpus_per_node, capacity_gb=cl.usable_memory_gb,
+                price_usd_per_gpu_hour=price.usd_per_gpu_hour)
+    try:
+        plan = api.plan(prof, cl, seq_len=seq_len, global_batch=global_batch, precision=precision, top_k=3)
+    except DoesNotFitError as e:
+        return WhatIfRow(**base, status="does not fit", reason=str(e), plan_seconds=time.perf_counter() - t1), None
+    except MeshplanError as e:   # e.g. no mesh divides the batch on this count
+        return WhatIfRow(**base, status="no plan", reason=str(e), plan_seconds=time.perf_counter() - t1), None
+    row = _planned_row(opt, cl, plan, price.usd_per_gpu_hour, tokens, time.perf_counter() - t1, rampup)
+    return row, plan.to_json()
+
+
+def _point_task(shared: tuple, opt: _Option, price: PriceSource, cl) -> tuple[WhatIfRow, str | None]:
+    prof, args = shared
+    return _plan_point(prof, opt, price, cl, **args)
+
+
+def _sweep(prof, points: list, args: dict, jobs: int, bar: "_Progress") -> list[tuple[WhatIfRow, str | None]]:
+    """Plan every point, in `jobs` processes (whatif_pool); results in the order of `points`."""
+    if jobs > 1:
+        return run_points(_point_task, (prof, args), points, jobs,
+                          on_done=lambda done, i: bar.update(done, f"{points[i][0].label} x {points[i][2].num_gpus}"))
+    results = []
+    for i, (opt, price, cl) in enumerate(points):
+        bar.update(i, f"{opt.label} x {cl.num_gpus}")
+        results.append(_plan_point(prof, opt, price, cl, **args))
+    return results
+
+
 def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
            gpus: Any = DEFAULT_GPUS, counts: Any = DEFAULT_COUNTS, deadline_days: str | float | None = None,
            budget_usd: str | float | None = None, prices: Any = None, precision: str = "bf16",
-           progress: bool | TextIO = True, rampup: tuple[int, int, int] | None = None) -> WhatIf:
+           progress: bool | TextIO = True, rampup: tuple[int, int, int] | None = None,
+           jobs: int | None = None) -> WhatIf:
     """Plan `model` on every (GPU type, count) and compare time to train `tokens`, cost and limits.
 
     model: preset name, nn.Module, config mapping or ModelProfile (profiled once for the sweep).
@@ -360,6 +416,8 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
     budget_usd / prices accept numbers or strings such as '15T', '90d', '20M', {'b200': 3.5}.
     progress: True prints a progress line to stderr, False nothing, or a stream to write it to.
     rampup: (start, increment, samples) batch-size ramp-up; time to train includes its slower steps.
+    jobs: processes planning points in parallel (reports/whatif_pool.py); None: one per available
+    core from PARALLEL_MIN_POINTS points on (each starts in a few seconds), 1: this process only.
     """
     t0 = time.perf_counter()
     tok = parse_tokens(tokens)
@@ -385,31 +443,16 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
     prof = api.profile(model, seq_len=seq_len)
     stream = (sys.stderr if progress is True else None) if isinstance(progress, bool) else progress
     bar = _Progress(len(points), stream)
-    rows: list[WhatIfRow] = []
-    plans: dict[str, Any] = {}
-    for i, (opt, price, cl) in enumerate(points):
-        bar.update(i, f"{opt.label} x {cl.num_gpus}")
-        t1 = time.perf_counter()
-        base = dict(gpu=opt.label, gpu_id=opt.spec.id, num_gpus=cl.num_gpus, nodes=cl.nodes,
-                    gpus_per_node=cl.gpus_per_node, capacity_gb=cl.usable_memory_gb,
-                    price_usd_per_gpu_hour=price.usd_per_gpu_hour)
-        try:
-            plan = api.plan(prof, cl, seq_len=seq_len, global_batch=global_batch, precision=precision, top_k=3)
-        except DoesNotFitError as e:
-            rows.append(WhatIfRow(**base, status="does not fit", reason=str(e), plan_seconds=time.perf_counter() - t1))
-            continue
-        except MeshplanError as e:   # e.g. no mesh divides the batch on this count
-            rows.append(WhatIfRow(**base, status="no plan", reason=str(e), plan_seconds=time.perf_counter() - t1))
-            continue
-        row = _planned_row(opt, cl, plan, price.usd_per_gpu_hour, tok, time.perf_counter() - t1, rampup)
-        rows.append(row)
-        plans[row.key] = plan
+    args = dict(seq_len=seq_len, global_batch=global_batch, precision=precision, tokens=tok, rampup=rampup)
+    results = _sweep(prof, points, args, _jobs(jobs, len(points)), bar)
     bar.close()
+    rows: list[WhatIfRow] = [row for row, _ in results]
+    plans = {row.key: plan for row, plan in results if plan is not None}
     marks = compute_marks(rows, deadline_days=deadline, budget_usd=budget)
     chosen = marks["cheapest"] or marks["fastest"] or marks["fastest_overall"]
     msgs = verdicts(rows, marks, model=prof.name, tokens=tok, deadline_days=deadline, budget_usd=budget,
                      prices=price_list)
     return WhatIf(model=prof.name, tokens=tok, seq_len=seq_len, global_batch=global_batch, precision=precision,
                   deadline_days=deadline, budget_usd=budget, rampup=rampup, rows=tuple(rows), prices=tuple(price_list),
-                  chosen=chosen, chosen_plan=json.loads(plans[chosen].to_json()) if chosen else None,
+                  chosen=chosen, chosen_plan=json.loads(plans[chosen]) if chosen else None,
                   messages=tuple(msgs), seconds=time.perf_counter() - t0, **marks)

@@ -41,10 +41,13 @@ def _sum_allreduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _sum_allreduce_bf16_hook(group, bucket):
+def _sum_allreduce_bf16_hook(group, bucket, fp32: frozenset = frozenset()):
     """DDP communication hook for grad_dtype "bf16": the bucket is cast to bf16, SUMmed over the
     group in bf16 (half the bytes, as the cost model prices it) and written back into the fp32
-    bucket. Not torch's bf16_compress_hook: that one divides by the world size (an average)."""
+    bucket. Not torch's bf16_compress_hook: that one divides by the world size (an average).
+    A bucket holding a parameter of `fp32` (ids; fp32_grads.py) is summed in fp32."""
+    if fp32 and any(id(p) in fp32 for p in bucket.parameters()):
+        return _sum_allreduce_hook(group, bucket)
     buf = bucket.buffer()
     low = buf.to(torch.bfloat16)
     work = dist.all_reduce(low, group=group, async_op=True)
@@ -56,11 +59,12 @@ def _sum_allreduce_bf16_hook(group, bucket):
 
 
 def wrap_ddp(stage: nn.Module, group, device: torch.device, *, ignore: list[str] = (),
-             grad_dtype: str = "fp32") -> nn.Module:
+             grad_dtype: str = "fp32", fp32_params: list[str] = ()) -> nn.Module:
     """DDP over `group`; `ignore`: parameter names DDP leaves alone (expert-parallel DTensors, whose
     gradients are reduced over their own data-parallel ranks: moe_folding.reduce_expert_grads).
     `grad_dtype`: the layout's gradient reduction dtype, "fp32" or "bf16" (the all-reduce runs in
-    bf16; ir.support refuses bf16 where expert gradients would be reduced apart in fp32)."""
+    bf16; ir.support refuses bf16 where expert gradients would be reduced apart in fp32).
+    `fp32_params`: names of parameters whose buckets reduce in fp32 all the same (fp32_grads.py)."""
     if grad_dtype not in ("fp32", "bf16"):
         raise ConfigError(f"grad_dtype={grad_dtype!r}: DDP reduces gradients in 'fp32' or 'bf16'")
     if ignore:
@@ -70,7 +74,10 @@ def wrap_ddp(stage: nn.Module, group, device: torch.device, *, ignore: list[str]
         ddp = DistributedDataParallel(stage, process_group=group, broadcast_buffers=False,
                                       gradient_as_bucket_view=True,
                                       device_ids=[device.index] if device.type == "cuda" else None)
-    ddp.register_comm_hook(group, _sum_allreduce_bf16_hook if grad_dtype == "bf16" else _sum_allreduce_hook)
+    named = dict(stage.named_parameters())
+    keep = frozenset(id(named[n]) for n in fp32_params if n in named)
+    bf16 = functools.partial(_sum_allreduce_bf16_hook, fp32=keep) if keep else _sum_allreduce_bf16_hook
+    ddp.register_comm_hook(group, bf16 if grad_dtype == "bf16" else _sum_allreduce_hook)
     return ddp
 
 

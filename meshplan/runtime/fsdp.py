@@ -48,7 +48,7 @@ __all__ = ["apply_fsdp"]
 def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, reshard_after_forward: bool,
                param_dtype: torch.dtype | None, overlap: bool = True, experts: list[str] = (),
                expert_mesh=None, one_unit_below_zero3: bool = False,
-               reduce_dtype: torch.dtype | None = None) -> list[nn.Module]:
+               reduce_dtype: torch.dtype | None = None, fp32_modules: list[str] = ()) -> list[nn.Module]:
     """Shard `stage` over `dp_mesh`; returns the FSDP units, expert modules first, then blocks,
     root last.
 
@@ -62,6 +62,9 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     `reduce_dtype`: the gradient reduction's dtype (the layout's grad_dtype: torch.bfloat16 for
     "bf16", whatever `param_dtype` is); None reduces in fp32 (or in the parameters' own dtype when
     there is no `param_dtype`).
+    `fp32_modules`: FQNs of modules whose gradients reduce in fp32 whatever `reduce_dtype` is
+    (fp32_grads.py): units of their own, sharded before the blocks (a block among them is its
+    own unit anyway and just gets the fp32 policy).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if reduce_dtype is None:
@@ -71,12 +74,19 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     # FSDP2 casts the reduced shard back to the fp32 parameter's dtype for the optimizer
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = bool(reshard_after_forward) if zero == 3 else False
+    mp32 = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fp32_set = set(fp32_modules)
     expert_units = []
     for fqn in experts:
         module = stage.get_submodule(fqn)
         fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
                     shard_placement_fn=_expert_shard_dim(expert_mesh.size()))
         expert_units.append(module)
+    for fqn in fp32_modules:
+        if fqn not in blocks or (zero < 3 and one_unit_below_zero3):
+            # nested in a block (or the root): the outer unit then skips these parameters
+            fully_shard(stage.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp32)
+            expert_units.append(stage.get_submodule(fqn))
     units = []
     if zero < 3 and one_unit_below_zero3:
         # ZeRO-1/2 keep whole weights from the first forward to the last backward of a step: one
@@ -85,7 +95,7 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
         blocks = []
     for fqn in blocks:
         block = stage.get_submodule(fqn)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp32 if fqn in fp32_set else mp)
         units.append(block)
     # the root's parameters are used again first thing in backward (head): keep them gathered
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)

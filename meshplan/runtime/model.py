@@ -38,7 +38,8 @@ class ParallelModel:
     stages: list[nn.Module]                 # this rank's stage modules (the model itself when pp == 1)
     specs: list[_pp.StageSpec]
     device: torch.device
-    schedule: object | None = None
+    schedule: object | None = None         # the pipeline schedule at the plan's micro-batch count
+    schedules: object | None = None        # pipeline.ScheduleCache: the schedule for any micro-batch count
     fsdp_units: list[nn.Module] = field(default_factory=list)
     loss_fn: object = None                  # (whole logits, labels) -> summed loss; default: cross entropy
     fused_head: object = None               # fused.FusedHead when the loss runs fused with the output layer
@@ -57,6 +58,9 @@ class ParallelModel:
     fp8: object = None                      # fp8.Fp8Swap: FP8 modules here and the backend running them
     precisions: dict[str, str] = field(default_factory=dict)    # module FQN -> precision it computes in
     expert_modules: list = field(default_factory=list)   # per local stage: its (folded) experts modules
+    fp32_grads: list[str] = field(default_factory=list)   # modules whose gradients reduce in fp32 (fp32_grads.py)
+    loss_scale: float = 1.0                 # fp16: backward runs on loss x loss_scale (train/loss_scale.py);
+                                            #   the returned loss is unscaled, the gradients are not
 
     # ---- coordinates -----------------------------------------------------------------
     def _rank(self, axis: str) -> int:
@@ -99,8 +103,9 @@ class ParallelModel:
 
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches per step: the plan's, or fewer while a batch-size ramp-up runs (train.py
-        sets `microbatches_override`; the layout, hence the micro-batch size, never changes)."""
+        """Micro-batches per step: the plan's, or fewer while a batch-size schedule or ramp-up runs
+        (the training loop sets `microbatches_override`; the layout, hence the micro-batch size,
+        never changes; under PP `schedules` holds a pipeline schedule per count)."""
         return getattr(self, "microbatches_override", None) or self.plan.num_microbatches
 
     def _local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,23 +133,79 @@ class ParallelModel:
             x, y = (_cp.shard_sequence(t, cp, self._rank("cp"), dim=1) for t in (x, y))
         return x.to(self.device), y.to(self.device)
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """Forward and backward over the global batch (same tensors on every rank); gradients are
-        accumulated into the sharded parameters; returns the global mean loss on every rank."""
+    def _local_documents(self, document_ids: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """This rank's rows of the batch's document ids (packed documents; see Transformer.forward)."""
+        if document_ids is None:
+            return None
+        if document_ids.shape != input_ids.shape:
+            raise ConfigError(f"document_ids {tuple(document_ids.shape)} must have the shape of input_ids "
+                              f"{tuple(input_ids.shape)}")
+        cp = self.plan.mesh.get("cp", 1)
+        if cp > 1:
+            raise ConfigError(f"document masking is not supported with context parallelism (cp={cp}): the ring "
+                              "attention computes plain causal attention over the whole sequence; train "
+                              "without --document-mask, or re-plan with fixed={'cp': 1}")
+        n = input_ids.shape[0] // self.dp
+        r = self._rank("dp")
+        return document_ids[r * n:(r + 1) * n].to(self.device)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 document_ids: torch.Tensor | None = None) -> float:
+        """The global mean loss of a batch (same tensors on every rank): forward only, without
+        gradients, under the same layout and micro-batches as training (collective)."""
         x, y = self._local_batch(input_ids, labels)
-        n_valid = int((labels != IGNORE_INDEX).sum())
-        denom = float(max(n_valid, 1))
+        d = self._local_documents(document_ids, input_ids)
+        denom = float(max(int((labels != IGNORE_INDEX).sum()), 1))
 
         def loss_fn(logits, target):
             return self._summed_loss(logits, target) / denom
 
         if self.schedule is None:
-            local = self._accumulate(x, y, loss_fn)
+            m = self.num_microbatches
+            xs, ys = (x.chunk(m), y.chunk(m)) if m > 1 else ((x,), (y,))
+            ds = d.chunk(m) if d is not None and m > 1 else (d,) * len(xs)
+            local = 0.0
+            for xm, ym, dm in zip(xs, ys, ds):
+                out = self.stages[0](xm) if dm is None else self.stages[0](xm, document_ids=dm)
+                local += float(loss_fn(_pp.logits_of(out), ym))
         else:
-            local = self._pipeline_step(x, y, loss_fn)
+            self._step_loss_fn = loss_fn
+            losses: list[torch.Tensor] = []
+            args = (x,) if self.holds_first_stage else ()
+            kwargs = {"target": y, "losses": losses} if self.holds_last_stage else {}
+            if d is not None:
+                kwargs["document_ids"] = d
+            schedule = self.schedules.for_step(self.num_microbatches) if self.schedules is not None else self.schedule
+            schedule.eval(*args, **kwargs)
+            local = float(sum(float(l) for l in losses))
+        return self._global_loss(local)
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         document_ids: torch.Tensor | None = None) -> float:
+        """Forward and backward over the global batch (same tensors on every rank); gradients are
+        accumulated into the sharded parameters; returns the global mean loss on every rank.
+        `document_ids` (B, T): packed documents, attention kept inside each (models that take it)."""
+        x, y = self._local_batch(input_ids, labels)
+        d = self._local_documents(document_ids, input_ids)
+        n_valid = int((labels != IGNORE_INDEX).sum())
+        # a power-of-two loss scale divides exactly: the unscaled loss is the same number
+        denom = float(max(n_valid, 1)) / self.loss_scale
+
+        def loss_fn(logits, target):
+            return self._summed_loss(logits, target) / denom
+
+        if self.schedule is None:
+            local = self._accumulate(x, y, loss_fn, d)
+        else:
+            local = self._pipeline_step(x, y, loss_fn, d)
         self._finalise_grads()
-        # one rank per (dp, cp, last stage) contributes, so the world sum is the global sum (CP
-        # ranks hold disjoint tokens: each loss is a partial sum)
+        local /= self.loss_scale
+        return self._global_loss(local)
+
+    def _global_loss(self, local: float) -> float:
+        """The global loss from each rank's share: one rank per (dp, cp, last stage) contributes,
+        so the world sum is the global sum (CP ranks hold disjoint tokens: each loss is a partial sum)."""
         if dist.get_world_size() == 1:
             return local
         contributes = self.holds_last_stage and self._rank("tp") == 0
@@ -166,12 +227,13 @@ class ParallelModel:
         return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
 
-    def _accumulate(self, x, y, loss_fn) -> float:
+    def _accumulate(self, x, y, loss_fn, d=None) -> float:
         m = self.num_microbatches
         stage = self.stages[0]
         forward = self.ddp[0] if self.ddp else stage
         zero = self.plan.layout.zero
         total = 0.0
+        ds = d.chunk(m) if d is not None and m > 1 else [d] * m
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))) if m > 1 else enumerate([(x, y)]):
             last = i == m - 1
             if self.fsdp_units and zero < 3 and m > 1:
@@ -183,7 +245,7 @@ class ParallelModel:
                     stage.set_requires_gradient_sync(last, recurse=True)
             sync = self.ddp[0].no_sync() if self.ddp and not last else contextlib.nullcontext()
             with sync:
-                out = forward(xm)
+                out = forward(xm) if ds[i] is None else forward(xm, document_ids=ds[i])
                 loss = loss_fn(_pp.logits_of(out), ym)
                 aux = self._router_aux_loss(out, stage)
                 if aux is not None:
@@ -210,14 +272,17 @@ class ParallelModel:
         L = self.plan.layout
         if _splits_microbatches(L):
             return None
-        return coef * aux.float() / (self.num_microbatches * L.dp * L.cp)
+        return coef * aux.float() / (self.num_microbatches * L.dp * L.cp) * self.loss_scale
 
-    def _pipeline_step(self, x, y, loss_fn) -> float:
+    def _pipeline_step(self, x, y, loss_fn, d=None) -> float:
         self._step_loss_fn = loss_fn          # read by the schedule's loss function (see parallelize)
         losses: list[torch.Tensor] = []
         args = (x,) if self.holds_first_stage else ()
         kwargs = {"target": y, "losses": losses} if self.holds_last_stage else {}
-        self.schedule.step(*args, **kwargs)
+        if d is not None:
+            kwargs["document_ids"] = d          # every stage's blocks need it: passed on every rank
+        schedule = self.schedules.for_step(self.num_microbatches) if self.schedules is not None else self.schedule
+        schedule.step(*args, **kwargs)
         return float(sum(float(l.detach()) for l in losses))
 
     def _finalise_grads(self) -> None:
@@ -248,18 +313,27 @@ class ParallelModel:
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """Global gradient norm over every shard on every rank; scales gradients to `max_norm`
         (None: measure only). Collective: every rank calls it."""
-        grads = [p.grad for n, p in self.named_parameters()
-                 if p.grad is not None and self._canonical(n) == n]   # a tied copy counts once
-        sq = squared_norm(grads, self.device)
-        if self.plan.mesh.get("pp", 1) > 1:
-            dist.all_reduce(sq, group=self.mesh["pp"].get_group())
-        norm = float(sq.sqrt())
+        norm = self.global_norm("grads")
         if max_norm is not None and max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             for p in self.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
+
+    def global_norm(self, of: str = "grads") -> float:
+        """L2 norm of every parameter's gradient (`of="grads"`) or of the parameters themselves
+        (`of="params"`) over every shard on every rank, as the single-device model's; a tied copy
+        counts once. Collective: every rank calls it."""
+        if of not in ("grads", "params"):
+            raise ConfigError(f"global_norm of {of!r}: use 'grads' or 'params'")
+        with torch.no_grad():
+            tensors = [p.grad if of == "grads" else p.detach() for n, p in self.named_parameters()
+                       if (of == "params" or p.grad is not None) and self._canonical(n) == n]
+            sq = squared_norm(tensors, self.device)
+            if self.plan.mesh.get("pp", 1) > 1:
+                dist.all_reduce(sq, group=self.mesh["pp"].get_group())
+        return float(sq.sqrt())
 
     def _canonical(self, name: str) -> str:
         for names in self.tied:

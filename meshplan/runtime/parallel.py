@@ -50,6 +50,7 @@ from meshplan.ir.support import runtime_limits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import expert_parallel as _ep
 from meshplan.runtime import fp8 as _fp8
+from meshplan.runtime import fp32_grads as _f32
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import materialize as _mat
 from meshplan.runtime import moe_folding as _fold
@@ -170,7 +171,8 @@ def _owned_blocks(spec: _pp.StageSpec, blocks: tuple[str, ...]) -> list[str]:
 def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | str = "plan",
                 overlap: bool = True, loss_fn=None, fused_kernels: bool | str = "auto", fp8: bool = True,
                 fp8_backend: str = "auto", fp8_recipe: str | None = None,
-                materialize: bool = True, compile: bool | str = "auto") -> ParallelModel:
+                materialize: bool = True, compile: bool | str = "auto",
+                fp32_grads: tuple[str, ...] | str = ()) -> ParallelModel:
     """Apply `plan` to `model` inside an initialised default process group of the plan's size.
 
     `compute_dtype`: "plan" (default) takes the plan's precision (bf16 parameters and compute,
@@ -198,6 +200,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     False is the explicit override that runs
     the plan in `compute_dtype` instead. A missing backend fails here, before any collective.
     `compile`: torch.compile each block (runtime/compile.py): "auto" on CUDA, True, or False.
+    `fp32_grads`: parameter-name patterns ("router,norm") whose gradients reduce in fp32 under a
+    grad_dtype "bf16" layout (runtime/fp32_grads.py); `ParallelModel.fp32_grads` lists the modules.
     """
     if not dist.is_initialized():
         raise ConfigError("parallelize() needs an initialised process group: launch with torchrun "
@@ -270,6 +274,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     swaps: list = []
     compile_on, compiled = compile_wanted(compile, device.type, lay.schedule, lay.pp), []
     expert_modules: list[list[str]] = []
+    fp32_patterns = _f32.parse_patterns(fp32_grads)
+    keep_fp32: list[list[str]] = []         # per local stage: modules whose gradients reduce in fp32
     vocab_shard = None      # set on the ranks holding the output layer when it stays vocab-sharded
     layers_before = 0       # layers of this pipeline rank in earlier virtual stages (recompute counts per rank)
     for spec, stage in zip(local_specs, stages):
@@ -299,13 +305,16 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             async_tp = enable_async_tp(stage, blocks, mesh["tp"]) or async_tp
         if compile_on and not async_tp:                                             # 3c. compile
             compiled += compile_blocks(stage, blocks)          # (async TP compiled them already)
+        keep_fp32.append(_f32.fp32_grad_modules(stage, fp32_patterns, exclude=experts)
+                         if fp32_patterns and lay.grad_dtype == "bf16" and dp_mode != "none" else [])
         if use_fsdp:                                                                # 4. FSDP / ZeRO
             units += _fsdp.apply_fsdp(stage, blocks, meshes.fsdp, zero=lay.zero,
                                       reshard_after_forward=lay.reshard_after_forward,
                                       param_dtype=compute_dtype, overlap=overlap,
                                       experts=experts, expert_mesh=meshes.expert_fsdp,
                                       one_unit_below_zero3=device.type == "cpu",
-                                      reduce_dtype=torch.bfloat16 if lay.grad_dtype == "bf16" else None)
+                                      reduce_dtype=torch.bfloat16 if lay.grad_dtype == "bf16" else None,
+                                      fp32_modules=keep_fp32[-1])
         elif compute_dtype is not None:
             autocast_forward(stage, compute_dtype, device.type)
             if fused_head is not None:
@@ -316,7 +325,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
             _mat.materialize([stage], reference, device, rng_state=rng_start)
         if dp_mode == "ddp" and (materialize or not deferred):     # DDP checks real tensors
             ignore = [f"{fqn}.{n}" for fqn in experts for n, _ in stage.get_submodule(fqn).named_parameters()]
-            ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device, ignore=ignore, grad_dtype=lay.grad_dtype))
+            ddps.append(wrap_ddp(stage, meshes.fsdp.get_group(), device, ignore=ignore, grad_dtype=lay.grad_dtype,
+                                 fp32_params=_f32.matching_params(stage, fp32_patterns)))
     pm = ParallelModel(plan=plan, mesh=mesh, stages=stages, specs=local_specs, device=device,
                        fsdp_units=units, loss_fn=loss_fn, tied=tied, fused_head=fused_head,
                        vocab_shard=vocab_shard,
@@ -325,6 +335,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
     pm.compiled = compiled
     pm.expert_modules = expert_modules
+    pm.fp32_grads = [m for stage_mods in keep_fp32 for m in stage_mods]
     pm.fp8 = _fp8.merge(swaps)
     pm.precisions = _fp8.module_precisions(stages, compute_dtype, pm.fp8)
     _fp8.log_precisions(pm.precisions, plan)
@@ -333,6 +344,8 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
         group = mesh["pp"].get_group()
         pstages = [PipelineStage(st, spec.index, spec.num_stages, device, group=group)
                    for spec, st in zip(local_specs, stages)]
-        pm.schedule = _pp.pipeline_schedule(plan.schedule, pstages, n_microbatches=plan.num_microbatches,
-                                            loss_fn=lambda out, target: pm._step_loss_fn(out, target))
+        # one schedule per micro-batch count: a batch-size schedule changes the count between steps
+        pm.schedules = _pp.ScheduleCache(plan.schedule, pstages,
+                                         loss_fn=lambda out, target: pm._step_loss_fn(out, target))
+        pm.schedule = pm.schedules.get(plan.num_microbatches)
     return pm

@@ -34,7 +34,7 @@ from torch import nn
 from meshplan.errors import LayoutError
 
 __all__ = ["StageSpec", "stage_specs", "build_stage_module", "stages_of_rank", "logits_of",
-           "pipeline_schedule"]
+           "pipeline_schedule", "ScheduleCache"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +183,9 @@ def _inject_received(module: nn.Module, args: tuple, kwargs: dict):
     return args, {**kwargs, key: hidden}
 
 
-def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    # kwargs (document_ids of packed documents) reach every stage: the schedule splits them per
+    # micro-batch on each rank, as it splits the first stage's input_ids
     spec: StageSpec = self._meshplan_stage
     if spec.is_first:
         ids = x
@@ -192,7 +194,7 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # token shape), on zeros; the received activation replaces the first owned block's input
         ids = torch.zeros(x.shape[0], self._meshplan_seq_len, dtype=torch.long, device=x.device)
         self._meshplan_received = x
-    out = logits_of(type(self).forward(self, ids))
+    out = logits_of(type(self).forward(self, ids, **kwargs))
     if self._meshplan_received is not None:
         raise LayoutError("pipeline stage input was never consumed: the model did not call the stage's "
                           "first block; the model's forward does not follow the traced block order")
@@ -224,3 +226,36 @@ def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):
         return single[name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     raise LayoutError(f"pipeline schedule {name!r} is not supported by the runtime; use one of "
                       f"{sorted(single) + sorted(multi)}")
+
+
+class ScheduleCache:
+    """One pipeline schedule per micro-batch count, built on first use over the same stages.
+
+    A batch-size schedule changes the number of micro-batches between steps while the stages
+    (and the micro-batch shape) stay. torch's stages size their receive buffers for the count the
+    last schedule initialised them with (`PipelineStage.chunks`), so a cached schedule whose
+    count differs from the stages' is marked uninitialised before it runs: it then re-runs the
+    stages' set-up (a metadata exchange between neighbouring ranks, the same step on every rank).
+    """
+
+    def __init__(self, name: str, stages: list, *, loss_fn) -> None:
+        self.name, self.stages, self.loss_fn = name, stages, loss_fn
+        self._built: dict[int, object] = {}
+
+    def get(self, n_microbatches: int):
+        """The schedule for `n_microbatches` (ValueError/LayoutError when the schedule cannot run it)."""
+        if n_microbatches not in self._built:
+            self._built[n_microbatches] = pipeline_schedule(self.name, self.stages, n_microbatches=n_microbatches,
+                                                            loss_fn=self.loss_fn)
+        return self._built[n_microbatches]
+
+    def for_step(self, n_microbatches: int):
+        """The schedule to run now with `n_microbatches`, its stages ready for that count."""
+        schedule = self.get(n_microbatches)
+        if any(getattr(st, "chunks", None) not in (None, n_microbatches) for st in self.stages):
+            # private flags of torch.distributed.pipelining (2.13): single- and multi-stage schedules
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                         "_stages_forward_initialized", "_stages_backward_initialized"):
+                if hasattr(schedule, flag):
+                    setattr(schedule, flag, False)
+        return schedule

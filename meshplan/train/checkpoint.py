@@ -30,7 +30,9 @@ what to do; complete checkpoints are never touched before a new one is complete.
 What is saved: the model's sharded state (keyed by original FQN), the optimizer state keyed by
 parameter FQN (so it reshards like the model; the state of a packed projection kept in TP order
 is saved in the model's row order, as its weight is, so it reshards to another tp), and `extra` (step, data position, RNG state, the
-plan's layout). meta.json also records every parameter's global shape, so that loading a
+plan's layout, the optimizer). The optimizer state is AdamW's (step, exp_avg, exp_avg_sq) or Muon's
+(momentum_buffer for the matrices, AdamW's for the rest: train/muon.py), each shaped and sharded
+like its parameter; loading a checkpoint into the other optimizer is refused, naming both. meta.json also records every parameter's global shape, so that loading a
 checkpoint of another model fails with a list of the differences instead of a DCP traceback.
 DCP stores each shard with its global offsets, so a run saved under one plan (TP2 x DP2) loads
 under another (PP2 x DP2, DP4): every rank reads the pieces its new shards need.
@@ -153,8 +155,12 @@ def _restore_tp_order(pm, optimizer: torch.optim.Optimizer, loaded: dict[str, di
 
 
 def _zero_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    initial = getattr(optimizer, "initial_state", None)     # Muon: momentum, or AdamW's for the rest
+    if initial is not None:
+        return initial(p)
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ConfigError(f"checkpoint resume supports Adam/AdamW optimizer state, not {type(optimizer).__name__}")
+        raise ConfigError(f"checkpoint resume supports Adam/AdamW and Muon optimizer state, not "
+                          f"{type(optimizer).__name__}")
     return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
@@ -373,6 +379,7 @@ def load(path: str | os.PathLike, pm, optimizer) -> dict[str, Any]:
         raise ConfigError(f"{meta_file} is corrupt (no whole-number 'step'); {fix}")
     if isinstance(meta.get("params"), dict):
         _check_same_model(path, meta["params"], _all_shapes(pm))
+    _check_same_optimizer(path, meta, optimizer)
     state = {"model": pm.state_dict(), "optim": optimizer_state(pm, optimizer, init=True)}
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -384,6 +391,21 @@ def load(path: str | os.PathLike, pm, optimizer) -> dict[str, Any]:
     pm.load_state_dict(state["model"])
     _restore_tp_order(pm, optimizer, state["optim"])
     return meta
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """"muon" or "adamw": the algorithm whose state a checkpoint holds."""
+    from meshplan.train.muon import Muon
+    return "muon" if isinstance(optimizer, Muon) else "adamw"
+
+
+def _check_same_optimizer(path: Path, meta: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    saved = meta.get("optimizer", "adamw")          # checkpoints from before Muon hold AdamW state
+    here = optimizer_name(optimizer)
+    if saved != here:
+        raise ConfigError(f"checkpoint {path} holds {saved} optimizer state, but this run uses {here}: "
+                          f"resume with --optimizer {saved}, or start {here} from its weights only "
+                          f"(--init-from {path} with another --out)")
 
 
 def _shape_differences(saved: dict[str, list[int]], here: dict[str, list[int]], *, there: str, here_name: str,

@@ -1,6 +1,10 @@
 """Training data: a flat stream of token ids cut into fixed-length windows, shuffled by seed.
 
-Three sources, all opened with `TokenDataset.open(source)`:
+Sources, all opened with `TokenDataset.open(source)`; besides the three below, a directory written
+by `meshplan data prepare` (meshplan.train.prepare: token shards with document offsets), and
+JSONL / Parquet files or text read with a `tokenizer` directory, which are prepared once into the
+cache (``<cache_dir>/prepared-<key>``). Prepared data knows its documents (`doc_starts`), which
+document masking needs (meshplan.train.sampler); the three below are plain token streams:
 
 - ``None`` / ``"embedded"``: the ~1 MB corpus shipped in `meshplan.train.corpus` (default).
 - a directory of text files (``*.txt``, ``*.md``, ``*.text``, searched recursively, hidden
@@ -15,7 +19,7 @@ Three sources, all opened with `TokenDataset.open(source)`:
   ``{"dtype": "uint16", "vocab_size": 50257}``, written by `write_token_file`); a dtype in the
   name (``train.uint32.bin``); else uint16, nanoGPT's convention.
 
-Sampling (`BatchSampler`): window ``w`` holds tokens ``[w*S, w*S + S + 1)`` (S = seq_len), the
+Sampling (`BatchSampler`, meshplan.train.sampler; blends of several data sets: meshplan.train.blend): window ``w`` holds tokens ``[w*S, w*S + S + 1)`` (S = seq_len), the
 input is its first S tokens and the labels its last S (next-token targets). The stream of
 samples is epoch after epoch of a seeded permutation of all windows; sample ``k*B + j`` (B =
 global batch) is row j of step k. Any step's batch is computed from (seed, step) alone, so a
@@ -38,27 +42,34 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from meshplan.errors import ConfigError
+from meshplan.train.jsonfile import read_json, write_json
 from meshplan.ir.rampup import BatchRampup
 from meshplan.train import tokenizer
+from meshplan.train.sampler import (  # noqa: F401 - the sampler's home before it had its own module
+    SAMPLER_STATE_VERSION,
+    Batch,
+    BatchSampler,
+    _feistel,
+    _rank_rows,
+    _round_keys,
+    rank_slice,
+)
+from meshplan.train.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
 __all__ = [
-    "TokenDataset", "BatchSampler", "BatchRampup", "rank_slice", "write_token_file", "default_cache_dir",
+    "TokenDataset", "Batch", "BatchSampler", "BatchRampup", "rank_slice", "write_token_file", "default_cache_dir",
     "TEXT_SUFFIXES", "TOKEN_DTYPES",
 ]
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_FILE_FORMAT = "meshplan-tokens"
-SAMPLER_STATE_VERSION = 1
 _CORPUS_PACKAGE = "meshplan.train.corpus"
 _CORPUS_FILES = ("corpus.txt",)
 _MAX_SCAN_CHUNK = 1 << 24      # tokens per chunk when scanning a memory-mapped file for its max id
@@ -74,10 +85,13 @@ class TokenDataset:
     """A 1-D stream of token ids (in memory or memory-mapped) with the vocabulary it was made with.
 
     `vocab_size` is what the tokenizer or the token file's sidecar declares (None when unknown);
-    `check_vocab(model_vocab)` is the check to run before training.
+    `check_vocab(model_vocab)` is the check to run before training. `doc_starts` (prepared data
+    only) holds the offset of each document's first token, sorted; None when the boundaries
+    are unknown.
     """
 
-    def __init__(self, tokens: np.ndarray, *, vocab_size: int | None, source: str):
+    def __init__(self, tokens: np.ndarray, *, vocab_size: int | None, source: str,
+                 doc_starts: np.ndarray | None = None):
         if tokens.ndim != 1 or tokens.dtype.kind != "u":
             raise ConfigError(f"{source}: tokens must be a 1-D array of unsigned integers, "
                               f"got shape {tokens.shape} dtype {tokens.dtype}")
@@ -90,6 +104,7 @@ class TokenDataset:
         self.tokens = tokens
         self.vocab_size = vocab_size
         self.source = source
+        self.doc_starts = doc_starts
         self._max_id: int | None = None
 
     def __repr__(self) -> str:
@@ -105,21 +120,67 @@ class TokenDataset:
     # ---- constructors --------------------------------------------------------------------
     @classmethod
     def open(cls, source: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
-             dtype: str | None = None, vocab_size: int | None = None) -> TokenDataset:
-        """The data set named by `source`: None/"embedded", a text dir or file, or a ``.bin`` token file."""
+             dtype: str | None = None, vocab_size: int | None = None, tokenizer: str | None = None,
+             text_field: str = "text") -> TokenDataset:
+        """The data set named by `source`: None/"embedded", a prepared directory, a text dir or file,
+        a JSON Lines or Parquet file (or a directory of them), or a ``.bin`` token file.
+
+        `tokenizer` (a tokenizer directory; None: the byte tokenizer) tokenises text sources;
+        JSONL, Parquet, and text read with a tokenizer other than the byte one, are prepared once
+        into ``<cache_dir>/prepared-<key>`` (meshplan.train.prepare) and read from there.
+        """
+        from meshplan.train import prepare
         if source is None or str(source) == "embedded":
+            if tokenizer is not None:
+                raise ConfigError("the built-in corpus is byte-tokenised; with --tokenizer, give --data "
+                                  "(text, JSONL or Parquet files, or a prepared directory)")
             return cls.embedded()
         path = Path(source).expanduser()
         if not path.exists():
             raise ConfigError(f"data path {str(path)!r} does not exist; give a directory of text files, "
-                              f"a text file ({', '.join(TEXT_SUFFIXES)}), a token file (.bin), "
+                              f"a text file ({', '.join(TEXT_SUFFIXES)}), a JSON Lines or Parquet file, a "
+                              "directory written by `meshplan data prepare`, a token file (.bin), "
                               "or 'embedded' for the built-in corpus")
+        if prepare.is_prepared(path):
+            return cls.from_prepared(path, tokenizer=tokenizer)
+        structured = path.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES or (path.is_dir() and any(
+            p.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES for p in path.rglob("*")))
+        if tokenizer is not None or structured:
+            return cls.from_sources(path, tokenizer=tokenizer, text_field=text_field, cache_dir=cache_dir)
         if path.is_dir() or path.suffix in TEXT_SUFFIXES:
             return cls.from_text(path, cache_dir=cache_dir)
         if path.suffix == ".bin":
             return cls.from_token_file(path, dtype=dtype, vocab_size=vocab_size)
         raise ConfigError(f"data file {str(path)!r} is neither text ({', '.join(TEXT_SUFFIXES)}) nor a "
                           "token file (.bin); rename it or pass its directory")
+
+    @classmethod
+    def from_prepared(cls, path: str | os.PathLike, *, tokenizer: str | None = None) -> TokenDataset:
+        """A directory written by `meshplan data prepare` (shards memory-mapped, with document starts)."""
+        from meshplan.train import prepare
+        from meshplan.train import tokenizer as tokenizers
+        tokens, starts, index = prepare.open_prepared(path)
+        if tokenizer is not None and tokenizers.load(tokenizer).id != index["tokenizer"]:
+            raise ConfigError(f"{path} was prepared with tokenizer {index.get('tokenizer_name')!r}, not with "
+                              f"--tokenizer {tokenizer}; prepare it again with this tokenizer, or leave "
+                              "--tokenizer out to train with the one it was prepared with")
+        return cls(tokens, vocab_size=index["vocab_size"], source=str(path), doc_starts=starts)
+
+    @classmethod
+    def from_sources(cls, path: str | os.PathLike, *, tokenizer: str | None = None, text_field: str = "text",
+                     cache_dir: str | os.PathLike | None = None) -> TokenDataset:
+        """Text, JSONL or Parquet sources, prepared once into the cache (re-prepared when a file changes)."""
+        from meshplan.train import prepare
+        from meshplan.train import tokenizer as tokenizers
+        tok = tokenizers.load(tokenizer)
+        path = Path(path).expanduser().resolve()
+        key = hashlib.sha256(json.dumps([tok.id, text_field, str(path)]).encode()).hexdigest()[:20]
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        # up to date (rank 0 prepared it, or an earlier run did): only read it; else prepare, which
+        # tokenises only the files that changed
+        if not prepare.up_to_date([path], cache / f"prepared-{key}", tokenizer=tok, text_field=text_field):
+            prepare.prepare([path], cache / f"prepared-{key}", tokenizer=tok, text_field=text_field, progress=None)
+        return cls.from_prepared(cache / f"prepared-{key}")
 
     @classmethod
     def embedded(cls) -> TokenDataset:
@@ -140,7 +201,7 @@ class TokenDataset:
         key = hashlib.sha256(json.dumps([tokenizer.TOKENIZER_ID, str(path), listing]).encode()).hexdigest()[:20]
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         bin_path, manifest_path = cache / f"{key}.bin", cache / f"{key}.json"
-        manifest = _read_json(manifest_path, strict=False)
+        manifest = read_json(manifest_path, strict=False)
         if not (manifest and manifest.get("files") == [list(x) for x in listing]
                 and bin_path.exists() and bin_path.stat().st_size == 2 * manifest.get("num_tokens", -1)):
             _tokenize_to_cache(path, files, listing, bin_path, manifest_path)
@@ -154,7 +215,7 @@ class TokenDataset:
         path = Path(path).expanduser()
         if not path.is_file():
             raise ConfigError(f"token file {str(path)!r} does not exist or is not a file")
-        sidecar = _read_json(path.with_suffix(".json"))
+        sidecar = read_json(path.with_suffix(".json"))
         if sidecar is not None and sidecar.get("format", TOKEN_FILE_FORMAT) != TOKEN_FILE_FORMAT:
             sidecar = None          # some other tool's JSON with the same stem: not ours
         guessed = False
@@ -210,178 +271,47 @@ class TokenDataset:
         """How many non-overlapping training windows of seq_len (+1 label token) the stream holds."""
         return (len(self) - 1) // seq_len
 
+    # ---- documents and splits ------------------------------------------------------------
+    def document_of(self, positions: np.ndarray) -> np.ndarray:
+        """Index of the document holding each token position (same shape, int64)."""
+        if self.doc_starts is None:
+            raise ConfigError(f"{self.source} records no document boundaries")
+        return np.searchsorted(self.doc_starts, positions, side="right").astype(np.int64) - 1
+
+    def slice(self, lo: int, hi: int, *, source: str | None = None) -> TokenDataset:
+        """Tokens [lo, hi) as a data set of their own (a view; a document cut at lo starts there)."""
+        if not 0 <= lo < hi <= len(self):
+            raise ConfigError(f"token range {lo}..{hi} is outside {self.source}'s 0..{len(self)}")
+        view = self.tokens.view(lo, hi) if hasattr(self.tokens, "view") and not isinstance(
+            self.tokens, np.ndarray) else self.tokens[lo:hi]
+        starts = None
+        if self.doc_starts is not None:
+            inside = self.doc_starts[(self.doc_starts > lo) & (self.doc_starts < hi)] - lo
+            starts = np.concatenate([np.zeros(1, dtype=np.int64), inside.astype(np.int64)])
+        return TokenDataset(view, vocab_size=self.vocab_size, source=source or f"{self.source}[{lo}:{hi}]",
+                            doc_starts=starts)
+
+    def split(self, fraction: float) -> tuple[TokenDataset, TokenDataset]:
+        """(train, held-out): the last `fraction` of the tokens is held out for validation."""
+        if not 0 < fraction < 1:
+            raise ConfigError(f"the held-out fraction must lie strictly between 0 and 1, got {fraction!r}; "
+                              "e.g. --eval-fraction 0.01")
+        cut = len(self) - max(2, int(round(len(self) * fraction)))
+        if cut < 2:
+            raise ConfigError(f"{self.source} has {len(self)} tokens, too few to hold out {fraction:.1%} and "
+                              "keep training data; use a smaller --eval-fraction or give --eval-data")
+        return (self.slice(0, cut, source=f"{self.source} (train split)"),
+                self.slice(cut, len(self), source=f"{self.source} (held out)"))
+
     # ---- sampling ------------------------------------------------------------------------
     def sampler(self, *, global_batch: int, seq_len: int, seed: int = 0, start_step: int = 0,
-                rampup: BatchRampup | None = None) -> BatchSampler:
+                rampup: BatchRampup | None = None, document_mask: bool = False) -> BatchSampler:
         return BatchSampler(self, global_batch=global_batch, seq_len=seq_len, seed=seed, start_step=start_step,
-                            rampup=rampup)
+                            rampup=rampup, document_mask=document_mask)
 
     def batches(self, global_batch: int, seq_len: int, seed: int = 0, start_step: int = 0) -> BatchSampler:
         """Iterator of (input_ids, labels), each (global_batch, seq_len) int64, from step start_step on."""
         return self.sampler(global_batch=global_batch, seq_len=seq_len, seed=seed, start_step=start_step)
-
-
-# ---- ramp-up -----------------------------------------------------------------------------
-# ---- sampler -----------------------------------------------------------------------------
-class BatchSampler:
-    """Deterministic, resumable batches over a `TokenDataset` (see the module docstring).
-
-    Iterating yields the full global batch of `step` and advances it; `batch(k)` and
-    `rank_batch(k, dp_rank, dp)` read any step without moving the position.
-    """
-
-    def __init__(self, dataset: TokenDataset, *, global_batch: int, seq_len: int, seed: int = 0,
-                 start_step: int = 0, rampup: BatchRampup | None = None):
-        for name, value, low in (("global_batch", global_batch, 1), ("seq_len", seq_len, 1),
-                                 ("seed", seed, 0), ("start_step", start_step, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
-        windows = dataset.num_windows(seq_len)
-        if windows < 1:
-            raise ConfigError(f"{dataset.source} has {len(dataset)} tokens, fewer than one sequence of "
-                              f"seq_len={seq_len} plus its next token; use a shorter seq_len "
-                              f"(at most {len(dataset) - 1}) or more data")
-        self.dataset = dataset
-        self.global_batch = global_batch
-        self.seq_len = seq_len
-        self.seed = seed
-        self.step = start_step
-        self.num_windows = windows
-        if rampup is not None and rampup.final != global_batch:
-            raise ConfigError(f"the ramp-up ends at a global batch of {rampup.final}, the sampler's is {global_batch}")
-        self.rampup = rampup
-        self._offsets = np.arange(seq_len + 1, dtype=np.int64)        # (S+1,)
-
-    @property
-    def epoch(self) -> int:
-        """The epoch (pass over all windows) the next batch starts in."""
-        return self.consumed(self.step) // self.num_windows
-
-    def batch_size(self, step: int) -> int:
-        """Sequences in step `step`'s global batch (smaller during a ramp-up)."""
-        return self.rampup.batch_size(step) if self.rampup is not None else self.global_batch
-
-    def consumed(self, step: int) -> int:
-        """Samples read by the steps before `step`."""
-        return self.rampup.consumed(step) if self.rampup is not None else step * self.global_batch
-
-    @property
-    def steps_per_epoch(self) -> float:
-        return self.num_windows / self.global_batch
-
-    def window_indices(self, step: int, rows: slice | None = None) -> np.ndarray:
-        """Window index of each row of step `step` (only `rows` of them when given)."""
-        rows = rows or slice(0, self.batch_size(step))
-        sample = self.consumed(step) + np.arange(rows.start, rows.stop, dtype=np.int64)   # (rows,)
-        epoch, pos = np.divmod(sample, self.num_windows)
-        out = np.empty_like(sample)
-        for e in np.unique(epoch):          # a batch spans two epochs at most unless it is bigger than one
-            m = epoch == e
-            out[m] = _feistel(pos[m], self.num_windows, _round_keys(self.seed, int(e)))
-        return out
-
-    def batch(self, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels) of step `step` (default: the current one), each (global_batch, seq_len) int64."""
-        step = self.step if step is None else step
-        return self._read(step, slice(0, self.batch_size(step)))
-
-    def rank_batch(self, dp_rank: int, dp: int, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only data-parallel rank `dp_rank`'s rows of `batch(step)`: (global_batch/dp, seq_len) each."""
-        step = self.step if step is None else step
-        lo, hi = _rank_rows(self.batch_size(step), dp_rank, dp)
-        return self._read(step, slice(lo, hi))
-
-    def _read(self, step: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        if step < 0:
-            raise ConfigError(f"step must be >= 0, got {step}")
-        starts = self.window_indices(step, rows) * self.seq_len                  # (rows,)
-        window = np.asarray(self.dataset.tokens[starts[:, None] + self._offsets], dtype=np.int64)  # (rows, S+1)
-        window_t = torch.from_numpy(window)
-        return window_t[:, :-1].contiguous(), window_t[:, 1:].contiguous()      # (rows, S) each
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    # ---- resume --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Position to save in a checkpoint: the next step to read, plus what fixes the order."""
-        return {"version": SAMPLER_STATE_VERSION, "step": self.step, "epoch": self.epoch, "seed": self.seed,
-                "global_batch": self.global_batch, "seq_len": self.seq_len, "num_windows": self.num_windows,
-                "rampup": self.rampup.state() if self.rampup is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position; refuse one whose batches would differ from this sampler's."""
-        if state.get("version") != SAMPLER_STATE_VERSION:
-            raise ConfigError(f"data position version {state.get('version')!r} is not supported "
-                              f"(expects {SAMPLER_STATE_VERSION})")
-        for key, label in (("seed", "seed"), ("global_batch", "global batch"), ("seq_len", "seq_len"),
-                           ("num_windows", "number of data windows"), ("rampup", "batch-size ramp-up")):
-            mine = self.rampup.state() if key == "rampup" and self.rampup is not None else getattr(self, key, None)
-            if state.get(key) != mine:
-                hint = ("the data changed since the checkpoint" if key == "num_windows"
-                        else f"resume with {key}={state.get(key)}")
-                raise ConfigError(f"the checkpoint's data position was saved with {label} {state.get(key)}, "
-                                  f"this run has {mine}; batches would not continue the same "
-                                  f"order: {hint}, or start a fresh run")
-        step = state.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"data position step must be a whole number >= 0, got {step!r}")
-        self.step = step
-
-
-def rank_slice(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
-    """Rows of a global batch that data-parallel rank `dp_rank` of `dp` trains on (a contiguous block)."""
-    lo, hi = _rank_rows(batch.shape[0], dp_rank, dp)
-    return batch[lo:hi]
-
-
-def _rank_rows(global_batch: int, dp_rank: int, dp: int) -> tuple[int, int]:
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ConfigError(f"dp must be a positive whole number, got {dp!r}")
-    if not 0 <= dp_rank < dp:
-        raise ConfigError(f"dp_rank {dp_rank} is outside 0..{dp - 1}")
-    if global_batch % dp:
-        raise ConfigError(f"global batch {global_batch} does not split over dp={dp} data-parallel ranks; "
-                          f"use a global batch that is a multiple of {dp}")
-    n = global_batch // dp
-    return dp_rank * n, (dp_rank + 1) * n
-
-
-# ---- keyed permutation -------------------------------------------------------------------
-_FEISTEL_ROUNDS = 4      # 4 rounds make a Feistel network a pseudorandom permutation (Luby-Rackoff)
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _round_keys(seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng((seed, epoch)).integers(0, 2**63, size=_FEISTEL_ROUNDS, dtype=np.uint64)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (public-domain constants by S. Vigna): a fast 64-bit avalanche hash."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _feistel(pos: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
-    """Image of each index in 0..n-1 under a keyed bijection of 0..n-1 (cycle-walking Feistel)."""
-    half = max(1, ((n - 1).bit_length() + 1) // 2)     # domain 4**half >= n, < 4n: <4 walks expected
-    mask = np.uint64((1 << half) - 1)
-    x = pos.astype(np.uint64)
-    todo = np.ones(x.shape, dtype=bool)
-    with np.errstate(over="ignore"):
-        while todo.any():
-            left, right = x[todo] >> np.uint64(half), x[todo] & mask
-            for k in keys:
-                left, right = right, left ^ (_mix(right ^ k) & mask)
-            x[todo] = (left << np.uint64(half)) | right
-            todo &= x >= np.uint64(n)
-    return x.astype(np.int64)
 
 
 # ---- text files and token files ----------------------------------------------------------
@@ -412,7 +342,7 @@ def _tokenize_to_cache(root: Path, files: list[Path], listing: list, bin_path: P
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _write_json(manifest_path, {"format": TOKEN_FILE_FORMAT, "source": str(root), "tokenizer": tokenizer.TOKENIZER_ID,
+    write_json(manifest_path, {"format": TOKEN_FILE_FORMAT, "source": str(root), "tokenizer": tokenizer.TOKENIZER_ID,
                                 "dtype": "uint16", "vocab_size": tokenizer.VOCAB_SIZE, "num_tokens": count,
                                 "files": [list(x) for x in listing]})
 
@@ -434,7 +364,7 @@ def write_token_file(path: str | os.PathLike, tokens: np.ndarray | list[int], *,
         raise ConfigError(f"token ids must lie in 0..{vocab_size - 1}, got {int(arr.min())}..{int(arr.max())}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(arr.astype(TOKEN_DTYPES[dtype]).tobytes())
-    _write_json(path.with_suffix(".json"), {"format": TOKEN_FILE_FORMAT, "dtype": dtype,
+    write_json(path.with_suffix(".json"), {"format": TOKEN_FILE_FORMAT, "dtype": dtype,
                                             "vocab_size": vocab_size, "num_tokens": int(arr.size)})
     return path
 
@@ -446,23 +376,3 @@ def _refuse_uint32_as_uint16(tokens: np.ndarray, path: Path) -> None:
         raise ConfigError(f"token file {path.name} looks like uint32 data (every second uint16 is 0); "
                           f"pass dtype='uint32', rename it to {path.stem}.uint32.bin, or write a sidecar "
                           f"{path.with_suffix('.json').name}")
-
-
-def _read_json(path: Path, *, strict: bool = True) -> dict | None:
-    """The JSON object in `path`; None when absent (or unreadable and not strict: a cache to rebuild)."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        if not strict:
-            return None
-        raise ConfigError(f"{str(path)!r} is not readable JSON ({e}); fix or delete it") from None
-    return data if isinstance(data, dict) else None
-
-
-def _write_json(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)

@@ -2,15 +2,18 @@
 
 Per step: learning rate from warm-up + cosine or WSD (schedule.py) -> `forward_backward` on the
 global batch (the ParallelModel slices its data-parallel share and micro-batches as planned;
-during a batch-size ramp-up the batch is smaller and only the number of micro-batches changes)
--> global gradient-norm clipping across every shard -> AdamW step -> MoE expert-bias update
-(expert_parallel.MoEBalancer, from the step's global routing counts) -> metrics (loss, grad
-norm, tokens/s, measured vs predicted step time, MFU against the cluster's peak, peak memory,
-MoE routing statistics) on rank 0 -> a checkpoint every `checkpoint_every` steps
+under a batch-size schedule or ramp-up only the number of micro-batches changes: batch_schedule.py)
+-> fp16: unscale the gradients, skip the step on every rank if any saw inf/nan (loss_scale.py)
+-> global gradient-norm clipping across every shard -> AdamW (or Muon: muon.py) step -> MoE expert-bias update
+(expert_parallel.MoEBalancer, from the step's global routing counts) -> metrics (loss, grad and
+parameter norm, tokens/s, measured vs predicted step time, MFU against the cluster's peak, the
+step's peak memory as the max over ranks, MoE routing statistics) on rank 0, also to TensorBoard
+/ wandb when asked (observe.py) -> a checkpoint every `checkpoint_every` steps
 (checkpoint.py; the newest `keep_checkpoints` and every multiple of `keep_every` are kept). If
 the output directory already holds a checkpoint, training resumes from the newest one: model
 (with the MoE expert biases), optimizer, data position, RNG. Otherwise `init_from` may give the
-starting weights (a fine-tuning start: weights only).
+starting weights (a fine-tuning start: weights only). At the end rank 0 prints a run summary and
+writes it to <out_dir>/summary.json.
 
 Exact resume: the data order is a pure function of (seed, step), the optimizer state and every
 weight are restored bit for bit, and the computation after resume runs the same kernels in the
@@ -40,21 +43,27 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import ConfigError
-from meshplan.ir.rampup import BatchRampup
 from meshplan.runtime.expert_parallel import MoEBalancer
 from meshplan.runtime.fp8 import precision_summary
 from meshplan.runtime.parallel import parallelize
 from meshplan.train import checkpoint as ckpt
-from meshplan.train.data import TokenDataset
+from meshplan.train.batch_schedule import (
+    batch_schedule_for,
+    check_pipeline,
+    parse_batch_schedule,
+)
+from meshplan.train.inputs import build_training_data
+from meshplan.train.inputs import check_options as check_data_options
+from meshplan.train.loss_scale import DynamicLossScaler, loss_scaler_for
 from meshplan.train.lr_schedule import lr_at, set_lr
 from meshplan.train.metrics import (
     MetricsLog,
     Progress,
     StepMetrics,
     moe_metrics,
-    peak_memory_gb,
 )
-from meshplan.train.optim import build_optimizer
+from meshplan.train.observe import Loggers, RunSummary, StepMemory, check_loggers
+from meshplan.train.optim import OPTIMIZERS, build_optimizer
 
 __all__ = ["TrainConfig", "TrainResult", "RankHangError", "train"]
 
@@ -78,9 +87,17 @@ class TrainConfig:
     warmup: int = 10
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str | None = None            # "adamw" | "muon" (optim.py, muon.py); None: the plan's layout.optimizer
     grad_clip: float | None = 1.0
     seed: int = 0
-    data: str | None = None                 # None: the embedded corpus
+    data: str | None = None                 # None: the embedded corpus; "A:0.7,B:0.3": a blend (blend.py)
+    tokenizer: str | None = None            # tokenizer directory for text sources (None: bytes; tokenizer.py)
+    text_field: str = "text"                # JSONL / Parquet field holding the text (sources.py)
+    document_mask: bool | None = None       # attention inside documents; None: on for data with boundaries
+    eval_every: int = 0                     # validation loss every N steps (0: never; inputs.py)
+    eval_batches: int = 1                   #   over this many fixed global batches
+    eval_data: str | None = None            #   of this data, or of
+    eval_fraction: float | None = None      #   the last fraction of the training data, held out
     out_dir: str = "meshplan-run"
     checkpoint_every: int = 50              # 0: only at the end
     keep_checkpoints: int = 2
@@ -98,10 +115,17 @@ class TrainConfig:
     wsd_decay_style: str = "linear"         # WSD: "linear", "cosine" or "minus_sqrt"
     keep_every: int = 0                     # also keep every checkpoint whose step is a multiple (milestones)
     rampup_batch_size: tuple[int, int, int] | None = None   # (start, increment, samples), Megatron's ramp-up
+    batch_schedule: tuple[tuple[int, int], ...] | None = None   # ((step, global batch), ...) from that step
+                                            #   on, or "0:64,100:128" (batch_schedule.py)
     init_from: str | None = None            # fine-tune start: model weights only (a checkpoint step_N
                                             #   directory or a transformers safetensors directory)
     profile_steps: tuple[int, int] | None = None   # (first, last) step, 1-based: torch.profiler on every
                                             #   rank over those steps, written to <out_dir>/profile/
+    log: tuple[str, ...] = ()               # also log to "tensorboard" (<out_dir>/tb) and/or "wandb" (observe.py)
+    loss_scaling: str = "auto"              # fp16 dynamic loss scaling: "auto" (when computing in fp16),
+                                            #   "dynamic" (always) or "off" (loss_scale.py)
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 1000           # clean steps before the loss scale doubles
 
     def __post_init__(self) -> None:
         for name in ("steps", "warmup", "checkpoint_every", "keep_checkpoints", "hang_rank"):
@@ -129,6 +153,20 @@ class TrainConfig:
                 raise ConfigError(f"rampup_batch_size must be three whole numbers >= 1 (start, increment, "
                                   f"samples), e.g. (16, 16, 100000); got {r!r}")
             object.__setattr__(self, "rampup_batch_size", tuple(r))
+        if self.batch_schedule is not None:
+            if r is not None:
+                raise ConfigError("give either a batch schedule or a batch-size ramp-up (--rampup-batch-size), "
+                                  "not both; a ramp-up is one kind of schedule")
+            object.__setattr__(self, "batch_schedule", parse_batch_schedule(self.batch_schedule))
+        log = (self.log,) if isinstance(self.log, str) else tuple(self.log or ())
+        object.__setattr__(self, "log", tuple(k for part in log for k in part.split(",") if k))
+        check_loggers(self.log)
+        if self.loss_scaling not in ("auto", "dynamic", "off"):
+            raise ConfigError(f"loss_scaling must be 'auto', 'dynamic' or 'off', got {self.loss_scaling!r}")
+        DynamicLossScaler(scale=self.initial_loss_scale, growth_interval=self.loss_scale_window)   # its checks
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r}: use one of {OPTIMIZERS} (None: the plan's)")
+        check_data_options(self)
         p = self.profile_steps
         if p is not None:
             if not isinstance(p, (tuple, list)) or len(p) != 2 or any(
@@ -143,6 +181,8 @@ class TrainResult:
     start_step: int                         # 0, or the step resumed from
     final_step: int
     checkpoint: str | None                  # the last checkpoint written
+    skipped_steps: tuple[int, ...] = ()     # fp16: steps skipped on inf/nan gradients (this call)
+    summary: dict | None = None             # rank 0: what <out_dir>/summary.json holds (observe.RunSummary)
 
 
 def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset=None) -> TrainResult:
@@ -155,22 +195,20 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     torch.manual_seed(config.seed)
     pm = pm or parallelize(model, plan)
     vocab = _vocab(model)
-    if dataset is None:
-        # rank 0 tokenises (and caches) text first, so the others only read the cache
-        if rank == 0:
-            dataset = TokenDataset.open(config.data)
-        dist.barrier()
-        if rank != 0:
-            dataset = TokenDataset.open(config.data)
-    if vocab:
-        dataset.check_vocab(vocab)
-    rampup = _rampup(plan, config)
-    sampler = dataset.sampler(global_batch=plan.global_batch, seq_len=plan.seq_len, seed=config.seed,
-                              rampup=rampup)
-    # Adam moments in the layout's optimizer_dtype (fp32, or bf16 with fp32 master weights: optim.py)
-    opt = build_optimizer(pm.parameters(), optimizer_dtype=plan.layout.optimizer_dtype, lr=config.lr,
-                          betas=config.betas, weight_decay=config.weight_decay, device=pm.device)
+    batches = batch_schedule_for(plan, config)     # None: the plan's global batch every step
+    check_pipeline(pm, batches)
+    # rank 0 tokenises (and caches) text first, so the others only read the cache (inputs.py)
+    data = build_training_data(config, plan, model, rampup=batches, dataset=dataset, vocab=vocab)
+    sampler = data.sampler
+    # Adam moments in the layout's optimizer_dtype (fp32, or bf16 with fp32 master weights: optim.py);
+    # Muon (muon.py) for the matrices when the config or the plan's layout asks for it
+    optimizer = config.optimizer or getattr(plan.layout, "optimizer", "adamw")
+    opt = build_optimizer(pm.named_parameters(), optimizer_dtype=plan.layout.optimizer_dtype, lr=config.lr,
+                          betas=config.betas, weight_decay=config.weight_decay, device=pm.device,
+                          optimizer=optimizer)
     _report_precisions(pm, plan, out, rank)
+    scaler = loss_scaler_for(pm, config.loss_scaling, initial=config.initial_loss_scale,
+                             growth_interval=config.loss_scale_window)
     start = 0
     checkpoints = ckpt.Checkpointer(out, keep=config.keep_checkpoints, async_save=config.async_checkpoint,
                                     keep_every=config.keep_every)
@@ -184,6 +222,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
         start = int(meta["step"])
         sampler.load_state_dict(meta["data"])
         torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+        if scaler is not None:
+            scaler.load_state_dict(meta.get("loss_scale"))
         if rank == 0:
             print(f"resumed from {last} (step {start})", flush=True)
     predicted = plan.estimate.step_time_s
@@ -191,6 +231,10 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     balancer = _balancer(pm)
     log = MetricsLog(out / "metrics.jsonl") if rank == 0 else None
     bar = Progress(total_steps=config.steps) if rank == 0 and config.progress else None
+    loggers = Loggers(config.log, out, config=asdict(config)) if rank == 0 and config.log else None
+    summary = RunSummary(seq_len=plan.seq_len, start_step=start)
+    memory = StepMemory(pm.device)
+    skipped: list[int] = []
     losses: dict[int, float] = {}
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _bound_collectives(pm, config.collective_timeout_s)     # from here on: set-up (tokenising, loading) is done
@@ -210,21 +254,37 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                        min_lr=config.lr * config.min_lr_ratio, style=config.lr_schedule,
                        decay_steps=config.wsd_decay_steps, decay_style=config.wsd_decay_style)
             set_lr(opt, lr)
-            x, y = sampler.batch(step)
+            batch = sampler.sample(step)
+            x, y = batch.input_ids, batch.labels
             _set_microbatches(pm, balancer, x.shape[0])
             profiler.before(step + 1)
+            memory.begin()
             c0 = time.process_time()
             t0 = time.perf_counter()
             if balancer is not None:
                 balancer.begin_step()
-            loss = pm.forward_backward(x, y)
+            if scaler is not None:
+                pm.loss_scale = scaler.scale
+            loss = pm.forward_backward(x, y) if batch.document_ids is None else \
+                pm.forward_backward(x, y, batch.document_ids)
             c1 = time.process_time()
-            norm = pm.clip_grad_norm(config.grad_clip)
-            opt.step()
+            # fp16: unscale; inf/nan on any rank skips the step on every rank
+            skip = scaler.unscale_and_check(pm) if scaler is not None else False
+            norm = float("nan") if skip else pm.clip_grad_norm(config.grad_clip)
+            if not skip:
+                opt.step()
             pm.zero_grad()
             routing = balancer.finish_step() if balancer is not None else {}   # expert-bias update
             dt = time.perf_counter() - t0
             cpu = time.process_time() - c0
+            scale_used = pm.loss_scale if scaler is not None else None
+            if scaler is not None:
+                scaler.update(skip, step + 1)
+                if skip:
+                    skipped.append(step + 1)
+            param_norm = pm.global_norm("params")   # collective, outside the timed step
+            eval_loss = data.evaluate(pm) if data.eval_due(step + 1, config.steps) else None   # collective
+            peak = memory.end()                     # collective: every rank's peak of this step
             profiler.after(step + 1)
             losses[step + 1] = loss
             if rank == 0:
@@ -236,9 +296,14 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                                 cpu_time_s=cpu, cpu_update_s=cpu - (c1 - c0),
                                 # MFU scales inversely with step time from the plan's own prediction
                                 mfu=(est_mfu * predicted * full / dt) if est_mfu and predicted else None,
-                                peak_memory_gb=peak_memory_gb(pm.device), global_batch=x.shape[0],
-                                **moe_metrics(routing))
+                                peak_memory_gb=peak.peak_gb, peak_memory_rank=peak.rank,
+                                peak_reserved_gb=peak.reserved_gb, param_norm=param_norm,
+                                loss_scale=scale_used, skipped=skip if scaler is not None else None,
+                                global_batch=x.shape[0], eval_loss=eval_loss, **moe_metrics(routing))
                 log.write(m)
+                summary.add(m, memory=peak)
+                if loggers:
+                    loggers.log(m)
                 if bar:
                     bar.update(m)
             done = step + 1
@@ -248,7 +313,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 sampler_state = {**sampler.state_dict(), "step": done}
                 checkpoints.save(done, pm, opt, {
                     "data": sampler_state, "rng": torch.get_rng_state().tolist(),
-                    "layout": plan.layout.to_dict(), "config": asdict(config)})
+                    "loss_scale": scaler.state_dict() if scaler is not None else None,
+                    "layout": plan.layout.to_dict(), "config": asdict(config), "optimizer": optimizer})
             if stopping:
                 break
         written = checkpoints.close()             # waits for a checkpoint still being written
@@ -262,8 +328,13 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             bar.close()
         if log:
             log.close()
-    return TrainResult(losses=losses, start_step=start, final_step=start + len(losses),
-                       checkpoint=str(written) if written else None)
+        if loggers:
+            loggers.close()
+    checkpoint = str(written) if written else None
+    report = summary.finish(out, checkpoint=checkpoint, loss_scale=scaler.scale if scaler else None) \
+        if rank == 0 else None
+    return TrainResult(losses=losses, start_step=start, final_step=start + len(losses), checkpoint=checkpoint,
+                       skipped_steps=tuple(skipped), summary=report)
 
 
 class _StepProfiler:
@@ -297,20 +368,6 @@ class _StepProfiler:
         n = self.steps[1] - self.steps[0] + 1
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
         (d / f"rank{self.rank}.txt").write_text(f"steps {self.steps[0]}..{self.steps[1]} ({n} steps), rank {self.rank}\n{table}\n")
-
-
-def _rampup(plan, config: TrainConfig):
-    """The batch-size ramp-up of `config` for `plan` (None without one); refuses batches that do
-    not split into the plan's micro-batches on every data-parallel rank."""
-    if config.rampup_batch_size is None:
-        return None
-    lay = plan.layout
-    if plan.mesh.get("pp", 1) > 1:
-        raise ConfigError(f"--rampup-batch-size with pipeline parallelism (pp={plan.mesh['pp']}) is not supported: "
-                          "the pipeline schedule is built for the plan's micro-batch count; re-plan with "
-                          "fixed={'pp': 1} or train without a ramp-up")
-    start, increment, samples = config.rampup_batch_size
-    return BatchRampup(start, increment, samples, final=plan.global_batch, multiple=plan.mesh.get("dp", 1) * lay.mbs)
 
 
 def _set_microbatches(pm, balancer, batch: int) -> None:

@@ -32,7 +32,7 @@ from typing import IO, Any
 from meshplan.errors import ConfigError
 
 __all__ = ["StepMetrics", "MetricsLog", "read_metrics", "moe_metrics", "Progress", "format_progress", "mfu",
-           "peak_memory_gb", "reset_peak_memory", "human_count"]
+           "peak_memory_gb", "peak_reserved_gb", "reset_peak_memory", "human_count"]
 
 GIB = 1 << 30
 
@@ -54,8 +54,14 @@ class StepMetrics:
                                            #   clipping, optimizer, routing statistics): the cost model's
                                            #   optimizer + overhead terms, apart from the loss all-reduce
     mfu: float | None = None               # fraction of peak, 0..1
-    peak_memory_gb: float | None = None
+    peak_memory_gb: float | None = None    # this step's peak, max over ranks (see peak_memory_gb())
+    peak_memory_rank: int | None = None    # the rank that had it
+    peak_reserved_gb: float | None = None  # CUDA: the caching allocator's reserved peak (max over ranks)
+    param_norm: float | None = None        # global L2 norm of the weights (every shard, as one model)
+    loss_scale: float | None = None        # fp16 dynamic loss scale used this step
+    skipped: bool | None = None            # fp16: the step saw inf/nan gradients and did not update
     global_batch: int | None = None        # sequences this step (changes during a batch-size ramp-up)
+    eval_loss: float | None = None         # validation loss after this step (steps where it was measured)
     moe_imbalance: float | None = None     # MoE: max over layers of max/mean tokens per expert
     moe_imbalance_mean: float | None = None
     moe_aux_loss: float | None = None      # mean over layers, before the coefficient
@@ -68,7 +74,7 @@ class StepMetrics:
             raise ConfigError(f"step must be a whole number >= 0, got {self.step!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in ("step", "moe_layers") and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if f.name not in ("step", "moe_layers", "skipped") and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ConfigError(f"metric {f.name} must be a number, got {v!r}")
         for name in ("step_time_s", "tokens_per_s"):
             if not getattr(self, name) >= 0:
@@ -77,7 +83,8 @@ class StepMetrics:
     def to_dict(self) -> dict[str, Any]:
         # JSON has no NaN/inf: a diverged loss is written as null, not as an unparsable token;
         # fields that are None and not in every record (batch, MoE) are left out
-        optional = ("global_batch", "moe_imbalance", "moe_imbalance_mean", "moe_aux_loss", "moe_z_loss",
+        optional = ("peak_memory_rank", "peak_reserved_gb", "param_norm", "loss_scale", "skipped",
+                    "global_batch", "eval_loss", "moe_imbalance", "moe_imbalance_mean", "moe_aux_loss", "moe_z_loss",
                     "moe_dropped", "moe_layers")
         return {k: _finite(v) for k, v in asdict(self).items() if not (k in optional and v is None)}
 
@@ -172,6 +179,8 @@ def format_progress(m: StepMetrics, total_steps: int | None = None) -> str:
     """'step 12/100 loss 3.21 tok/s 4.1k step 0.84 s (pred 0.80 s) mfu 1.2%' (absent parts left out)."""
     parts = [f"step {m.step}/{total_steps}" if total_steps else f"step {m.step}", f"loss {m.loss:.2f}",
              f"tok/s {human_count(m.tokens_per_s)}"]
+    if m.eval_loss is not None:
+        parts.insert(2, f"eval loss {m.eval_loss:.2f}")
     timing = f"step {m.step_time_s:.2f} s"
     if m.predicted_step_time_s is not None:
         timing += f" (pred {m.predicted_step_time_s:.2f} s)"
@@ -182,6 +191,8 @@ def format_progress(m: StepMetrics, total_steps: int | None = None) -> str:
         parts.append(f"mem {m.peak_memory_gb:.1f} GB")
     if m.global_batch is not None:
         parts.append(f"batch {m.global_batch}")
+    if m.skipped:
+        parts.append(f"skipped (inf/nan gradients; loss scale -> {m.loss_scale:g})")
     if m.moe_imbalance is not None:
         moe = f"moe max/mean {m.moe_imbalance:.2f}"
         if m.moe_aux_loss is not None:
@@ -233,21 +244,54 @@ def mfu(model_flops_per_step: float, step_time_s: float, peak_flops_per_gpu: flo
     return model_flops_per_step / (step_time_s * peak_flops_per_gpu * num_gpus)
 
 
-def peak_memory_gb(device: Any = None) -> float:
-    """Peak memory in GiB since the last reset: on CUDA, torch's max allocated bytes on `device`;
-    on CPU, the peak resident set size (max RSS) of this whole process, which also counts the
-    Python interpreter and torch itself and never resets."""
+def _on_cuda(device: Any) -> bool:
     import torch
     dev = torch.device(device) if device is not None else None
-    if (dev is None and torch.cuda.is_available()) or (dev is not None and dev.type == "cuda"):
-        return torch.cuda.max_memory_allocated(dev) / GIB
+    return (dev is None and torch.cuda.is_available()) or (dev is not None and dev.type == "cuda")
+
+
+def peak_memory_gb(device: Any = None) -> float:
+    """Peak memory in GiB since the last `reset_peak_memory`: on CUDA, torch's max allocated bytes
+    on `device`; on CPU, the peak resident set size of this whole process (Linux: VmHWM, which a
+    reset sets back to the current RSS; elsewhere the max RSS of the process's life). The CPU
+    number counts everything resident - the interpreter, torch, the data - not only tensors."""
+    import torch
+    if _on_cuda(device):
+        return torch.cuda.max_memory_allocated(device) / GIB
+    hwm = _proc_status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024 / GIB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024) / GIB     # Linux reports KiB, macOS bytes
 
 
-def reset_peak_memory(device: Any = None) -> None:
-    """Start a new peak for `peak_memory_gb` (CUDA only; the CPU max RSS cannot be reset)."""
+def peak_reserved_gb(device: Any = None) -> float | None:
+    """CUDA: the caching allocator's peak reserved bytes since the last reset (GiB); None on CPU."""
     import torch
-    dev = torch.device(device) if device is not None else None
-    if (dev is None and torch.cuda.is_available()) or (dev is not None and dev.type == "cuda"):
-        torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.max_memory_reserved(device) / GIB if _on_cuda(device) else None
+
+
+def reset_peak_memory(device: Any = None) -> bool:
+    """Start a new peak for `peak_memory_gb`; False where the platform cannot (a CPU process
+    off Linux: its max RSS only grows)."""
+    import torch
+    if _on_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:        # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

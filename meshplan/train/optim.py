@@ -1,4 +1,8 @@
-"""The optimizer the plan's layout asks for: AdamW with fp32 or bf16 moments.
+"""The optimizer the plan's layout asks for: AdamW with fp32 or bf16 moments, or Muon.
+
+`Layout.optimizer` picks the algorithm: "adamw" (below) or "muon" (train/muon.py: Muon for the
+hidden matrices, orthogonalised by Newton-Schulz on one owner rank per matrix, AdamW for
+embeddings, head, norms and routers; `optimizer_dtype` does not apply to it).
 
 `Layout.optimizer_dtype` (cost_models/layout.py) is the dtype of Adam's two moments:
 
@@ -21,9 +25,10 @@ import torch
 
 from meshplan.errors import ConfigError
 
-__all__ = ["AdamWBF16Moments", "build_optimizer", "OPTIMIZER_DTYPES"]
+__all__ = ["AdamWBF16Moments", "build_optimizer", "OPTIMIZER_DTYPES", "OPTIMIZERS"]
 
 OPTIMIZER_DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "muon")
 
 
 class AdamWBF16Moments(torch.optim.AdamW):
@@ -53,10 +58,7 @@ class AdamWBF16Moments(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             dtype = self.moment_dtype
@@ -82,6 +84,15 @@ class AdamWBF16Moments(torch.optim.AdamW):
         return loss
 
 
+def closure_loss(closure):
+    """torch.optim's closure convention: re-evaluate the loss with gradients enabled (inside a step
+    that runs under no_grad), or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
@@ -97,13 +108,21 @@ def _te_fused_adam(params, **kw):
 
 def build_optimizer(params, *, optimizer_dtype: str = "fp32", lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                     weight_decay: float = 0.0, device: torch.device | None = None,
-                    use_transformer_engine: bool = False) -> torch.optim.Optimizer:
-    """AdamW with the moments in `optimizer_dtype` (see the module docstring). TE's FusedAdam only
-    when asked (`use_transformer_engine`) on CUDA and installed: it does not take DTensor
-    parameters (TP/FSDP2 shards), so meshplan's own AdamWBF16Moments is the default."""
+                    use_transformer_engine: bool = False, optimizer: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW with the moments in `optimizer_dtype` (see the module docstring), or `optimizer="muon"`
+    (train/muon.py; `params` must then be (name, parameter) pairs: the names tell the embedding,
+    head and routers, which stay on AdamW). `params` may be (name, parameter) pairs for AdamW too.
+    TE's FusedAdam only when asked (`use_transformer_engine`) on CUDA and installed: it does not
+    take DTensor parameters (TP/FSDP2 shards), so meshplan's own AdamWBF16Moments is the default."""
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer={optimizer!r}: use one of {OPTIMIZERS}")
     if optimizer_dtype not in OPTIMIZER_DTYPES:
         raise ConfigError(f"optimizer_dtype={optimizer_dtype!r}: use one of {OPTIMIZER_DTYPES}")
     params = list(params)
+    if optimizer == "muon":
+        from meshplan.train.muon import Muon
+        return Muon(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    params = [p[1] if isinstance(p, tuple) else p for p in params]
     if optimizer_dtype == "fp32":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if use_transformer_engine and device is not None and device.type == "cuda":

@@ -174,6 +174,14 @@ def test_megatron_fp8_moe_and_fsdp(plans):
     lead = _flag(a, "--num-layers-at-start-in-bf16") if "--first-last-layers-bf16" in a else "0"
     assert "0" not in layers_in_fp8 or lead == "0"
     assert fp8.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}      # tp=2 before Blackwell
+    # the plan's own scaling, not always tensorwise; torchao's row-wise scaling has no Megatron name
+    import dataclasses
+    blockwise = dataclasses.replace(plans["fp8"], layout=dataclasses.replace(plans["fp8"].layout,
+                                                                             fp8_recipe="blockwise"))
+    assert _flag(list(ex.megatron_export(blockwise).args), "--fp8-recipe") == "blockwise"
+    rowwise = dataclasses.replace(plans["fp8"], layout=dataclasses.replace(plans["fp8"].layout, fp8_recipe="rowwise"))
+    with pytest.raises(ConfigError, match=r"no FP8 scaling 'rowwise'.*fixed=\{'fp8_recipe': 'tensorwise'\}"):
+        ex.megatron_export(rowwise)
     moe = ex.megatron_export(plans["moe"])
     m = list(moe.args)
     assert (_flag(m, "--expert-model-parallel-size"), _flag(m, "--expert-tensor-parallel-size")) == ("8", "1")

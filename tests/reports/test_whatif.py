@@ -353,3 +353,21 @@ def test_cli_whatif_bad_value_is_an_error(capsys):
     assert "15Q" in err and "15T, 300B" in err
     assert main(["whatif", "--tokens", "1T", "--gpu", "b200", "--gpus", "12"]) == 2
     assert "multiples of 8" in capsys.readouterr().err
+
+
+def test_parallel_sweep_equals_the_serial_one(sweep):
+    """jobs=2 plans the points in two worker processes (reports/whatif_pool.py): the same rows, in
+    the same order, and the same chosen plan as planning them here."""
+    par = whatif(_profile("llama3-8b"), tokens="1T", seq_len=SEQ, global_batch=GB, gpus=("h100-sxm", "b200"),
+                 counts=(8, 16, 64), deadline_days=30, budget_usd="150k", progress=False, jobs=2)
+    key = lambda w: [(r.gpu, r.num_gpus, r.status, r.layout, r.step_time_s, r.peak_memory_gb) for r in w.rows]
+    assert key(par) == key(sweep)
+    assert par.chosen == sweep.chosen
+    strip = lambda p: {k: v for k, v in p.items() if k != "search"}      # search carries its own timing
+    assert strip(par.chosen_plan) == strip(sweep.chosen_plan)
+
+
+def test_jobs_must_be_a_positive_whole_number():
+    with pytest.raises(ConfigError, match="jobs"):
+        whatif(_profile("llama3-8b"), tokens="1T", seq_len=SEQ, global_batch=GB, gpus=("h100-sxm",), counts=(8,),
+               progress=False, jobs=0)

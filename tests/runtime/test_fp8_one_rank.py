@@ -128,6 +128,15 @@ def test_missing_backend_fails_before_training_naming_the_package(monkeypatch, t
         fp8_mod.resolve_backend("te", torch.device("cpu"))
     monkeypatch.setattr(fp8_mod, "backend_available", lambda name: name == "torchao")
     assert fp8_mod.resolve_backend("auto", torch.device("cuda")) == "torchao"    # no TE: torchao on GPUs too
+    # with only Transformer Engine installed on a GPU, a tp > 1 plan cannot run on it: "auto" names torchao
+    # before launch (TE's linears are not DTensor modules), as the ranks would
+    import dataclasses
+    monkeypatch.setattr(fp8_mod, "backend_available", lambda name: name == "te")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_fp8_backend(plan, args)                                                  # tp 1: TE runs it
+    tp2 = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2))
+    with pytest.raises(ConfigError, match="torchao package is not installed"):
+        check_fp8_backend(tp2, args)
 
 
 # ---- loss trajectories ----------------------------------------------------------------------------
