@@ -10,6 +10,7 @@ import meshplan as mp
 from meshplan.planner import search as S
 from meshplan.planner.analytic import profile_from_config
 from meshplan.planner.bound import MeshBound, policies_of
+from meshplan.planner import build as build_module
 from meshplan.planner.build import build_plan
 
 CASES = [  # (model, cluster preset, GPUs, seq, global batch, precisions, stack)
@@ -67,6 +68,9 @@ def test_bound_is_below_every_estimate_and_the_bounded_search_plans_as_the_full_
     assert fast.stats["estimates"] <= full.stats["estimates"]
     if cl.num_gpus >= 128:
         assert fast.stats["pruned_bound"] > 0
+    # the stage-split ILP that build_plan runs on the leading candidates stops at a time limit (its
+    # answer may differ between two runs on a loaded machine): outside what the bound decides
+    monkeypatch.setattr(build_module, "refine_stages", lambda profile, cluster, e, **kw: e)
     plans = [build_plan(prof, cl, r, seq_len=seq, global_batch=gb, stack=stack) for r in (full, fast)]
     assert plans[0].layout == plans[1].layout
     assert plans[0].estimate.step_time_s == plans[1].estimate.step_time_s
