@@ -22,7 +22,7 @@ def parse_layout(text: str) -> dict:
                 out[k] = int(v)
             except ValueError:
                 raise MeshplanError(f"layout {k}={v!r}: must be an integer") from None
-        elif k in ("sp", "tp_comm_overlap", "flash_attention"):
+        elif k in ("sp", "tp_comm_overlap", "flash_attention", "offload_activations"):
             out[k] = v.lower() in ("1", "true", "yes", "on")
         elif k == "recompute" and v.isdigit():
             out[k] = int(v)

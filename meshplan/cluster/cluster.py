@@ -256,6 +256,10 @@ class Cluster:
         del data["name"]
         for key in ("name", "sources", "price_source"):
             del data["gpu"][key]
+        # the host link and host memory price only activation offloading: left out so that plans
+        # saved before these figures existed still match their cluster
+        for key in ("host_link_gb_s", "host_mem_gb"):
+            data["gpu"].pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
     def __repr__(self) -> str:

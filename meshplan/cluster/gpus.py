@@ -65,10 +65,30 @@ _GB300_FP8_MAMF = 3353.3 * 3615.6 / 3432.5       # = 3532.2 of 5000
 _BLACKWELL_LINK_RATIO = 900.0 / 900.0
 # 8x H100 PCIe (no NVSwitch) all-reduce: 35-45 GB/s busbw (hardware.csv, alayanew nccl-tests blog).
 _H100_PCIE_BUSBW = 40.0
+# Host side, for activation offloading (cost_models/offload.py). PCIe Gen5 x16 runs 64 GB/s per
+# direction raw (63 GB/s in ml-engineering network/README.md's intra-node table); pinned-memory
+# copies reach about 50-55 GB/s per direction on H100 SXM hosts: the low end is taken (judgement:
+# a DGX H100's GPUs share their PCIe switches with the NICs). Gen4 x16 (A100, L40S): 31.5 GB/s raw,
+# the same achieved fraction.
+_PCIE5_HOST_GB_S = 50.0
+_PCIE4_HOST_GB_S = 25.0
+# NVLink-C2C: 900 GB/s bidirectional, 450 per direction, per Grace superchip (NVIDIA GH200 and GB200
+# NVL72 datasheets). A GB200 / GB300 Grace serves two Blackwell GPUs: each is taken to get half when
+# both offload at once (estimate; GH200, one GPU per Grace, would get all 450).
+_C2C_PER_GPU_GB_S = 450.0 / 2
+# Host DRAM per server: DGX H100 datasheet "System Memory 2TB" (DGX H200, B200 and B300 datasheets:
+# 2 TB standard, up to 4 TB); DGX A100 datasheet: 1 TB (2 TB optional on the 640 GB model); GB200 NVL72
+# datasheet: up to 17 TB LPDDR5X over 36 Grace CPUs, 480 GB each; MI300X platforms: estimate 2 TB
+# (Azure ND MI300X v5 VMs expose 1.85 TB).
+_DGX_H100_HOST_GB = 2048.0
+_DGX_A100_HOST_GB = 1024.0
+_GRACE_LPDDR_GB = 480.0
+_MI300X_HOST_GB = 2048.0
 
 _GPU_LIST: tuple[GPUSpec, ...] = (
     GPUSpec(
         id="a100-40gb", name="NVIDIA A100 SXM4 40GB",
+        host_link_gb_s=_PCIE4_HOST_GB_S, host_mem_gb=_DGX_A100_HOST_GB,
         bf16_tflops=312.0, fp8_tflops=None, hbm_gb=40.0, hbm_tb_s=1.555,
         gemm_efficiency=271.2 / 312.0, fp8_gemm_efficiency=None,   # MAMF 271.2 (A100 SXM)
         scaleup="nvswitch", scaleup_gb_s=300.0, scaleup_domain=8,
@@ -80,6 +100,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="a100-80gb", name="NVIDIA A100 SXM4 80GB",
+        host_link_gb_s=_PCIE4_HOST_GB_S, host_mem_gb=_DGX_A100_HOST_GB,
         bf16_tflops=312.0, fp8_tflops=None, hbm_gb=80.0, hbm_tb_s=2.039,
         gemm_efficiency=271.2 / 312.0, fp8_gemm_efficiency=None,
         scaleup="nvswitch", scaleup_gb_s=300.0, scaleup_domain=8,
@@ -90,6 +111,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="h100-sxm", name="NVIDIA H100 SXM5 80GB",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=80.0, hbm_tb_s=3.35,
         gemm_efficiency=794.5 / 989.0, fp8_gemm_efficiency=1402.6 / 1979.0,
         scaleup="nvswitch", scaleup_gb_s=450.0, scaleup_domain=8,
@@ -100,6 +122,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="h100-sxm-96gb-500w", name="NVIDIA H100 SXM 96GB HBM2e (500 W limit, Grand Teton)",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # estimate: Grand Teton not published
         # The same GH100 silicon: nominal peaks stay the H100 SXM datasheet's, so MFU reads as
         # torchtitan reports it ("we use the peak number of SXM directly"). The 500 W cap is in the
         # efficiencies (estimate, see _H100_500W_PEAK_RATIO): ~712 BF16 / ~1257 FP8 TFLOPS achieved.
@@ -122,6 +145,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="h100-pcie", name="NVIDIA H100 PCIe 80GB",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=1024.0,   # estimate: a PCIe server, 1 TB
         bf16_tflops=756.0, fp8_tflops=1513.0, hbm_gb=80.0, hbm_tb_s=2.0,
         # estimate: no MAMF entry; H100 SXM efficiency x the PCIe penalty seen on A100
         gemm_efficiency=794.5 / 989.0 * PCIE_MAMF_PENALTY,
@@ -139,6 +163,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="h800", name="NVIDIA H800 SXM5 80GB",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # estimate: an HGX H100 host
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=80.0, hbm_tb_s=3.35,   # H100 SXM silicon
         gemm_efficiency=794.5 / 989.0, fp8_gemm_efficiency=1402.6 / 1979.0,
         scaleup="nvswitch", scaleup_gb_s=450.0 * _H800_LINK_RATIO, scaleup_domain=8,
@@ -155,6 +180,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="h200", name="NVIDIA H200 SXM 141GB",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # DGX H200: 2 TB
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=141.0, hbm_tb_s=4.8,
         gemm_efficiency=794.5 / 989.0,    # MAMF table: "H200 is the same" as H100
         fp8_gemm_efficiency=1453.4 / 1979.0,
@@ -167,6 +193,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="b200", name="NVIDIA B200 (HGX/DGX, 1000 W)",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # DGX B200: 2 TB (to 4 TB)
         bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_gb=180.0, hbm_tb_s=8.0,   # 180 usable of 192
         gemm_efficiency=1745.0 / 2250.0, fp8_gemm_efficiency=3432.5 / 4500.0,
         scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=8,
@@ -179,6 +206,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="gb200", name="NVIDIA GB200 (NVL72, per GPU)",
+        host_link_gb_s=_C2C_PER_GPU_GB_S, host_mem_gb=2 * _GRACE_LPDDR_GB,   # 4 GPUs, 2 Grace per tray
         bf16_tflops=2500.0, fp8_tflops=5000.0, hbm_gb=186.0, hbm_tb_s=8.0,
         gemm_efficiency=1822.0 / 2500.0, fp8_gemm_efficiency=3615.6 / 5000.0,
         scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=72, node_gpus=4,
@@ -195,6 +223,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="b300", name="NVIDIA B300 (HGX/DGX B300, Blackwell Ultra)",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # DGX B300: 2 TB, Gen5 hosts
         # Dense BF16/FP8 as B200's (DGX B300 datasheet); Blackwell Ultra raised dense FP4 (B200 9 PF
         # -> 12.6-14 PF, by source) and cut FP64 (37 -> 1.25 TF, glennklockwood.com B300), neither
         # of which the cost model prices. 288 GB per the datasheet (DGX B300: 2.3 TB per 8 GPUs);
@@ -217,6 +246,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="gb300", name="NVIDIA GB300 (NVL72, per GPU)",
+        host_link_gb_s=_C2C_PER_GPU_GB_S, host_mem_gb=2 * _GRACE_LPDDR_GB,   # estimate: GB200's Grace
         # Per GPU of the NVL72 rack: 180 PF BF16 / 360 PF FP8 dense, 20 TB HBM3e at 576 TB/s, 130 TB/s
         # NVLink over 72 GPUs. Dense BF16/FP8 as GB200's; FP4 raised (10 -> 15 PF).
         bf16_tflops=2500.0, fp8_tflops=5000.0, hbm_gb=288.0, hbm_tb_s=8.0,
@@ -240,6 +270,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="mi300x", name="AMD Instinct MI300X",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_MI300X_HOST_GB,
         bf16_tflops=1307.4, fp8_tflops=2614.9, hbm_gb=192.0, hbm_tb_s=5.3,
         gemm_efficiency=668.4 / 1307.4,   # community MAMF (AMD's own MAF: 708, i.e. 0.54)
         fp8_gemm_efficiency=1273.0 / 2614.9,   # AMD MAF table; no community FP8 figure
@@ -255,6 +286,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="mi325x", name="AMD Instinct MI325X",
+        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_MI300X_HOST_GB,   # estimate: as MI300X platforms
         bf16_tflops=1307.4, fp8_tflops=2614.9, hbm_gb=256.0, hbm_tb_s=6.0,
         gemm_efficiency=784.9 / 1307.4, fp8_gemm_efficiency=1519.0 / 2614.9,
         scaleup="xgmi", scaleup_gb_s=448.0, scaleup_domain=8,
@@ -266,6 +298,7 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
     ),
     GPUSpec(
         id="l40s", name="NVIDIA L40S",
+        host_link_gb_s=_PCIE4_HOST_GB_S, host_mem_gb=1024.0,   # estimate: inference servers, 1 TB
         bf16_tflops=362.0, fp8_tflops=733.0, hbm_gb=48.0, hbm_tb_s=0.864,   # GDDR6
         # estimate: no MAMF entry; H100 SXM efficiency x the PCIe penalty seen on A100
         gemm_efficiency=794.5 / 989.0 * PCIE_MAMF_PENALTY,
@@ -298,6 +331,9 @@ def cpu_gpu_spec(nproc: int = 4) -> GPUSpec:
     _check_int("local-cpu", "nproc", nproc)
     return GPUSpec(
         id="cpu", name=f"CPU process (1 of {nproc} on this host)",
+        # offloading on CPU processes copies within the same RAM: a memcpy at the host's share of
+        # bandwidth, into the RAM the processes already share (tests exercise the mechanism, nothing is saved)
+        host_link_gb_s=CPU_HOST_MEM_TB_S * 1000.0 / nproc, host_mem_gb=_host_ram_gb(),
         bf16_tflops=CPU_HOST_BF16_TFLOPS / nproc, fp8_tflops=None,   # FP8 is emulated, no speed-up
         fp32_tflops=CPU_HOST_FP32_TFLOPS / nproc,
         hbm_gb=_host_ram_gb() / nproc, hbm_tb_s=CPU_HOST_MEM_TB_S / nproc,

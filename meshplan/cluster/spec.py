@@ -55,6 +55,11 @@ class GPUSpec:
     # measures it; the cost model scales its host-work rates (dispatch, element-wise, SDPA, gloo
     # host work) by it (host.cpu_rate_scale). None: derived from the matmul rate.
     cpu_op_us: float | None = None
+    # The host side, for activation offloading (cost_models/offload.py): the achieved copy rate
+    # between host memory (pinned) and this GPU, per direction (GB/s), and the host DRAM of one server
+    # of `node_gpus` GPUs (GB). None: not known; the cost model takes PCIe Gen5's and a DGX H100's.
+    host_link_gb_s: float | None = None
+    host_mem_gb: float | None = None
 
     def __post_init__(self) -> None:
         where = f"GPU {self.id!r}"
@@ -67,7 +72,8 @@ class GPUSpec:
         for name in ("bf16_tflops", "hbm_gb", "hbm_tb_s", "scaleup_gb_s", "scaleup_busbw_gb_s",
                      "nic_gbit", "nic_busbw_gb_s"):
             _check_positive(where, name, getattr(self, name))
-        for name in ("fp8_tflops", "nvls_busbw_gb_s", "per_peer_gb_s", "tdp_w", "fp32_tflops", "cpu_op_us"):
+        for name in ("fp8_tflops", "nvls_busbw_gb_s", "per_peer_gb_s", "tdp_w", "fp32_tflops", "cpu_op_us",
+                     "host_link_gb_s", "host_mem_gb"):
             if getattr(self, name) is not None:
                 _check_positive(where, name, getattr(self, name))
         if self.price_usd_per_hour is not None:

@@ -20,11 +20,19 @@ from meshplan.cost_models.memory import (
     adam_bytes,
     deepep_buffer_bytes,
     grad_bytes,
+    grad_store_bytes,
     optimizer_bytes,
     state_bytes,
     zero3_working_bytes,
 )
 from meshplan.cost_models.muon import muon_rank_memory, muon_rank_time
+from meshplan.cost_models.offload import (
+    HOST_CATEGORY,
+    frees_device_memory,
+    host_capacity_gb,
+    offload_memory,
+    offload_ranks,
+)
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
 from meshplan.cost_models.ranks import (
     LayerTable,
@@ -210,14 +218,16 @@ def _activation_bytes(w: RankWork, r: int, profile: ModelProfile, L: Layout, m: 
 
 
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
-                 fp8: bool, pp_deferred: bool = False) -> dict[str, float]:
+                 fp8: bool, pp_deferred: bool = False, grad_store: float | None = None) -> dict[str, float]:
     """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
     keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
-    reduce-scatter."""
+    reduce-scatter. grad_store: bytes per held gradient (memory.grad_store_bytes; None: the
+    reduction's dtype)."""
     shard = L.shard
     gb, ob = grad_bytes(L), optimizer_bytes(L)    # fp32 master + Adam moments in L.optimizer_dtype
-    sd = state_bytes(w.dparams, shard, L.zero, grad_bytes=gb, optimizer_bytes=ob)
-    se = state_bytes(w.eparams, L.edp, L.zero, grad_bytes=gb, optimizer_bytes=ob)
+    gs = gb if grad_store is None else grad_store
+    sd = state_bytes(w.dparams, shard, L.zero, grad_bytes=gs, optimizer_bytes=ob)
+    se = state_bytes(w.eparams, L.edp, L.zero, grad_bytes=gs, optimizer_bytes=ob)
     mem = {k: sd[k] + se[k] for k in sd}
     if L.zero >= 3 and shard > 1 and not L.reshard_after_forward:
         # weights gathered in forward stay until their backward: all of them at the peak
@@ -298,7 +308,7 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
         if first is None:
             seen[key] = r
             out.append(rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
-                                 grad_buffer_bytes=grad_bytes(L)))
+                                 grad_buffer_bytes=grad_store_bytes(L, stack)))
         else:
             w = out[first]
             twin = copy.copy(w)     # the same work: only the layer indices and the twin differ
@@ -324,6 +334,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     fitted: the fitted constants (constants.Fitted); None: the shipped fit, constants.FITTED."""
     L = Layout.coerce(layout)
     stack = resolve_stack(stack, default="reference")
+    if L.offload_activations and stack.compile and not stack.compile_offloaded:
+        stack = stack.replace(compile=False)       # offloaded blocks run eagerly (Stack.compile_offloaded)
     if grad_accum_fusion is None:
         grad_accum_fusion = L.grad_accum_fusion and stack.grad_accum_fusion
     recipe = fp8_recipe or L.fp8_recipe
@@ -335,6 +347,11 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     # forced balance prices the MoE layers at exactly their mean load (layer.routing_layout)
     ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe,
                         stack, fitted or K.FITTED)
+    # activation offloading (cost_models/offload.py) adds its exposed copies to each rank's passes
+    off = offload_ranks(ranks, layer_table(profile, cluster, L, seq_len=seq_len, precision="fp8" if fp8 else "bf16",
+                                           fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack,
+                                           fitted=fitted or K.FITTED), L, cluster, m) \
+        if L.offload_activations else None
     busy, bubble = pipeline_time(L.schedule, m, L.vp, [w.fb for w in ranks], [w.wgrad for w in ranks])
     dev = device_of(cluster)
     bubble = dev.pipeline_bubble(cluster, L, busy, bubble)
@@ -353,10 +370,13 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     mem_stages: list[dict[str, float]] = []
     for r, w in enumerate(ranks):
         if w.twin is None:
-            mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred))
+            mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred,
+                                           grad_store_bytes(L, stack)))
         else:       # a twin holds what its twin holds but for the micro-batches in flight
             mem_stages.append(dict(mem_stages[w.twin],
                                    activations=_activation_bytes(w, r, profile, L, m, ctx.tokens) / GB))
+    if off is not None:     # the offloaded activations move to the host (a category apart)
+        offload_memory(mem_stages, off, GB, frees_device_memory(cluster))
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
     overhead = dev.step_overhead(profile, cluster, L, ranks)
@@ -365,6 +385,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     time_s = {"compute": m * w.parts["compute"], "tp": m * w.parts["tp"], "cp": m * w.parts["cp"],
               "ep": m * w.parts["ep"], "pp": pp_exposed, "dp": dp_exposed, "bubble": bubble,
               "optimizer": opt_max, "overhead": overhead}
+    if off is not None:
+        time_s["offload"] = m * (off[slow].fwd_s + off[slow].bwd_s)
     # the busy time also includes layer overheads folded into compute; keep the split summing to the step
     time_s["compute"] += step - sum(time_s.values())
     comm_s = {"tp": m * w.comm["tp"], "cp": m * w.comm["cp"], "ep": m * w.comm["ep"], "pp": pp_total, "dp": dp_total}
@@ -376,9 +398,12 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
               mem_stages: list[dict], m: int, seq_len: int, global_batch: int, precision: str,
               stack: Stack, recipe: str) -> Estimate:
     """Throughput, FLOP rates, memory peak, bottleneck and uncertainty band around a step time."""
-    totals = [sum(s.values()) for s in mem_stages]
+    # offloaded activations (HOST_CATEGORY) live in host memory: checked against the host's, not the GPU's
+    totals = [sum(v for k, v in s.items() if k != HOST_CATEGORY) for s in mem_stages]
     peak_stage = max(range(len(totals)), key=lambda r: totals[r])
     peak, capacity = totals[peak_stage], cluster.usable_memory_gb
+    host_peak = max(s.get(HOST_CATEGORY, 0.0) for s in mem_stages)
+    host_over = host_peak > 0 and host_peak > host_capacity_gb(cluster)
     n = cluster.num_gpus
     tokens = float(seq_len) * global_batch
     mflops = _model_flops(profile, seq_len, global_batch)
@@ -405,10 +430,13 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
         model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,
         mfu=model_tflops * 1e12 / peak_flops, hfu=hw_tflops * 1e12 / peak_flops,
         peak_memory_gb=peak, memory_gb=dict(mem_stages[peak_stage]), memory_by_stage=tuple(mem_stages),
-        capacity_gb=capacity, fits=peak <= capacity, time_s=time_s, comm_s=comm_s,
+        capacity_gb=capacity, fits=peak <= capacity and not host_over, time_s=time_s, comm_s=comm_s,
         num_microbatches=m, peak_stage=peak_stage, layout=L.to_dict(), seq_len=seq_len,
         global_batch=global_batch, precision=precision, model=profile.name, cluster=cluster.name,
-        num_gpus=n, bottleneck=_bottleneck(time_s, step, peak, capacity), uncertainty=band, uncertainty_s=band_s,
+        num_gpus=n, bottleneck=_bottleneck(time_s, step, peak, capacity) if not host_over or peak > capacity else
+        (f"host memory: offloaded activations need {host_peak:.1f} GB of host memory per GPU, "
+         f"{host_capacity_gb(cluster):.1f} GB available (the server's DRAM shared by its GPUs)"),
+        uncertainty=band, uncertainty_s=band_s,
         regime=regime, uncertainty_high=high, moe_balance=profile.moe_balance if moe else "", moe_worst_load=worst,
         stack=stack.name, extrapolation=notes)
 
@@ -422,5 +450,6 @@ def _bottleneck(time_s: dict[str, float], step: float, peak: float, capacity: fl
         return f"compute-bound ({time_s['compute'] / step * 100:.0f}% of the step is compute)"
     names = {"tp": "exposed tensor-parallel communication", "cp": "exposed context-parallel communication",
              "ep": "expert all-to-all", "pp": "pipeline p2p", "dp": "exposed data-parallel communication",
-             "bubble": "pipeline bubble", "optimizer": "optimizer step"}
+             "bubble": "pipeline bubble", "optimizer": "optimizer step",
+             "offload": "exposed activation-offload copies"}
     return f"{names[worst]} ({share * 100:.0f}% of the step)"

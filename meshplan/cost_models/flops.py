@@ -3,6 +3,9 @@
 Per token per layer, forward: 2 * (weights a token multiplies), routed experts counted topk
 times (router omitted, as Megatron does); core attention 4*s*h_q forward, halved for causal
 masking. Training = 3x forward (fwd + dgrad + wgrad). Logits: 2*h*V forward.
+Multi-token prediction counts too, as Megatron-LM's `num_floating_point_operations`
+(megatron/training/training.py) does: per depth one more layer of the last layer's kind, the
+(2h -> h) projection (2 * 2h * h) and one more logits GEMM; MFU then includes the MTP work.
 `hardware` FLOPs add the recomputed forward passes.
 """
 
@@ -44,6 +47,11 @@ def model_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, *, ca
         per_token += n * (layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len,
                                                                                     causal_half=causal_half))
     per_token += 2.0 * p.hidden * p.vocab        # output layer
+    if p.mtp_depth and p.layers:
+        last = p.blocks[p.layers[-1]]
+        per_token += p.mtp_depth * (layer_fwd_flops_per_token(last)
+                                    + attention_fwd_flops_per_token(last, seq_len, causal_half=causal_half)
+                                    + 4.0 * p.hidden * p.hidden + 2.0 * p.hidden * p.vocab)
     return 3.0 * per_token * tokens
 
 

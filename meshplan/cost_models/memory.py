@@ -22,7 +22,7 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.muon import MUON_MATRIX_BYTES
 
-__all__ = ["state_bytes", "grad_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
+__all__ = ["state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
 # master weights (always fp32) + Adam's two moments in the layout's optimizer_dtype
 _MASTER_BYTES = K.FP32
@@ -57,8 +57,16 @@ def state_bytes(params: float, shard: int, zero: int, *, grad_bytes: float = K.G
 
 
 def grad_bytes(layout) -> float:
-    """Bytes per element of the gradient buffer and of its reduction (layout.grad_dtype)."""
+    """Bytes per element of the gradient reduction (layout.grad_dtype), and of the gradient buffer
+    where the stack keeps it in that dtype (grad_store_bytes)."""
     return K.GRAD_BYTES if layout.grad_dtype == "fp32" else K.BF16
+
+
+def grad_store_bytes(layout, stack) -> float:
+    """Bytes per element of the gradients a rank holds between backward and the optimizer step: the
+    reduction's dtype, or fp32 where the stack keeps gradients in the parameters' dtype (FSDP2 and
+    DDP over fp32 parameters reduce in bf16 and store fp32: Stack.grads_in_param_dtype)."""
+    return K.GRAD_BYTES if getattr(stack, "grads_in_param_dtype", False) else grad_bytes(layout)
 
 
 def zero3_working_bytes(layout, blocks, grad_elem_bytes: float) -> tuple[float, float]:

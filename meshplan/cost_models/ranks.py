@@ -59,7 +59,9 @@ def fused_loss(profile: ModelProfile, tp: int) -> bool:
 def head_times(profile: ModelProfile, cluster, tokens: float, tp: int, fitted: K.Fitted = K.FITTED) -> tuple[float, float]:
     """(output-layer GEMM, cross-entropy) forward seconds; the output layer stays BF16 (standard FP8
     recipes). Backward is 2x the GEMM plus the same cross-entropy pass. Fused (fused_loss), the
-    cross-entropy passes save meshplan.kernels.fusion's bytes over the eager ones."""
+    cross-entropy passes save meshplan.kernels.fusion's bytes over the eager ones. With
+    multi-token prediction the output layer and loss also run on each depth's positions."""
+    tokens = tokens * (1 + profile.mtp_depth)
     g = gemm_time(tokens, profile.vocab / tp, profile.hidden, cluster, fitted=fitted)
     logits = tokens * profile.vocab / tp
     ce_bytes = 3 * _LOGIT_BYTES * logits
@@ -70,7 +72,9 @@ def head_times(profile: ModelProfile, cluster, tokens: float, tp: int, fitted: K
 
 
 def head_activation_bytes(profile: ModelProfile, tokens: float, tp: int) -> float:
-    """Bytes the output layer + loss hold for backward on the last stage, per micro-batch."""
+    """Bytes the output layer + loss hold for backward on the last stage, per micro-batch (with
+    multi-token prediction, for the main and every depth's positions)."""
+    tokens = tokens * (1 + profile.mtp_depth)
     if fused_loss(profile, tp):
         return linear_cross_entropy_memory_bytes(tokens=tokens, vocab=profile.vocab, hidden=profile.hidden)
     return _LOGIT_BYTES * tokens * profile.vocab / tp
@@ -279,6 +283,36 @@ def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int)
     return extra_f + extra_tp / 2 + hf, extra_b + extra_tp / 2 + hb
 
 
+def _add_mtp(w: RankWork, profile: ModelProfile, table: LayerTable, ctx: Context) -> tuple[float, float]:
+    """The multi-token-prediction depths (models/mtp.py) on the last rank; returns (fwd, bwd) seconds.
+
+    Each depth runs one block of the main model's last layer's kind, priced as that layer (Megatron-LM
+    counts it so: num_floating_point_operations adds mtp_num_layers layers of the last layer's kind),
+    never recomputed (the runtime recomputes the main blocks only), plus the (2h -> h) projection
+    of the concatenated normed inputs, column-parallel over TP as in Megatron-Core. The output layer and
+    loss over each depth's positions are in head_times / head_activation_bytes; the norms and the
+    projection's weights are other_params, the block's are counted here as a layer's."""
+    D = profile.mtp_depth
+    if not D or not profile.layers:
+        return 0.0, 0.0
+    L, T, h = ctx.layout, ctx.tokens, profile.hidden
+    i = profile.num_layers - 1
+    b, c = table.blocks[i], table.cost(i, "none")
+    g = gemm_time(T, h / L.tp, 2 * h, ctx.cluster, fitted=ctx.fitted)
+    w.wgrad += D * (c.wgrad_s + g)
+    w.parts["compute"] += D * (c.compute_s + 3 * g)
+    for k in _DIMS:
+        w.parts[k] += D * c.exposed_s[k]
+        w.comm[k] += D * c.comm_s[k]
+    # kept for backward: the block's activations, the embedding and both normed inputs (the
+    # projection's input, 2h) and the depth's output before its norm
+    w.act += D * (table.act(i, "none") + K.BF16 * T * 4 * h / (L.tp if L.sp else 1))
+    folded = sum(li.params for li in b.linears if li.role == "shared_folded")
+    w.dparams += D * ((b.params - b.expert_params - folded) / L.tp + folded)
+    w.eparams += D * b.expert_params / (L.ep * L.etp)
+    return D * (c.fwd_s + g), D * (c.bwd_s + 2 * g)
+
+
 def rank_work(profile: ModelProfile, table: LayerTable, ctx: Context, layers: list[int], r: int, p: int, *,
               grad_accum_fusion: bool = True, grad_buffer_bytes: float = K.GRAD_BYTES) -> RankWork:
     """Pipeline rank `r` of `p` holding `layers`, for one micro-batch."""
@@ -287,6 +321,9 @@ def rank_work(profile: ModelProfile, table: LayerTable, ctx: Context, layers: li
     fwd, bwd, fp8_w = _add_layers(w, table, L)
     w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster, ctx.fp8_recipe)
     ef, eb = _add_edges(w, profile, ctx, r, p)
+    if r == p - 1:
+        mf, mb = _add_mtp(w, profile, table, ctx)
+        ef, eb = ef + mf, eb + mb
     # Without gradient-accumulation fusion every micro-batch's weight gradients are added into the
     # gradient buffer by a separate pass (compute.grad_accumulation_time); ZeRO-3 accumulates only
     # its shard after the reduce-scatter, which the FSDP collectives already stand for.

@@ -304,7 +304,8 @@ def complexity(layout: Mapping[str, Any], regime: Mapping[str, bool] | None = No
     twice: the planner's measure of "simpler" when two layouts are within each other's band."""
     g = layout.get
     n = (g("tp", 1) > 1) + (g("pp", 1) > 1) + (g("vp", 1) > 1) + (g("schedule") == "zb") \
-        + 2 * (g("cp", 1) > 1) + 2 * (g("ep", 1) > 1) + (g("zero", 1) == 3)
+        + 2 * (g("cp", 1) > 1) + 2 * (g("ep", 1) > 1) + (g("zero", 1) == 3) \
+        + 2 * bool(g("offload_activations", False))   # offloading: no published run validates it
     r = regime or {}
     n += 2 * bool(r.get("cp_long")) + 2 * bool(r.get("ep_cross"))   # zb already counted above
     return int(n)

@@ -36,13 +36,16 @@ def _megatron_schedule(v: _View, target: str = "Megatron-LM") -> None:
                        "in flight) is used, so memory is at most the plan's")
 
 
-def _pipeline_layout_string(sl: tuple[int, ...]) -> str:
+def _pipeline_layout_string(sl: tuple[int, ...], mtp: int = 0) -> str:
     """Megatron's --pipeline-model-parallel-layout: stages in virtual-stage order, 'E' embedding,
-    't' a transformer layer, 'L' the loss (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    't' a transformer layer, 'm' a multi-token-prediction depth, 'L' the loss
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py); the MTP depths run on the last
+    stage, before the loss, as meshplan prices them."""
     parts = []
     for s, n in enumerate(sl):
         body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
-        parts.append(("E" if s == 0 else "") + body + ("L" if s == len(sl) - 1 else ""))
+        last = s == len(sl) - 1
+        parts.append(("E" if s == 0 else "") + body + ("m" * mtp + "L" if last else ""))
     return "|".join(parts)
 
 
@@ -104,6 +107,23 @@ def _megatron_recompute(v: _View, rc: Any) -> _Recompute:
     return _Recompute(granularity="full", method="block", num_layers=per_chunk)
 
 
+def _megatron_offload(v: _View) -> list[str]:
+    """Layout.offload_activations -> Megatron-Core's --cpu-offloading (Transformer Engine's
+    cpu_offload), which its TransformerConfig allows only without pipeline parallelism and without
+    activation recomputation, and for at most num_layers - 1 layers."""
+    lay = v.layout
+    if not getattr(lay, "offload_activations", False):
+        return []
+    if lay.pp > 1 or lay.recompute not in ("none", 0):
+        raise ConfigError(f"Megatron-Core's --cpu-offloading runs without pipeline parallelism and without activation "
+                          f"recomputation (its TransformerConfig refuses both); this plan offloads with pp={lay.pp}, "
+                          f"recompute={lay.recompute!r}; re-plan for the megatron-core stack (which offloads only "
+                          "at pp=1 without recompute), or run the plan on meshplan's runtime")
+    v.notes.append("activation offloading: Megatron offloads at most num_layers - 1 layers (the last layer's "
+                   "backward follows its forward at once); the plan priced every layer offloaded")
+    return ["--cpu-offloading", "--cpu-offloading-num-layers", str(max(1, v.num_layers - 1))]
+
+
 def _megatron_dp(v: _View) -> list[str]:
     lay = v.layout
     out: list[str] = []
@@ -161,6 +181,13 @@ def _megatron_model(v: _View, seq_len: int) -> list[str]:
         for name, value in (s.balancing.megatron_fields() if s.balancing else {}).items():
             flag = "--" + name.replace("_", "-")
             out += [flag] if value is True else [flag, str(value)]
+    if s.mtp_depth:
+        # Megatron-Core's MTP (megatron/training/arguments.py, _add_mtp_args): the depths run on the
+        # last stage with the output layer; the scaling factor multiplies the MTP losses averaged
+        # over the depths, as mtp_loss_weight does (its default differs between releases: always set)
+        out += ["--mtp-num-layers", str(s.mtp_depth)]
+        if s.mtp_loss_weight is not None:
+            out += ["--mtp-loss-scaling-factor", str(s.mtp_loss_weight)]
     return out
 
 
@@ -182,13 +209,15 @@ def megatron_export(plan: Any, model: Any = None) -> Export:
         elif lay.vp == 1 and _uniform_middle(sl):
             a += ["--decoder-first-pipeline-num-layers", str(sl[0]), "--decoder-last-pipeline-num-layers", str(sl[-1])]
         else:
-            a += ["--pipeline-model-parallel-layout", _pipeline_layout_string(sl)]
+            a += ["--pipeline-model-parallel-layout",
+                  _pipeline_layout_string(sl, v.shape.mtp_depth if v.shape is not None else 0)]
     if lay.tp > 1 and lay.sp:
         a.append("--sequence-parallel")
     if lay.tp_comm_overlap:
         a.append("--tp-comm-overlap")
     a += _megatron_dp(v)
     a += _megatron_recompute(v, lay.recompute).flags()
+    a += _megatron_offload(v)
     a += ["--micro-batch-size", str(lay.mbs), "--global-batch-size", str(plan.global_batch),
           "--seq-length", str(plan.seq_len)]
     a.append("--fp16" if plan.precision == "fp16" else "--bf16")

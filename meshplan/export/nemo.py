@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshplan.errors import ConfigError, UnknownNameError
-from meshplan.export.megatron import _megatron_recompute, _megatron_schedule, _pipeline_layout_string
+from meshplan.export.megatron import (
+    _megatron_offload,
+    _megatron_recompute,
+    _megatron_schedule,
+    _pipeline_layout_string,
+)
 from meshplan.export.view import (
     FP8_FORMAT, VERSIONS, Export, megatron_fp8_recipe, _check_precision, _fp8_notes, _model_name, _uniform_middle, _View, _view,
 )
@@ -65,7 +70,7 @@ BRIDGE_RECIPES = {
     "deepseek-v3": ("deepseek_v3_pretrain_config", False),
 }
 # recipes whose model has multi-token prediction layers (NeMo's deepseek_v3 use_mtp=True, Bridge's
-# DeepSeek-V3 provider from the HF config); meshplan's models have none
+# DeepSeek-V3 provider from the HF config); a plan for a model without MTP switches them off
 _MTP_RECIPES = {"deepseek_v3", "deepseek_v3_pretrain_config"}
 
 # the plan's FP8 recipe -> Megatron-Bridge's mixed-precision recipe of that scaling
@@ -87,7 +92,7 @@ def _pipeline_split(v: _View) -> dict[str, Any]:
         if lay.vp == 1 and _uniform_middle(sl):
             first, last = sl[0], sl[-1]
         else:
-            layout = _pipeline_layout_string(sl)
+            layout = _pipeline_layout_string(sl, v.shape.mtp_depth if v.shape is not None else 0)
     return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last,
             "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
             "pipeline_model_parallel_layout": layout}
@@ -131,7 +136,7 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
     # NeMo 2's MegatronStrategy copies these onto the model config and re-runs its __post_init__,
     # which parses the layout (nemo/lightning/_strategy_lib.set_model_parallel_attributes)
     o.update({P.par + k: val for k, val in _pipeline_split(v).items()})
-    if recipe in _MTP_RECIPES:
+    if recipe in _MTP_RECIPES and not (v.shape is not None and v.shape.mtp_depth):
         o[P.tf + "mtp_num_layers"] = None
         v.notes.append("MTP: the recipe's model has a multi-token-prediction layer and the plan's model has none, so "
                        "the export sets mtp_num_layers=None. To keep MTP, drop that override (with a pipeline layout, "
@@ -161,6 +166,9 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
     o[P.tf + "recompute_num_layers"] = rc.num_layers
     if rc.modules:
         o[P.tf + "recompute_modules"] = list(rc.modules)
+    if _megatron_offload(v):        # TransformerConfig cpu_offloading (checked as Megatron-LM's flags are)
+        o[P.tf + "cpu_offloading"] = True
+        o[P.tf + "cpu_offloading_num_layers"] = max(1, v.num_layers - 1)
     # batch and sequence
     o[P.batch + "micro_batch_size"] = lay.mbs
     o[P.batch + "global_batch_size"] = plan.global_batch
@@ -171,6 +179,12 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
     bal = v.shape.balancing if v.shape is not None else None
     for key, value in (bal.megatron_fields() if bal else {}).items():
         o[P.tf + key] = value
+    # multi-token prediction: Megatron-Core TransformerConfig fields (Megatron-Bridge's
+    # docs/training/multi-token-prediction.md names them for the model config too)
+    if v.shape is not None and v.shape.mtp_depth:
+        o[P.tf + "mtp_num_layers"] = v.shape.mtp_depth
+        if v.shape.mtp_loss_weight is not None:
+            o[P.tf + "mtp_loss_scaling_factor"] = v.shape.mtp_loss_weight
     if lay.tp_comm_overlap:
         if flavor == "nemo":
             v.notes.append("TP communication overlap is a callback in NeMo 2: add "

@@ -83,6 +83,10 @@ class ModelShape:
     # how the routers are kept balanced while training (ModelConfig's moe_* options); None where the
     # shape came from a profile, which records only the kind (ModelProfile.moe_balance)
     balancing: "MoEBalancing | None" = None
+    # multi-token prediction (ModelConfig.mtp_*): depths, and the loss weight where the shape came
+    # from a config (None from a profile, which records only the depths)
+    mtp_depth: int = 0
+    mtp_loss_weight: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -103,6 +107,7 @@ class ModelShape:
                    dense_layers=cfg.dense_layers if cfg.experts else 0,
                    sigmoid_router=cfg.router == "sigmoid",
                    balancing=MoEBalancing.from_config(cfg) if cfg.experts else None,
+                   mtp_depth=cfg.mtp_depth, mtp_loss_weight=float(cfg.mtp_loss_weight) if cfg.mtp_depth else None,
                    source=source or f"model config {cfg.name!r}")
 
     @classmethod
@@ -124,7 +129,7 @@ class ModelShape:
                    bias=any(li.bias for li in a.linears), tied=prof.tied_embeddings,
                    experts=m.experts if m else 0, topk=m.topk if m else 0,
                    moe_ffn_hidden=m.moe_ffn_hidden if m else 0, shared_ffn_hidden=m.shared_ffn_hidden if m else 0,
-                   dense_layers=lead if m else 0, source=f"model profile {prof.name!r}")
+                   dense_layers=lead if m else 0, mtp_depth=prof.mtp_depth, source=f"model profile {prof.name!r}")
 
 
 def model_shape(plan: Any, model: Any = None) -> ModelShape | None:

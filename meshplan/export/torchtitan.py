@@ -113,6 +113,9 @@ def _titan_flavor(shape: ModelShape | None) -> _Flavor | None:
 def _titan_model(plan: Any, v: _View, fl: _Flavor | None) -> dict[str, Any]:
     """The [model] section naming the flavor; without one, torchtitan would silently train its
     default llama3 debugmodel, so that case is warned about and noted in the TOML."""
+    if v.shape is not None and v.shape.mtp_depth:
+        v.notes.append(f"model: torchtitan's models have no multi-token prediction; the run trains without the "
+                       f"plan's {v.shape.mtp_depth} MTP depth(s), whose work the plan priced on the last stage")
     if fl is not None:
         if fl.kv_heads is None:
             v.notes.append(f"model: torchtitan's {fl.name} {fl.flavor} uses multi-head latent attention, which "
@@ -192,6 +195,11 @@ def _titan_fqns(sl: tuple[int, ...]) -> list[list[str]]:
 
 def _titan_ac(v: _View) -> dict[str, Any]:
     rc = v.layout.recompute
+    if getattr(v.layout, "offload_activations", False):
+        # (its GraphTrainer's offload pass, pytorch/torchtitan#3064, is experimental and not the trainer exported to)
+        raise ConfigError("torchtitan's trainer does not offload activations to host memory, which this plan does "
+                          "(offload_activations=True); re-plan for the torchtitan stack (meshplan plan --export "
+                          "torchtitan never offloads), or export to Megatron-LM (pp=1, no recompute)")
     if rc == "none" or rc == 0:
         return {"mode": "none"}
     if rc == "full" or (isinstance(rc, int) and rc >= v.layers_per_rank):

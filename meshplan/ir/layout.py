@@ -122,6 +122,10 @@ class Layout:
     # False: the stack adds each micro-batch's gradients into the fp32 buffer in a separate pass
     # (Megatron-LM before 2022-02, commit 83b1e42f30 "gradient accumulation fusion"; MT-NLG, BLOOM)
     grad_accum_fusion: bool = True
+    # True: each transformer block's tensors saved for backward (what its recompute policy keeps:
+    # everything with "none", the block input with "full") are copied to host memory in forward and
+    # back in backward (runtime/offload.py; priced by cost_models/offload.py)
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         # unset choices take their defaults; a value the caller set is validated, never rewritten
@@ -169,6 +173,8 @@ class Layout:
                             ("fp8_recipe", FP8_RECIPES), ("cp_comm_type", CP_COMM_TYPES)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"layout {name}={getattr(self, name)!r}: use one of {known}")
+        if not isinstance(self.offload_activations, bool):
+            raise ConfigError(f"layout offload_activations={self.offload_activations!r}: true or false")
         cap = self.moe_capacity_factor
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
             raise ConfigError(f"layout moe_capacity_factor={cap!r}: a positive number (None = dropless routing)")
@@ -266,6 +272,8 @@ class Layout:
             parts.append(f"cp-{self.cp_comm_type}")
         if not self.grad_accum_fusion:
             parts.append("unfused-grad-accum")
+        if self.offload_activations:
+            parts.append("offload-act")
         parts += [f"z{self.zero}", f"mbs{self.mbs}", f"rc={self.recompute}", self.schedule]
         return " ".join(parts)
 

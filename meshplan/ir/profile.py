@@ -180,6 +180,10 @@ class ModelProfile:
     # the model's own expert capacity (tokens beyond cf x an expert's mean rows are dropped), which
     # bounds how far an unbalanced router can load one EP rank; None = dropless
     moe_capacity_factor: float | None = None
+    # multi-token-prediction depths (models/mtp.py) trained on the last pipeline stage: each one
+    # block of the last layer's kind, a (2h -> h) projection and one more pass of the output layer
+    # and loss (cost_models/ranks.py); their parameters are in other_params
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         if self.moe_balance not in MOE_BALANCES:
@@ -194,7 +198,12 @@ class ModelProfile:
     @property
     def total_params(self) -> int:
         return (self.embedding_params + self.head_params + self.other_params
-                + sum(b.params * b.count for b in self.blocks))
+                + sum(b.params * b.count for b in self.blocks) + self.mtp_block_params)
+
+    @property
+    def mtp_block_params(self) -> int:
+        """Parameters of the MTP depths' blocks, each of the last layer's kind (not in other_params)."""
+        return self.mtp_depth * self.blocks[self.layers[-1]].params if self.mtp_depth and self.layers else 0
 
     @property
     def active_params(self) -> int:
@@ -203,6 +212,9 @@ class ModelProfile:
         for b in self.blocks:
             if b.is_moe:
                 active -= b.count * b.expert_params * (1 - b.topk / b.experts)
+        last = self.blocks[self.layers[-1]] if self.mtp_depth and self.layers else None
+        if last is not None and last.is_moe:
+            active -= self.mtp_depth * last.expert_params * (1 - last.topk / last.experts)
         return int(active)
 
     def layer_blocks(self) -> list[BlockProfile]:

@@ -72,12 +72,28 @@ class Stack:
     compile: bool = False                  # torch.compile fuses element-wise work (implies fused)
     cuda_graphs: bool = False              # MoE layers captured in CUDA graphs (no per-kernel launch gaps)
     grad_accum_fusion: bool = True         # wgrad GEMM adds into the fp32 gradient buffer (beta = 1)
+    # gradients held from backward to the optimizer step are in the (fp32) parameters' dtype whatever
+    # grad_dtype reduces in: FSDP2 casts each reduced shard back to the sharded parameter's dtype, DDP
+    # keeps param.grad; Megatron-Core's --grad-reduce-in-bf16 makes the buffer itself bf16 (False)
+    grads_in_param_dtype: bool = False
     runtime_checks: bool = False           # the planner applies meshplan.ir.support (meshplan's runtime)
     pp_min_microbatches: bool = False      # torch.distributed.pipelining: at least pp micro-batches a step
     # torch.distributed.pipelining drives FSDP2 under PP: each micro-batch's backward runs without
     # gradient sync or resharding, and one reduce-scatter per stage follows the last micro-batch
     # (PipelineStage.backward_maybe_with_nosync / perform_reduce_grad)
     pp_fsdp_deferred: bool = False
+    # activations saved for backward offloaded to host memory per block (Layout.offload_activations):
+    # meshplan's runtime/offload.py; Megatron-Core --cpu-offloading (Transformer Engine's
+    # cpu_offload.py); not torchtitan's eager trainer (its activation offloading is an experimental
+    # graph pass of the GraphTrainer only: pytorch/torchtitan#3064; eager request #2379 open)
+    activation_offload: bool = False
+    # offloading composes with recompute and pipeline parallelism; False: Megatron's --cpu-offloading
+    # (--cpu-offloading-num-layers N), which needs pp=1 and refuses activation recomputation
+    # (TransformerConfig's checks), so the search offers it only at pp=1 without recompute
+    offload_composes: bool = True
+    # whether blocks whose activations are offloaded still run compiled (meshplan's runtime runs them
+    # eagerly: its offload hooks are not traced by torch.compile)
+    compile_offloaded: bool = True
     sources: str = ""
 
     def __post_init__(self) -> None:
@@ -145,6 +161,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           recompute=("none", "selective", "norm_act", "norm_moe", "op_sac", "full"),
           tp_overlap="userbuffers", moe_dispatchers=("alltoall", "deepep"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2", "megatron", "deepspeed"),
+          activation_offload=True,
           sources="the baseline of meshplan/cost_models/constants.py (fitted on published runs)"),
     # meshplan's runtime: PyTorch SDPA (its CUDA flash backend is FlashAttention-2), meshplan's own
     # CP ring (runtime/context_parallel.py), torchao FP8 (runtime/fp8.py: tensorwise, rowwise), the
@@ -154,9 +171,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack(name="meshplan", attention="fa2", cp_impl="meshplan", cp_kinds=("p2p",),
           fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "selective", "norm_act", "full"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
-          fused_elementwise=False, compile=True, grad_accum_fusion=False, runtime_checks=True,
-          pp_min_microbatches=True, pp_fsdp_deferred=True,
-          sources="meshplan/runtime (parallel.py, context_parallel.py, fp8.py, recompute.py, pipeline.py, compile.py)"),
+          fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
+          runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
+          compile_offloaded=False,
+          sources="meshplan/runtime (parallel.py, context_parallel.py, fp8.py, recompute.py, pipeline.py, compile.py, "
+                  "offload.py)"),
     # torchtitan (arXiv 2410.06511; torchtitan/models/llama3/infra/parallelize.py, distributed/
     # activation_checkpoint.py): SDPA (FlashAttention-2 backend), PyTorch context_parallel (K/V
     # all-gathered, per-chunk SDPA, log-sum-exp merge), torchao float8 (tensorwise with FP8
@@ -167,8 +186,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack(name="torchtitan", attention="fa2", cp_impl="torch", cp_kinds=("all_gather",),
           fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "op_sac", "full"),
           tp_overlap="async_tp", schedules=("1f1b", "interleaved", "gpipe", "zbv"), fsdp_impls=("fsdp2",),
-          fused_elementwise=False, compile=True, grad_accum_fusion=False, pp_min_microbatches=True,
-          pp_fsdp_deferred=True,
+          fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
+          pp_min_microbatches=True, pp_fsdp_deferred=True,
           sources="torchtitan arXiv 2410.06511; torchtitan parallelize.py / activation_checkpoint.py"),
     # Megatron-Core + Transformer Engine (Megatron-LM, NeMo 2, Megatron-Bridge): TE attention (cuDNN
     # fused on Hopper+), CP p2p / all_gather / a2a (--cp-comm-type), TE FP8 (delayed / current
@@ -180,9 +199,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "blockwise", "mxfp8"),
           recompute=("none", "selective", "norm_act", "norm_moe", "full"),
           tp_overlap="userbuffers", ep_overlap="a2a_1f1b", moe_dispatchers=("alltoall", "deepep"),
-          schedules=("1f1b", "interleaved"), fsdp_impls=("megatron", "fsdp2"),
+          schedules=("1f1b", "interleaved"), fsdp_impls=("megatron", "fsdp2"), activation_offload=True,
+          offload_composes=False,
           sources="Megatron-LM arguments.py (--recompute-modules, --cp-comm-type, --tp-comm-overlap, "
-                  "--overlap-moe-expert-parallel-comm, --moe-token-dispatcher-type); NVIDIA/NeMo#9188"),
+                  "--overlap-moe-expert-parallel-comm, --moe-token-dispatcher-type, --cpu-offloading); "
+                  "NVIDIA/NeMo#9188"),
     # Megatron-LM 2021-22 (the code of Narayanan et al. SC'21 and Korthikanti et al. 2022): attention
     # scores materialised (no flash kernel), gradient accumulation in a separate pass before commit
     # 83b1e42f30, selective recompute from Korthikanti et al.

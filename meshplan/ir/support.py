@@ -68,6 +68,7 @@ class ModelTraits:
     layers: int = 0
     tp_forward: str = ""
     expert_shapes: tuple[tuple[int, int, int], ...] = ()
+    mtp: int = 0    # multi-token-prediction depths (meshplan.models.mtp): the runtime's limits below
 
 
 def _get(layout: Mapping[str, Any] | Any, key: str, default: Any) -> Any:
@@ -92,6 +93,16 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         out.append(f"recompute={rc!r} is a policy of other stacks (Megatron-Core's --recompute-modules moe, "
                    "torchtitan's op-level selective checkpointing); the runtime recomputes 'none', 'selective', "
                    "'norm_act', 'full' or a number of fully recomputed layers")
+    if _get(layout, "offload_activations", False) and rc in ("selective", "norm_act"):
+        # both keep tensors outside autograd's saved-tensor hooks (selective checkpointing caches the
+        # saved matmul outputs itself; norm_act's replay regions hold their inputs), so only part of
+        # what the plan prices on the host would leave the GPU (runtime/offload.py)
+        out.append(f"offload_activations with recompute={rc!r}: the runtime offloads what autograd saves through "
+                   "its saved-tensor hooks, and this policy keeps its tensors outside them; use recompute "
+                   "'none', 'full' or a number of fully recomputed layers with offloading, or turn offloading off")
+    if _get(layout, "offload_activations", False) and _get(layout, "tp_comm_overlap", False) and tp > 1:
+        out.append("offload_activations with tp_comm_overlap: the runtime's TP overlap is torch.compile's async TP, "
+                   "and offloaded blocks run eagerly (their saved-tensor hooks are Python); use one of the two")
     # "flash" is the stack's own kernel, which for meshplan is SDPA's FlashAttention-2: "fa2" names it too
     if _get(layout, "attn_kernel", "flash") not in ("flash", "fa2"):
         out.append(f"attn_kernel={_get(layout, 'attn_kernel', 'flash')!r}: the runtime calls PyTorch's "
@@ -161,6 +172,27 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         if traits.layers and pp * vp > traits.layers:
             out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
                        "needs at least one layer")
+        if traits.mtp:
+            out += _mtp_limits(traits.mtp, tp=tp, cp=cp, ep=ep, etp=etp,
+                               sp=tp > 1 if _get(layout, "sp", None) is None else bool(_get(layout, "sp", None)))
+    return out
+
+
+def _mtp_limits(depth: int, *, tp: int, cp: int, ep: int, etp: int, sp: bool) -> list[str]:
+    """What the runtime's multi-token prediction (mtp_depth > 0) does not run yet: the shift by k
+    tokens crosses context-parallel shards; the MTP block runs whole on every TP rank on whole
+    tokens (its weights replicated), so it takes neither sequence-sharded inputs nor
+    expert-parallel experts. (Pipeline parallelism runs: runtime/pipeline.py.)"""
+    what = f"multi-token prediction (mtp_depth={depth})"
+    out = []
+    if cp > 1:
+        out.append(f"{what} with context parallelism (cp={cp}): the MTP targets shift across the sequence "
+                   "shards; use cp=1")
+    if tp > 1 and sp:
+        out.append(f"{what} with sequence parallelism: the MTP block runs on whole tokens; use sp=False")
+    if ep > 1 or etp > 1:
+        out.append(f"{what} with expert parallelism (ep={ep}, etp={etp}): the MTP block's experts are not "
+                   "sharded; use ep=1 and etp=1")
     return out
 
 

@@ -92,6 +92,11 @@ class ModelConfig:
     moe_capacity_factor: float | None = None   # None: dropless; else keep <= cf * N k / E copies per expert
     moe_force_balance: bool = False     # benchmarking: route round-robin, exactly balanced
     norm_eps: float = 1e-5
+    # Multi-token prediction (DeepSeek-V3, arXiv 2412.19437 Sec. 2.2; models/mtp.py): mtp_depth
+    # extra sequential modules, depth k predicting token i+k+1; their mean cross entropy times
+    # mtp_loss_weight is added to the training loss. 0 (the default): no MTP, no extra parameters.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -99,8 +104,12 @@ class ModelConfig:
             raise ConfigError(f"model family {self.family!r} is not one of {', '.join(FAMILIES)}")
         for key in ("layers", "hidden", "heads", "vocab", "seq_len"):
             _check_int(key, getattr(self, key), minimum=1)
-        for key in ("experts", "topk", "shared_experts", "dense_layers"):
+        for key in ("experts", "topk", "shared_experts", "dense_layers", "mtp_depth"):
             _check_int(key, getattr(self, key), minimum=0)
+        w = self.mtp_loss_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+            raise ConfigError(f"mtp_loss_weight must be a number >= 0, got {w!r} (DeepSeek-V3 trains with 0.3, "
+                              "then 0.1)")
         for key, value in _FAMILY_DEFAULTS[self.family].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
@@ -200,14 +209,20 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:
-        """Parameters of the model this config builds, counted from the formulas (tied weights once)."""
+        """Parameters of the model this config builds, counted from the formulas (tied weights once),
+        without the MTP modules: published totals leave them out (DeepSeek-V3's 671B), since they
+        are dropped after training; `num_mtp_params` counts them."""
         return self._count(active=False)
 
     def num_active_params(self) -> int:
         """Parameters one token uses: routed experts counted ``topk`` times instead of ``experts``."""
         return self._count(active=True)
 
-    def _count(self, *, active: bool) -> int:
+    def num_mtp_params(self) -> int:
+        """Parameters of the ``mtp_depth`` multi-token-prediction modules (0 without MTP)."""
+        return self._count(active=False, mtp=True)
+
+    def _count(self, *, active: bool, mtp: bool = False) -> int:
         h, b = self.hidden, int(self.bias)
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -228,6 +243,11 @@ class ModelConfig:
         total += self.vocab * h + norm
         total += self.seq_len * h if self.position == "learned" else 0
         total += 0 if self.tie_embeddings else self.vocab * h  # output projection: never a bias
+        if mtp:
+            # each MTP depth: two input norms, the 2h -> h projection, one block of the last
+            # layer's kind, its output norm (embedding and output layer are the main model's)
+            last = moe_block if self.is_moe_layer(self.layers) else dense_block
+            return self.mtp_depth * (3 * norm + 2 * h * h + last)
         return total
 
 

@@ -75,7 +75,12 @@ PRESETS: dict[str, dict[str, object]] = {
     # --- DeepSeek-V3 (arXiv 2412.19437, Sec. 4.2; deepseek-ai/DeepSeek-V3 config.json):
     # 61 layers, first 3 dense (ffn 18432), then 256 routed experts (top-8, sigmoid scores with
     # a selection bias) + 1 shared expert of 2048. MLA is approximated by GQA with 128 query
-    # heads of 128 and 8 key/value heads (see docs/models.md); the MTP module is not included.
+    # heads of 128 and 8 key/value heads (see docs/models.md).
+    # Multi-token prediction (Sec. 2.2 and 4.2): D = 1 depth, its loss weight lambda 0.3 for the
+    # first 10T tokens, then 0.1: build with mtp_depth=1 (models.build("deepseek-v3", mtp_depth=1)).
+    # Off in the preset: meshplan's runtime runs the MTP block unsharded (no EP / CP / SP), and
+    # DeepSeek-V3's routed-expert MTP block does not fit without EP, so with it on the meshplan
+    # stack could only plan layouts far from DeepSeek's own.
     # Balancing (Sec. 2.1.2 and 4.2): auxiliary-loss-free, the selection bias moved by
     # gamma = 0.001 per step against each expert's load (meshplan's moe_expert_bias, same sign
     # rule; the paper's gamma = 0 for the last 500B tokens is a schedule not modelled), plus the
@@ -86,7 +91,8 @@ PRESETS: dict[str, dict[str, object]] = {
         family="moe", layers=61, hidden=7168, heads=128, kv_heads=8, head_dim=128, ffn_hidden=18432,
         moe_ffn_hidden=2048, experts=256, topk=8, shared_experts=1, dense_layers=3, router="sigmoid",
         vocab=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
-        moe_expert_bias=True, moe_bias_update_rate=0.001, moe_aux_loss_coeff=0.0001, moe_aux_loss_scope="local"),
+        moe_expert_bias=True, moe_bias_update_rate=0.001, moe_aux_loss_coeff=0.0001, moe_aux_loss_scope="local",
+        mtp_depth=0, mtp_loss_weight=0.3),
     # --- Tiny models for CPU training and tests (byte-level vocabulary) ---------------------
     # tiny-moe ships with nothing balancing its router, on purpose: it is the unbalanced case the
     # tests and the imbalance band are calibrated on (cost_models/uncertainty.py); pass

@@ -12,6 +12,8 @@ no parallelism inside. Module names are the contract other tools see:
         feed_forward    FeedForward (w1, w2[, w3])  or  MoE (router, experts, shared_experts)
       norm
       output          nn.Linear(h, vocab, bias=False)     (weight tied to tok_embeddings if asked)
+      mtp             MultiTokenPrediction (config.mtp_depth > 0 only, else None): "0", "1", ...
+                      each hnorm, enorm, proj, block (a Block), norm       (models/mtp.py)
 
 Attention reshapes with -1 for the head count, so a tensor-parallel runtime can shard wq/wk/wv
 column-wise and wo row-wise without touching this code. `tok_embeddings`, `norm` and `output`
@@ -30,6 +32,7 @@ from meshplan.errors import ConfigError
 from meshplan.models.config import ModelConfig
 from meshplan.models.layers import FeedForward, apply_rope, document_layout, make_norm, rope_tables
 from meshplan.models.moe import MoE
+from meshplan.models.mtp import MultiTokenPrediction, mtp_input_ids
 
 __all__ = ["Transformer", "Block", "Attention", "FeedForward", "causal_lm_loss", "IGNORE_INDEX"]
 
@@ -102,6 +105,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.layers))
         self.norm: nn.Module | None = make_norm(config)
         self.output: nn.Linear | None = nn.Linear(config.hidden, config.vocab, bias=False)
+        # after `output` in registration order: named_modules (initialisation order) of the main
+        # model is the same with and without MTP
+        self.mtp = MultiTokenPrediction(config, lambda i: Block(config, i)) if config.mtp_depth else None
         self.tie_weights()
         if config.position == "rope":
             cos, sin = rope_tables(config)
@@ -119,12 +125,18 @@ class Transformer(nn.Module):
             self.positions = None
 
     def forward(self, input_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """logits (B, T, vocab); with MTP in training mode, each depth's follow the main logits
+        along the sequence: (B, (1 + mtp_depth) T, vocab) (models/mtp.py)."""
         T = input_ids.shape[1]
         if T > self.config.seq_len:
             raise ConfigError(
                 f"sequence of {T} tokens is longer than the model's seq_len={self.config.seq_len}; "
                 f"build the model with seq_len>={T}")
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # (B, T, h)
+        use_mtp = self.mtp is not None and self.training
+        # the shifted tokens' embeddings are looked up with the main one, before the blocks
+        mtp_emb = ([self.tok_embeddings(mtp_input_ids(input_ids, k)) for k in range(1, self.config.mtp_depth + 1)]
+                   if use_mtp else [])                                                   # (B, T, h) each
         mask = None
         if document_ids is None:
             positions = self.positions[:T] if self.positions is not None else None
@@ -136,8 +148,12 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions)
         for layer in self.layers:
             h = layer(h, rope) if mask is None else layer(h, rope, mask)
+        extra = self.mtp(h, mtp_emb, rope, mask) if use_mtp else []      # (B, T, h) per depth
         if self.norm is not None:
             h = self.norm(h)
+        if extra:
+            # one output-layer call over every depth's positions (B, (1 + D) T, h)
+            h = torch.cat([h, *extra], dim=1)
         return self.output(h) if self.output is not None else h     # (B, T, vocab)
 
     def tie_weights(self) -> None:

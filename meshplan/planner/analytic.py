@@ -24,6 +24,8 @@ _KEYS = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "expert
 # read from them (ModelProfile.moe_balance), as the tracer reads it from the built model.
 _MOE_OPTION_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_scope", "moe_z_loss_coeff", "moe_expert_bias",
                     "moe_bias_update_rate", "moe_capacity_factor", "moe_force_balance")
+# Multi-token prediction (ModelConfig.mtp_*): priced on the last stage (ModelProfile.mtp_depth)
+_MTP_KEYS = ("mtp_depth", "mtp_loss_weight")
 
 
 def _dense_block(h: int, heads: int, kv: int, hd: int, f: int, gated: bool, bias: bool, norm: str) -> dict[str, Any]:
@@ -57,9 +59,10 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
     `moe_capacity_factor`, ...) set `moe_balance` and `moe_capacity_factor` as a trace of the built
     model would; a mapping that names none of them leaves the balance "unknown"."""
     if not isinstance(cfg, Mapping):
-        cfg = {k: getattr(cfg, k) for k in (*_KEYS, *_MOE_OPTION_KEYS, "activation", "family") if hasattr(cfg, k)}
+        cfg = {k: getattr(cfg, k) for k in (*_KEYS, *_MOE_OPTION_KEYS, *_MTP_KEYS, "activation", "family")
+               if hasattr(cfg, k)}
     c = {k: v for k, v in dict(cfg).items() if v is not None}
-    unknown = sorted(set(c) - set(_KEYS) - set(_MOE_OPTION_KEYS) - {"activation", "family"})
+    unknown = sorted(set(c) - set(_KEYS) - set(_MOE_OPTION_KEYS) - set(_MTP_KEYS) - {"activation", "family"})
     if unknown:
         raise ConfigError(f"unknown model config key(s) {unknown}; known: {sorted(_KEYS + _MOE_OPTION_KEYS)}")
     try:
@@ -111,9 +114,14 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
     tie = bool(c.get("tie_embeddings", False))
     emb = vocab * h + (int(c.get("max_positions") or seq) * h if c.get("position") == "learned" else 0)
     other = h * (2 if norm == "layernorm" else 1)
+    mtp = int(c.get("mtp_depth") or 0)
+    if mtp < 0:
+        raise ConfigError(f"model config mtp_depth={mtp}: must be >= 0")
     name = str(c.get("name") or f"custom-{L}L-{h}h")
     fp = hashlib.sha1(json.dumps({k: c.get(k) for k in _KEYS if k != "name"}, sort_keys=True,
                                  default=str).encode()).hexdigest()[:16]
+    if mtp:     # only then, so that fingerprints of configs without MTP stay what they were
+        fp = hashlib.sha1(f"{fp}|mtp={mtp}".encode()).hexdigest()[:16]
     balance, capacity = _balance(c) if E else ("unknown", None)
     # traced FLOPs are filled from the architecture so the profile is self-consistent
     out = []
@@ -121,13 +129,16 @@ def profile_from_config(cfg: Mapping[str, Any] | Any, *, seq_len: int | None = N
         fl = seq * sum(li.flops_per_token for li in b.linears) + 4.0 * seq * seq * b.q_dim
         out.append(BlockProfile(**{**{fld: getattr(b, fld) for fld in b.__dataclass_fields__},
                                    "fwd_flops": fl, "bwd_flops": 2 * fl}))
+    # each MTP depth (models/mtp.py): two input norms + its output norm and the 2h -> h projection,
+    # on the last stage with the final norm; its block is priced as a layer (ModelProfile.mtp_depth)
+    other += mtp * (3 * (h * (2 if norm == "layernorm" else 1)) + 2 * h * h)
     return ModelProfile(name=name, fingerprint=fp, seq_len=seq, vocab=vocab, hidden=h,
                         embedding_params=emb, head_params=0 if tie else vocab * h, tied_embeddings=tie,
                         other_params=other, blocks=tuple(out), layers=layers,
                         embedding_fqn="tok_embeddings", head_fqn="output",
                         pre_modules=("tok_embeddings",) + (("pos_embeddings",) if c.get("position") == "learned" else ()),
-                        post_modules=("norm",) + (() if tie else ("output",)),
-                        moe_balance=balance, moe_capacity_factor=capacity)
+                        post_modules=("norm",) + (() if tie else ("output",)) + (("mtp",) if mtp else ()),
+                        moe_balance=balance, moe_capacity_factor=capacity, mtp_depth=mtp)
 
 
 def _balance(c: Mapping[str, Any]) -> tuple[str, float | None]:

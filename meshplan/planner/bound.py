@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 from meshplan.cost_models.compute import grad_accumulation_time
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.estimate import _pp_comm, layer_table
-from meshplan.cost_models.memory import grad_bytes
+from meshplan.cost_models.memory import grad_store_bytes
 from meshplan.cost_models.ranks import embedding_time, head_times
 from meshplan.errors import MeshplanError
 from meshplan.ir.layout import Layout
@@ -67,7 +67,8 @@ class MeshBound:
             if lay.zero < 3 and not (lay.grad_accum_fusion and self.stack.grad_accum_fusion):
                 # every micro-batch adds each weight gradient into the buffer (ranks.rank_work); the
                 # pass is linear in the weights, so the ranks' passes add up to one over all of them
-                acc = grad_accumulation_time(self._layer_params(lay), grad_bytes(lay), self.cluster)
+                acc = grad_accumulation_time(self._layer_params(lay), grad_store_bytes(lay, self.stack),
+                                             self.cluster)
             best = math.inf
             for precision in self.precisions:
                 for mbs in mbss:

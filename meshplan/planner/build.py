@@ -219,7 +219,9 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
         base = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
                                 precision="fp8", fp8_modules=frozenset(), stack=stack)
     cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
-    budget = [base.capacity_gb - sum(v for k, v in s.items() if k != "fp8_cache") for s in base.memory_by_stage]
+    # (offloaded activations are in host memory: no GPU budget taken)
+    budget = [base.capacity_gb - sum(v for k, v in s.items() if k not in ("fp8_cache", "host_offload"))
+              for s in base.memory_by_stage]
     choice = choose_fp8(cands, memory_budget_gb=budget, force_in=force_in, force_out=force_out)
     return tuple(sorted(choice.modules))
 

@@ -10,7 +10,7 @@ __all__ = ["explain", "why_lost", "balance_note"]
 
 _NAMES = {"compute": "compute", "tp": "exposed TP comm", "cp": "exposed CP comm", "ep": "expert all-to-all",
           "pp": "pipeline p2p", "dp": "exposed DP comm", "bubble": "pipeline bubble", "optimizer": "optimizer step",
-          "overhead": "fixed overhead"}
+          "overhead": "fixed overhead", "offload": "offload copies"}
 
 
 def why_lost(loser: Estimate, best: Estimate) -> str:
@@ -19,7 +19,7 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
         faster = (1 - loser.step_time_s / best.step_time_s) * 100
         return (f"would be {faster:.1f}% faster but does not fit: needs {loser.peak_memory_gb:.1f} GB per GPU, "
                 f"{loser.capacity_gb:.1f} GB usable")
-    diffs = {k: loser.time_s.get(k, 0.0) - best.time_s.get(k, 0.0) for k in best.time_s}
+    diffs = {k: loser.time_s.get(k, 0.0) - best.time_s.get(k, 0.0) for k in {**best.time_s, **loser.time_s}}
     k = max(diffs, key=diffs.get)
     slower = loser.step_time_s / best.step_time_s - 1
     if slower < 0:
@@ -121,7 +121,7 @@ def explain(plan) -> str:
     cats = sorted({c for s in est.memory_by_stage for c in s})
     p("  stage " + "".join(f"{c[:11]:>12s}" for c in cats) + f"{'total':>10s}")
     for i, s in enumerate(est.memory_by_stage):
-        tot = sum(s.values())
+        tot = sum(v for c, v in s.items() if c != "host_offload")   # host memory apart
         p(f"  {i:5d} " + "".join(f"{s.get(c, 0.0):12.1f}" for c in cats) + f"{tot:10.1f}"
           + ("  <- peak" if i == est.peak_stage else ""))
     p("")

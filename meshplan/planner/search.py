@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
+from meshplan.cost_models.offload import frees_device_memory
 from meshplan.cost_models.uncertainty import PREFER_SIMPLER_WINDOW
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.estimate import Estimate
@@ -40,9 +41,12 @@ __all__ = ["SearchResult", "search", "FIXABLE"]
 # when nothing fits with fp32 moments; never a silent speed choice), and the optimizer (Muon, too,
 # changes the numerics: only when asked)
 # (moe_capacity_factor: the MoE routing mode, once Layout has that field; cost_models.layer.moe_load_factor)
+# (offload_activations: fixed True offloads every candidate; left free, the search offloads a mesh only
+# where nothing fits on it without: _cost_mesh)
 PASSED_THROUGH = tuple(k for k in (
     "sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
-    "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "optimizer", "moe_capacity_factor")
+    "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "optimizer", "moe_capacity_factor",
+    "offload_activations")
     if k in {f.name for f in fields(Layout)})
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
            "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
@@ -178,6 +182,12 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     runtime = stack.runtime_checks
     n = cluster.num_gpus
     f = _check_fixed(fixed or {}, n)
+    if f.get("offload_activations") and not stack.activation_offload:
+        raise ConfigError(f"fixed offload_activations=True: the {stack.name} stack does not offload activations "
+                          "to host memory; plan for stack 'meshplan' or 'megatron-core', or leave it unset")
+    if f.get("offload_activations") and runtime and "recompute" in f and \
+            not _offload_recompute([f["recompute"]], stack):
+        raise ConfigError(runtime_limits({"offload_activations": True, "recompute": f["recompute"]})[0])
     blocks = profile.layer_blocks()
     L = profile.num_layers
     attn = [b for b in blocks if b.heads]
@@ -390,30 +400,73 @@ def _mbs_options(base: Mapping[str, Any], per_dp: int, f: Mapping[str, Any], sta
 
 def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats,
                fp8_modules: frozenset | None = None, stack: Stack | None = None) -> None:
-    """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps."""
+    """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps; where nothing
+    fits and the stack offloads activations, the same with the saved activations in host memory."""
     stack = stack or resolve_stack(None)
     mbss = _mbs_options(base, global_batch // dp, f, stack)
+    rcs = _recompute_options(profile, base["pp"], seq_len, stack)
+    if base.get("offload_activations"):
+        rcs = _offload_recompute(rcs, stack, base["pp"])
     for precision in precisions:
-        for rc in _opts("recompute", f, _recompute_options(profile, base["pp"], seq_len, stack)):
-            best_here = None
-            for mbs in mbss:
-                lay = dict(base, mbs=mbs, recompute=rc)
-                try:
-                    est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,
-                                           global_batch=global_batch, precision=precision,
-                                           fp8_modules=fp8_modules if precision == "fp8" else None, stack=stack)
-                except MeshplanError:
-                    stats["pruned_divisibility"] += 1
-                    continue
-                stats["estimates"] += 1
-                if not est.fits:
-                    rejected.append(est)
-                    break                      # a larger micro-batch only needs more memory
-                ranked.append(est)
-                if best_here is not None and est.step_time_s > best_here:
-                    break                      # growing mbs stopped paying off
-                best_here = est.step_time_s
+        fitting = len(ranked)
+        for rc in _opts("recompute", f, rcs):
+            best_here = _grow_mbs(profile, cluster, dict(base, recompute=rc), mbss, seq_len, global_batch, precision,
+                                  ranked, rejected, stats, fp8_modules, stack)
             if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe"):
                 break                          # cheapest recompute that fits found; more recompute only adds work
             # (not after "norm_act": selective saves more and re-runs attention instead of element-wise
             # work, which at short sequences can be the cheaper recompute; both are ranked)
+        if len(ranked) > fitting or "offload_activations" in f or not stack.activation_offload or \
+                not frees_device_memory(cluster):
+            continue
+        # nothing fits on this mesh: offload the saved activations to host memory (cost_models/
+        # offload.py), with the least recompute that then fits. Only here: a mesh that fits without it is
+        # costed as before, and one too small for its activations gains a candidate
+        ladder = _opts("recompute", f, _offload_recompute(rcs, stack, base["pp"]))
+        # the leanest first, at the smallest micro-batch: where even it does not fit (most such meshes:
+        # their weights, the embedding and the head do not shrink), one estimate settles the mesh
+        if not ladder or not mbss or _grow_mbs(profile, cluster, dict(base, recompute=ladder[-1], offload_activations=True),
+                                               mbss[:1], seq_len, global_batch, precision, [], rejected, stats,
+                                               fp8_modules, stack) is None:
+            continue
+        for rc in ladder:
+            best_here = _grow_mbs(profile, cluster, dict(base, recompute=rc, offload_activations=True), mbss,
+                                  seq_len, global_batch, precision, ranked, rejected, stats, fp8_modules, stack)
+            if best_here is not None and "recompute" not in f:
+                break
+
+
+def _offload_recompute(rcs: list, stack: Stack, pp: int = 1) -> list:
+    """The recompute options that run with activation offloading on `stack` at pipeline degree `pp`
+    (meshplan's runtime offloads what autograd's saved-tensor hooks see: meshplan.ir.support;
+    Megatron's --cpu-offloading runs at pp=1 without recompute: Stack.offload_composes)."""
+    if not stack.offload_composes:
+        return [rc for rc in rcs if rc == "none"] if pp == 1 else []
+    if not stack.runtime_checks:
+        return list(rcs)
+    return [rc for rc in rcs if not runtime_limits({"offload_activations": True, "recompute": rc})]
+
+
+def _grow_mbs(profile, cluster, lay_base: dict, mbss: list[int], seq_len: int, global_batch: int, precision: str,
+              ranked: list, rejected: list, stats: dict, fp8_modules: frozenset | None, stack: Stack) -> float | None:
+    """Estimate `lay_base` for each micro-batch size while it fits and the step keeps falling;
+    returns the fastest fitting step (None: none fits)."""
+    best_here = None
+    for mbs in mbss:
+        lay = dict(lay_base, mbs=mbs)
+        try:
+            est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,
+                                   global_batch=global_batch, precision=precision,
+                                   fp8_modules=fp8_modules if precision == "fp8" else None, stack=stack)
+        except MeshplanError:
+            stats["pruned_divisibility"] += 1
+            continue
+        stats["estimates"] += 1
+        if not est.fits:
+            rejected.append(est)
+            break                      # a larger micro-batch only needs more memory
+        ranked.append(est)
+        if best_here is not None and est.step_time_s > best_here:
+            break                      # growing mbs stopped paying off
+        best_here = est.step_time_s
+    return best_here

@@ -54,10 +54,18 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
     e = embedding_time(profile, cluster, T, sp_div)
     g, ce = head_times(profile, cluster, T, L.tp, table.ctx.fitted)
     flights = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
+    # multi-token prediction: one more layer of the last layer's kind per depth on the last stage
+    # (ranks._add_mtp; its output layer and loss are in head_times)
+    mtp_t = mtp_act = mtp_state = 0.0
+    if profile.mtp_depth and blocks:
+        c, last = table.cost(len(blocks) - 1, "none"), len(blocks) - 1
+        mtp_t = profile.mtp_depth * (c.fwd_s + c.bwd_s)
+        mtp_act = profile.mtp_depth * table.act(last, "none") / GB
+        mtp_state = profile.mtp_depth * static[last]
     return dict(layer_time_s=times, layer_memory_gb=acts, static_memory_gb=static, in_flight=flights,
-                first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce,
+                first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce + mtp_t,
                 first_extra_memory_gb=emb_state + K.BF16 * profile.hidden * T / sp_div * flights[0] / GB,
-                last_extra_memory_gb=head_state + head_activation_bytes(profile, T, L.tp) / GB)
+                last_extra_memory_gb=head_state + head_activation_bytes(profile, T, L.tp) / GB + mtp_act + mtp_state)
 
 
 def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,

@@ -261,9 +261,13 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
 
     total = _numel(model.parameters())
     in_blocks = sum(b.params * b.count for b in blocks)
+    # the MTP blocks are priced as layers of the last layer's kind (cost_models/ranks.py), the rest
+    # of the MTP modules (norms, projection) as other parameters of the last stage
+    mtp = _mtp_depth(cfg := getattr(model, "config", None))
+    if mtp and layers:
+        in_blocks += mtp * blocks[layers[-1]].params
     hidden = (param_shapes[token_weight][-1] if token_weight and len(param_shapes[token_weight]) == 2
               else max((b.hidden for b in blocks), default=0))
-    cfg = getattr(model, "config", None)
     cfg_name = getattr(cfg, "name", None) or getattr(cfg, "name_or_path", None)
     balance, capacity = moe_balance(model)      # how the routers stay balanced: the cost model's MoE load
     prof = ModelProfile(
@@ -277,11 +281,28 @@ def trace(model: nn.Module, *, seq_len: int, batch: int = 1, vocab: int | None =
         post_ops=tuple(_op_info(n, nodes, dtype, md) for n in post),
         embedding_fqn=token.module if token is not None else "",
         head_fqn=head.module if head is not None else "",
-        pre_modules=_param_owners(pre), post_modules=_param_owners(post),
-        moe_balance=balance, moe_capacity_factor=capacity)
+        pre_modules=_param_owners(pre), post_modules=_mtp_whole(_param_owners(post), mtp),
+        moe_balance=balance, moe_capacity_factor=capacity, mtp_depth=mtp)
     # shared experts the runtime folds whole over TP (MoE layers without routed(x)): so placed and priced
     prof = fold_shared_roles(prof, model)
     return dataclasses.replace(prof, fusions=find_fusions(prof).applied)
+
+
+def _mtp_depth(cfg) -> int:
+    """Multi-token-prediction depths of a meshplan model (ModelConfig.mtp_depth). Their modules
+    sit outside the block containers (models/mtp.py), so the trace counts their ops among the
+    post ops and their parameters among other_params; the cost model prices them from this."""
+    depth = getattr(cfg, "mtp_depth", 0)
+    return depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else 0
+
+
+def _mtp_whole(modules: tuple[str, ...], mtp: int) -> tuple[str, ...]:
+    """The MTP modules as one module, "mtp": the pipeline split moves it whole to the last stage
+    (runtime/pipeline.py stubs it whole elsewhere), and TP leaves it whole (docs/models.md)."""
+    if not mtp:
+        return modules
+    out = [m for m in modules if not m.startswith("mtp.")]
+    return tuple(out + ["mtp"]) if len(out) < len(modules) else modules
 
 
 def _param_owners(nodes) -> tuple[str, ...]:

@@ -142,7 +142,7 @@ def model_traits(profile: ModelProfile, module=None) -> ModelTraits:
                        partly_fused_qkv=partly_fused_qkv, sdpa_causal=sdpa_causal, cp_positions=_cp_positions(module),
                        ep_experts=_ep_experts(module), moe_tp_fold=_moe_tp_fold(profile, module),
                        layers=profile.num_layers, tp_forward=tp_forward,
-                       expert_shapes=_expert_shapes(blocks))
+                       expert_shapes=_expert_shapes(blocks), mtp=profile.mtp_depth)
 
 
 def _expert_shapes(blocks) -> tuple[tuple[int, int, int], ...]:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from meshplan.errors import ConfigError
+from meshplan.models.mtp import mtp_targets, split_logits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.loss_parallel import VocabShard, vocab_parallel_cross_entropy
@@ -156,10 +157,10 @@ class ParallelModel:
         gradients, under the same layout and micro-batches as training (collective)."""
         x, y = self._local_batch(input_ids, labels)
         d = self._local_documents(document_ids, input_ids)
-        denom = float(max(int((labels != IGNORE_INDEX).sum()), 1))
+        denoms = self._denominators(labels, 1.0)
 
         def loss_fn(logits, target):
-            return self._summed_loss(logits, target) / denom
+            return self._objective(logits, target, denoms)
 
         if self.schedule is None:
             m = self.num_microbatches
@@ -188,12 +189,11 @@ class ParallelModel:
         `document_ids` (B, T): packed documents, attention kept inside each (models that take it)."""
         x, y = self._local_batch(input_ids, labels)
         d = self._local_documents(document_ids, input_ids)
-        n_valid = int((labels != IGNORE_INDEX).sum())
         # a power-of-two loss scale divides exactly: the unscaled loss is the same number
-        denom = float(max(n_valid, 1)) / self.loss_scale
+        denoms = self._denominators(labels, self.loss_scale)
 
         def loss_fn(logits, target):
-            return self._summed_loss(logits, target) / denom
+            return self._objective(logits, target, denoms)
 
         if self.schedule is None:
             local = self._accumulate(x, y, loss_fn, d)
@@ -212,6 +212,39 @@ class ParallelModel:
         t = torch.tensor([local if contributes else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t.item())
+
+    @property
+    def mtp(self) -> tuple[int, float]:
+        """(depths, loss weight) of the model's multi-token prediction (meshplan.models.mtp);
+        (0, 0.0) without it."""
+        cfg = getattr(self.stages[0], "config", None) if self.stages else None
+        depth = getattr(cfg, "mtp_depth", 0)
+        if not isinstance(depth, int) or depth <= 0:
+            return 0, 0.0
+        return depth, float(cfg.mtp_loss_weight)
+
+    def _denominators(self, labels: torch.Tensor, loss_scale: float) -> list[float]:
+        """The global counts each loss term is averaged over (divided by the loss scale): the main
+        loss's labels != -100, then each MTP depth's (its targets are the labels shifted by k)."""
+        counts = [int((labels != IGNORE_INDEX).sum())]
+        counts += [int((labels[:, k:] != IGNORE_INDEX).sum()) for k in range(1, self.mtp[0] + 1)]
+        return [float(max(c, 1)) / loss_scale for c in counts]
+
+    def _objective(self, logits: torch.Tensor, target: torch.Tensor, denoms: list[float]) -> torch.Tensor:
+        """This micro-batch's share of the global training loss: its summed cross entropy over the
+        global label count; with multi-token prediction (training-mode logits), plus the loss
+        weight over the depths times each depth's summed cross entropy over its own global count,
+        so the step's loss is the single-device objective (models.mtp.mtp_causal_lm_loss) of the
+        global batch. Every depth's loss runs through the same path as the main one
+        (`_summed_loss`: fused head, vocabulary-parallel, or the user's loss_fn)."""
+        depth, weight = self.mtp
+        if not depth:
+            return self._summed_loss(logits, target) / denoms[0]
+        parts = split_logits(logits, depth, target.shape[-1])
+        loss = self._summed_loss(parts[0], target) / denoms[0]
+        for k, z in enumerate(parts[1:], 1):
+            loss = loss + weight / depth * (self._summed_loss(z, mtp_targets(target, k, IGNORE_INDEX)) / denoms[k])
+        return loss
 
     def _summed_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """This micro-batch's summed loss. A user's `loss_fn` gets whole logits (under TP the

@@ -2,8 +2,8 @@
 
 One fixed order, each step a no-op at degree 1 (DESIGN.md):
 
-    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> CP -> EP -> FP8 -> recompute -> FSDP/ZeRO
-    -> schedule
+    checks -> DeviceMesh -> pipeline split -> fused kernels -> TP/SP -> CP -> EP -> FP8 -> recompute -> offload
+    -> FSDP/ZeRO -> schedule
 
 EP (expert_parallel.py, moe_folding.py): MoE parallel folding (Megatron-Core). The routed experts
 get their own mesh over the same ranks as the dense layers (mesh.py: dp x cp x tp regrouped as
@@ -46,7 +46,7 @@ from torch import nn
 
 from meshplan.errors import ConfigError, LayoutError
 from meshplan.ir.fingerprint import fingerprint
-from meshplan.ir.support import runtime_limits
+from meshplan.ir.support import ModelTraits, runtime_limits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import expert_parallel as _ep
 from meshplan.runtime import fp8 as _fp8
@@ -54,6 +54,7 @@ from meshplan.runtime import fp32_grads as _f32
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import materialize as _mat
 from meshplan.runtime import moe_folding as _fold
+from meshplan.runtime import offload as _offload
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.compile import compile_blocks, compile_wanted
 from meshplan.runtime.ddp import (
@@ -88,7 +89,8 @@ def _check(model: nn.Module, plan, world_size: int) -> None:
                           "planning (layers, shapes or dtypes); re-plan for this model")
     # the same declaration the planner's search reads (meshplan.ir.support): a plan made by
     # meshplan.plan never trips this; a hand-edited or older plan may
-    limits = runtime_limits(plan.layout)
+    mtp = getattr(getattr(model, "config", None), "mtp_depth", 0)
+    limits = runtime_limits(plan.layout, ModelTraits(mtp=mtp) if isinstance(mtp, int) and mtp > 0 else None)
     if limits:
         raise LayoutError("the runtime cannot run this plan: " + "; ".join(limits)
                           + "; re-plan (meshplan.plan never returns such a layout)")
@@ -278,6 +280,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
     keep_fp32: list[list[str]] = []         # per local stage: modules whose gradients reduce in fp32
     vocab_shard = None      # set on the ranks holding the output layer when it stays vocab-sharded
     layers_before = 0       # layers of this pipeline rank in earlier virtual stages (recompute counts per rank)
+    offloaders: list = []   # runtime/offload.py, one per local stage (Layout.offload_activations)
     for spec, stage in zip(local_specs, stages):
         blocks = _owned_blocks(spec, plan.blocks)
         # the default loss runs on the vocabulary slices: the output layer keeps its logits sharded
@@ -301,10 +304,14 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                                         fsdp_float8_all_gather=use_fsdp and lay.zero == 3))
         apply_recompute(stage, blocks, lay, first_index=layers_before)             # 3. recompute
         layers_before += len(blocks)
+        if lay.offload_activations:                                                 # 3a. offload
+            # around the recompute wrapper: what the policy keeps is what moves to host memory
+            offloaders.append(_offload.apply_offload(stage, blocks, device))
         if lay.tp_comm_overlap:                                                     # 3b. async TP
             async_tp = enable_async_tp(stage, blocks, mesh["tp"]) or async_tp
-        if compile_on and not async_tp:                                             # 3c. compile
-            compiled += compile_blocks(stage, blocks)          # (async TP compiled them already)
+        if compile_on and not async_tp and not lay.offload_activations:             # 3c. compile
+            compiled += compile_blocks(stage, blocks)          # (async TP compiled them already;
+            # offloaded blocks run eagerly: their saved-tensor hooks are Python around each save)
         keep_fp32.append(_f32.fp32_grad_modules(stage, fp32_patterns, exclude=experts)
                          if fp32_patterns and lay.grad_dtype == "bf16" and dp_mode != "none" else [])
         if use_fsdp:                                                                # 4. FSDP / ZeRO
@@ -334,6 +341,7 @@ def parallelize(model: nn.Module, plan, *, compute_dtype: torch.dtype | None | s
                        ddp=ddps, autocast_dtype=None if use_fsdp else compute_dtype, async_tp=async_tp,
                        tied_shapes=_tied_local_shapes(stages, tied, mesh) if pp > 1 else [None] * len(tied))
     pm.compiled = compiled
+    pm.offload = offloaders                 # bytes each stage moved to host: Offloader.bytes_offloaded
     pm.expert_modules = expert_modules
     pm.fp32_grads = [m for stage_mods in keep_fp32 for m in stage_mods]
     pm.fp8 = _fp8.merge(swaps)

@@ -12,6 +12,12 @@ stage is replaced by a parameter-free stub, and whose `forward` is rebound so th
   norm and head pass their first argument through, so a non-last stage returns its last
   block's output and the last stage returns the logits.
 
+Multi-token prediction (meshplan.models.mtp) runs on the last stage but reads the embeddings of
+the input tokens shifted by 1..D, which only the first stage can look up: the first stage
+returns them after its hidden state, every later stage receives them and hands them on, and on
+the last one they replace the stubbed embedding's output where the model looks them up. Their
+gradients flow back the same way to the first stage's embedding (no second copy of it).
+
 This keeps the user's forward (position ids, masks, rotary tables computed on the fly, HF output
 objects) untouched and the module types intact, so TP and FSDP apply to a stage exactly as to
 the whole model, and parameter FQNs stay the original ones (checkpoints and `full_state_dict`
@@ -107,6 +113,13 @@ class _ZeroEmbedding(nn.Module):
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
+class _NoDepths(nn.Module):
+    """Stands in for the multi-token-prediction modules another stage owns: no extra depths."""
+
+    def forward(self, *args, **kwargs) -> list:
+        return []
+
+
 class _PassThrough(nn.Module):
     """Stands in for a block / norm / head another stage owns: returns its input unchanged."""
 
@@ -141,12 +154,21 @@ def build_stage_module(model: nn.Module, spec: StageSpec, *, seq_len: int, copy_
     """The stage's module: a (deep) copy of `model` with foreign modules stubbed and forward rebound."""
     stage = copy.deepcopy(model) if copy_model else model
     first_block = next((m for m in spec.owned if _is_block_fqn(stage, m)), None)
+    depth = _mtp_depth(stage)
     for fqn in spec.foreign:
         old = stage.get_submodule(fqn)
         if isinstance(old, nn.Embedding):
             _replace(stage, fqn, _ZeroEmbedding(old.embedding_dim, old.weight.dtype))
+        elif depth and fqn == "mtp":
+            _replace(stage, fqn, _NoDepths())
         else:
             _replace(stage, fqn, _PassThrough())
+    if depth:
+        # the token embedding (real on the first stage, a stub elsewhere) hands the shifted
+        # tokens' embeddings from the first stage to the last (module docstring)
+        emb = stage.get_submodule("tok_embeddings")
+        emb.__dict__["_meshplan_root"] = stage
+        emb.register_forward_hook(_carry_mtp_embeddings)
     if not spec.is_first:
         if first_block is None:
             raise LayoutError(f"pipeline stage {spec.index} owns no block ({list(spec.owned)}); every "
@@ -158,6 +180,8 @@ def build_stage_module(model: nn.Module, spec: StageSpec, *, seq_len: int, copy_
     stage._meshplan_stage = spec
     stage._meshplan_seq_len = seq_len
     stage._meshplan_received = None
+    stage._meshplan_mtp = depth
+    stage._meshplan_mtp_in, stage._meshplan_mtp_out, stage._meshplan_lookups = [], [], 0
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
 
@@ -183,10 +207,36 @@ def _inject_received(module: nn.Module, args: tuple, kwargs: dict):
     return args, {**kwargs, key: hidden}
 
 
-def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
+def _mtp_depth(model: nn.Module) -> int:
+    """Multi-token-prediction depths of a meshplan model (0 for any other model)."""
+    depth = getattr(getattr(model, "config", None), "mtp_depth", 0)
+    ok = isinstance(depth, int) and depth > 0 and isinstance(model._modules.get("mtp"), nn.Module) \
+        and isinstance(model._modules.get("tok_embeddings"), nn.Module)
+    return depth if ok else 0
+
+
+def _carry_mtp_embeddings(module: nn.Module, args: tuple, out: torch.Tensor):
+    """Forward hook on the token embedding of a stage of a model with MTP. The model looks up the
+    input tokens, then the tokens shifted by 1..D (Transformer.forward): those D outputs are kept
+    to be sent on, and on a stage after the first (a stub embedding) replaced by the received ones."""
+    root = module.__dict__["_meshplan_root"]
+    i = root._meshplan_lookups
+    root._meshplan_lookups += 1
+    if i == 0:
+        return None
+    if root._meshplan_mtp_in:
+        received = root._meshplan_mtp_in[i - 1]
+        out = received.view_as(received)    # a graph node: its gradient flows back to the sender
+    root._meshplan_mtp_out.append(out)
+    return out
+
+
+def _stage_forward(self: nn.Module, x: torch.Tensor, *carried: torch.Tensor, **kwargs):
     # kwargs (document_ids of packed documents) reach every stage: the schedule splits them per
-    # micro-batch on each rank, as it splits the first stage's input_ids
+    # micro-batch on each rank, as it splits the first stage's input_ids; `carried`: the shifted
+    # tokens' embeddings of multi-token prediction, from the stage before (module docstring)
     spec: StageSpec = self._meshplan_stage
+    self._meshplan_mtp_in, self._meshplan_mtp_out, self._meshplan_lookups = list(carried), [], 0
     if spec.is_first:
         ids = x
     else:
@@ -199,7 +249,13 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
         raise LayoutError("pipeline stage input was never consumed: the model did not call the stage's "
                           "first block; the model's forward does not follow the traced block order")
     # activations cross stages as plain local tensors (p2p sends tensors); see _inject_received
-    return out.to_local() if hasattr(out, "to_local") else out
+    out = out.to_local() if hasattr(out, "to_local") else out
+    if self._meshplan_mtp and not spec.is_last:
+        # in eval mode the model looks up no shifted tokens: zeros keep the stages' message shapes
+        sent = self._meshplan_mtp_out[:self._meshplan_mtp]
+        sent += [torch.zeros_like(out) for _ in range(self._meshplan_mtp - len(sent))]
+        return (out, *sent)
+    return out
 
 
 def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):

@@ -320,6 +320,19 @@ def test_bf16_gradients_halve_gradient_memory_and_reduce_scatter(h100x16):
     assert bf16.layout["grad_dtype"] == "bf16" and "grads-bf16" in meshplan.Layout.from_dict(bf16.layout).short()
 
 
+@pytest.mark.parametrize("stack, kept", [("meshplan", 1.0), ("torchtitan", 1.0), ("megatron-core", 0.5)])
+def test_bf16_gradients_are_held_in_the_dtype_the_stack_keeps(h100x16, stack, kept):
+    """FSDP2 / DDP over fp32 parameters reduce in bf16 but hold fp32 gradients (the reduced shard is
+    cast back to the parameter's dtype); Megatron-Core's --grad-reduce-in-bf16 buffer is bf16."""
+    kw = dict(seq_len=2048, global_batch=32, stack=stack)
+    for layout in (dict(dp=16, zero=1), dict(dp=16, zero=3)):
+        fp32 = meshplan.estimate(LLAMA8B, h100x16, layout, **kw)
+        bf16 = meshplan.estimate(LLAMA8B, h100x16, dict(layout, grad_dtype="bf16"), **kw)
+        assert bf16.comm_s["dp"] < fp32.comm_s["dp"]                          # the reduction is bf16
+        if layout["zero"] == 1:
+            assert bf16.memory_gb["gradients"] == pytest.approx(kept * fp32.memory_gb["gradients"], rel=1e-9)
+
+
 def test_deepep_dispatch_cuts_cross_node_expert_traffic(h100x16):
     moe = dict(MOE, experts=64, topk=8)
     a2a = est(moe, h100x16, seq_len=4096, global_batch=16, dp=16, ep=16)

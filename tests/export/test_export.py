@@ -45,7 +45,8 @@ MEGATRON_FLAGS = {
     "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--moe-router-score-function", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
     "--moe-z-loss-coeff", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
-    "--moe-expert-capacity-factor", "--moe-router-force-load-balancing",
+    "--moe-expert-capacity-factor", "--moe-router-force-load-balancing", "--mtp-num-layers",
+    "--mtp-loss-scaling-factor",
 }
 # torchtitan v0.2.2 (2026-02-20) torchtitan/config/job_config.py: the fields of each section.
 TITAN_KEYS = {
@@ -86,7 +87,7 @@ TRANSFORMER = {"recompute_granularity", "recompute_method", "recompute_num_layer
                "seq_length", "pipeline_model_parallel_layout", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
                "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
                "moe_expert_capacity_factor", "moe_router_force_load_balancing", "tp_comm_overlap",
-               "mtp_num_layers"} | STRATEGY - {"fsdp", "ddp"}
+               "mtp_num_layers", "mtp_loss_scaling_factor"} | STRATEGY - {"fsdp", "ddp"}
 PRECISION = {"precision", "fp8", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
              "num_layers_at_end_in_bf16"}
 NEMO_PREFIXES = {"trainer.strategy.": STRATEGY, "trainer.strategy.ddp.": DDP, "model.config.": TRANSFORMER,

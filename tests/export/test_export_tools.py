@@ -376,7 +376,7 @@ def test_bridge_provider_recipes_and_layout(mc, top):
     assert not any(k.startswith("model.transformer.") for k in kv)
     f = {k[len("model."):]: v for k, v in kv.items() if k.startswith("model.")}
     _megatron_split_ok(f)
-    assert kv["model.mtp_num_layers"] == "null"          # the recipe's MTP layer is not in the plan (noted)
+    assert kv["model.mtp_num_layers"] == "null"          # the preset trains without MTP (the recipe's layer is noted)
     # every split setting written, whether even or not (recipes set their own)
     for pl in (mc["70b_layout"], mc["moe"]):
         f = ex.to_nemo(pl, flavor="megatron-bridge")
@@ -426,7 +426,7 @@ def test_nemo_expresses_an_uneven_split_it_used_to_flatten(top, mc):
     assert count == 61
     assert not any("even split" in n for n in exp.notes)
     _megatron_split_ok({k[len(s):]: v for k, v in o.items() if k.startswith(s)})
-    assert o["model.config.mtp_num_layers"] is None
+    assert o["model.config.mtp_num_layers"] is None    # the preset trains without MTP (models/presets.py)
     text = ex.export_text(ds, "nemo")
     assert "written for recipe deepseek_v3" in text and "pipeline_model_parallel_layout=\"Et" in text
     # first/last sizes override the recipe's (deepseek_v3 sets 3 and 2), with account_for_* off

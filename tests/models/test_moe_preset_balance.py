@@ -60,8 +60,8 @@ def test_traced_and_config_profiles_agree_on_the_balance(name):
 
 def test_deepseek_v3_layers_update_their_bias_and_add_the_sequence_loss():
     from meshplan.models.moe import MoE
-    layers = [m for m in mp.models.build("deepseek-v3", device="meta").modules() if isinstance(m, MoE)]
-    assert len(layers) == 61 - 3
+    layers = [m for m in mp.models.build("deepseek-v3", device="meta", mtp_depth=1).modules() if isinstance(m, MoE)]
+    assert len(layers) == 61 - 3 + 1        # + the multi-token-prediction depth's block (models/mtp.py)
     for m in layers:
         assert m.bias_update and m.bias_update_rate == 0.001 and m.expert_bias is not None
         assert m.aux_loss_coeff == 0.0001 and m.aux_loss_scope == "local"

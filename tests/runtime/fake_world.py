@@ -35,14 +35,15 @@ def optimizer_bytes_per_param(plan) -> int:
 
 
 def check(model_name: str, cluster, *, seq_len: int, global_batch: int, ranks=(0, -1), fixed=None,
-          tol: float = 0.05) -> list[dict]:
+          tol: float = 0.05, overrides: dict | None = None) -> list[dict]:
     import meshplan as mp
-    model = mp.models.build(model_name, device="meta")
+    overrides = overrides or {}
+    model = mp.models.build(model_name, device="meta", **overrides)
     plan = mp.plan(model, cluster, seq_len=seq_len, global_batch=global_batch, fixed=fixed)
     out = []
     for r in ranks:
         rank = r % plan.world_size
-        got = local_state(mp.models.build(model_name, device="meta"), plan, rank)
+        got = local_state(mp.models.build(model_name, device="meta", **overrides), plan, rank)
         runtime = got["params"] * optimizer_bytes_per_param(plan)
         predicted = predicted_optimizer_bytes(plan, got["pp_rank"])
         out.append(dict(model=model_name, world=plan.world_size, layout=plan.layout.short(),

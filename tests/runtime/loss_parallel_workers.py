@@ -132,12 +132,7 @@ def end_to_end(rank: int, world: int, case: dict) -> dict:
     head_out = _head_hooks(pm, case["head"])
     with _VocabWide(case["vocab"]) as wide:
         loss = pm.forward_backward(x, y)
-    grads = pm.full_grads()
-    opt = torch.optim.AdamW(pm.parameters(), lr=numerics.LR, eps=numerics.EPS)
-    opt.step()
-    params = pm.full_state_dict()
-    ref_loss, ref_grads, ref_params = numerics.reference(ref, x, y)
-    numerics.assert_matches_reference(loss, grads, params, ref_loss, ref_grads, ref_params)
+    ref_loss = numerics.step_matches_reference(pm, ref, x, y, loss)["ref_loss"]
     shard = pm.vocab_shard
     return {"loss": loss, "ref_loss": ref_loss, "head_out": head_out, "vocab_wide": sorted(wide.shapes),
             "vocab_shard": None if shard is None else (shard.start, shard.width),

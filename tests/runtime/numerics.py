@@ -119,6 +119,18 @@ def assert_matches_reference(loss, grads: dict, params: dict, ref_loss, ref_grad
         torch.testing.assert_close(params[n], ref_params[n], **PARAM_TOL, msg=lambda m, n=n: f"param {n}: {m}")
 
 
+def step_matches_reference(pm, ref, x, y, loss) -> dict:
+    """After `pm.forward_backward(x, y)` gave `loss`: one AdamW step on `pm`, the same step of the
+    single-device `ref` on the same batch, and assert_matches_reference; the full gradients."""
+    grads = pm.full_grads()
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    opt.step()
+    params = pm.full_state_dict()
+    ref_loss, ref_grads, ref_params = reference(ref, x, y)
+    assert_matches_reference(loss, grads, params, ref_loss, ref_grads, ref_params)
+    return {"grads": grads, "ref_loss": ref_loss}
+
+
 def equivalence(rank: int, world: int, case: dict) -> dict:
     """Run one plan sharded and unsharded; raise AssertionError on any mismatch."""
     from meshplan.runtime import parallelize
