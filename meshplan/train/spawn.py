@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -144,6 +145,10 @@ def _entry(rank: int, world: int, port: int, outdir: str, timeout_s: float, back
         f = os.open(out / f"{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    # a rank killed by a signal (SIGSEGV, SIGABRT, ...) leaves the Python stack of every thread in its
+    # stderr file, which a failing run quotes
+    import faulthandler
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     _progress_file = str(out / f"{rank}.progress")
     _fn_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
     _record("importing torch")
