@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import ConfigError
-from meshplan.train.optim import closure_loss
+from meshplan.train.optim import closure_loss, local_shard
 
 __all__ = ["Muon", "is_muon_param", "newton_schulz", "NS_COEFFS", "NS_STEPS", "RMS_SCALE"]
 
@@ -96,11 +96,6 @@ def newton_schulz(m: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = t
         gram = x @ x.mT                                 # [k, k], k = min(m, n)
         x = a * x + (b * gram + c * gram @ gram) @ x
     return (x if wide else x.mT).to(torch.float32)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 # ---- where each shard lives ----------------------------------------------------------------
@@ -270,7 +265,7 @@ class Muon(torch.optim.Optimizer):
                 st.update(self.initial_state(p))
             st["step"] += 1
             t = float(st["step"])
-            w, g, m, v = (_local(x) for x in (p, self._like_param(p.grad, p), st["exp_avg"], st["exp_avg_sq"]))
+            w, g, m, v = (local_shard(x) for x in (p, self._like_param(p.grad, p), st["exp_avg"], st["exp_avg_sq"]))
             m.lerp_(g, 1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             if wd:
@@ -296,7 +291,7 @@ class Muon(torch.optim.Optimizer):
             st = self.state[p]
             if not st:
                 st.update(self.initial_state(p))
-            buf, g = _local(st["momentum_buffer"]), _local(g).float()
+            buf, g = local_shard(st["momentum_buffer"]), local_shard(g).float()
             buf.mul_(mu).add_(g)
             inputs[id(p)] = g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
         # 2. shards to their owners
@@ -322,10 +317,10 @@ class Muon(torch.optim.Optimizer):
             direction="from_owner", me=me)
         for p in params:
             if wd:
-                _local(p).mul_(1 - lr * wd)
+                local_shard(p).mul_(1 - lr * wd)
         for k, u in enumerate(self._units):
             if me in u.pieces:
-                w = _local(u.param)
+                w = local_shard(u.param)
                 w[_slices(u.pieces[me], self._origins[id(u.param)])].add_(back[(k, me)].to(w.dtype), alpha=-lr)
 
     def _like_param(self, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ class AdamWBF16Moments(torch.optim.AdamW):
                 t = float(st["step"])
                 # elementwise: work on the local shards (DTensor dispatch costs ~0.1 ms an op; the
                 # state stays a DTensor for checkpoints, its local tensor is updated in place)
-                w, g, m_st, v_st = (_local(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
+                w, g, m_st, v_st = (local_shard(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
                 g = g.float()
                 m = m_st.float().lerp_(g, 1 - b1)                      # fp32 arithmetic, bf16 storage
                 v = v_st.float().mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -93,7 +93,8 @@ def closure_loss(closure):
         return closure()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (updated in place by the optimizers), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 
