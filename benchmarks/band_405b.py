@@ -56,8 +56,8 @@ def main(argv=None) -> int:
       f"+/-{fastest_est.uncertainty * 100:.0f}%")
     p(f"planner's choice:       {Layout.from_dict(chosen.layout).short():55s} {chosen.step_time_s:7.3f} s "
       f"+/-{chosen.uncertainty * 100:.0f}%")
-    if pl.search.get("band_choice"):
-        p(f"  {pl.search['band_choice']}")
+    if pl.notes.band_choice:
+        p(f"  {pl.notes.band_choice}")
     p("")
     p(f"{'against the experts':28s} {'expert step':>11s} {'layout':>8s} {'gain':>7s} {'band':>7s}  verdict; edge rests on")
     for name, lay in EXPERTS.items():

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         note = ""
         if fe.step_time_s <= pub.step_time_s * (1 + 1e-9):
             n_ok += 1
-        elif free.search.get("band_choice") and fastest <= pub.step_time_s * (1 + 1e-9):
+        elif free.notes.band_choice and fastest <= pub.step_time_s * (1 + 1e-9):
             n_simpler += 1
             note = f"; simpler inside band (search's fastest {B * s / fastest / n:.0f} tok/s)"
         else:

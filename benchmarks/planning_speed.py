@@ -65,9 +65,9 @@ t2 = time.perf_counter()
 pl = plan(model, mp.Cluster.preset(preset, num_gpus=gpus), seq_len=seq, global_batch=batch, stack=stack)
 t_plan = time.perf_counter() - t2
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / 1024
-print(json.dumps(dict(import_s=t_import, build_s=t_build, plan_s=t_plan, search_s=pl.search["seconds"], rss_gb=rss,
-                      layout=pl.layout.short(), mfu=pl.estimate.mfu, meshes=pl.search["meshes"],
-                      estimates=pl.search["estimates"])))
+print(json.dumps(dict(import_s=t_import, build_s=t_build, plan_s=t_plan, search_s=pl.notes.seconds, rss_gb=rss,
+                      layout=pl.layout.short(), mfu=pl.estimate.mfu, meshes=pl.notes.meshes,
+                      estimates=pl.notes.estimates)))
 """
 
 _SWEEP = r"""

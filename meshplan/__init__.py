@@ -28,14 +28,14 @@ _LAZY = {
     "Plan": ("meshplan.api", "Plan"),
     "profile": ("meshplan.api", "profile"),
     "whatif": ("meshplan.reports.whatif", "whatif"),
-    "trace": ("meshplan.planner.trace", "trace"),
-    "profile_from_config": ("meshplan.planner.analytic", "profile_from_config"),
+    "trace": ("meshplan.profiling.trace", "trace"),
+    "profile_from_config": ("meshplan.profiling.analytic", "profile_from_config"),
     "MeshplanError": ("meshplan.errors", "MeshplanError"),
     "parallelize": ("meshplan.runtime.parallel", "parallelize"),
     "ParallelModel": ("meshplan.runtime.parallel", "ParallelModel"),
 }
-_SUBMODULES = ("ir", "models", "cluster", "errors", "planner", "cost_models", "kernels", "export", "runtime", "train",
-               "reports")
+_SUBMODULES = ("ir", "models", "cluster", "errors", "profiling", "planner", "cost_models", "kernels", "export", "runtime",
+               "train", "reports")
 
 __all__ = sorted(list(_LAZY) + list(_SUBMODULES))
 

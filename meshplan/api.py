@@ -8,18 +8,15 @@ from typing import Any, Mapping, Sequence
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
-from meshplan.errors import ConfigError, DoesNotFitError, quiet_imports
+from meshplan.errors import ConfigError, quiet_imports
 from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
-from meshplan.planner.analytic import profile_from_config
-from meshplan.planner.build import _fp8_modules, block_instances, build_plan
 from meshplan.planner.explain import explain as _explain
-from meshplan.planner.ilp_fp8 import fp8_layer_modules
-from meshplan.planner.search import search
-from meshplan.planner.traits import model_traits
+from meshplan.planner.policy import plan_profile, resolve_precision
+from meshplan.profiling.analytic import profile_from_config
 import meshplan.export as _export
 
 __all__ = ["Plan", "estimate", "plan", "profile", "resolve_cluster"]
@@ -66,7 +63,7 @@ def profile(model: Any, *, seq_len: int = TRACE_SEQ_LEN, **trace_kwargs) -> Mode
         return profile_from_config(model, seq_len=seq_len)
     if isinstance(model, str):
         model = load_model(model)
-    from meshplan.planner.trace import (
+    from meshplan.profiling.trace import (
         trace,  # torch-heavy: only when a module must be traced
     )
     return trace(model, seq_len=min(seq_len, TRACE_SEQ_LEN), **trace_kwargs)
@@ -190,110 +187,18 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
                       "that will run the plan, e.g. stack='megatron-core'", DeprecationWarning, stacklevel=2)
         stack = stack or ("meshplan" if for_runtime else "megatron-core")
     stack = resolve_stack(stack)
-    for_runtime = stack.runtime_checks
     cl = resolve_cluster(cluster)
-    precisions, run_as = _precisions(precision, cl)
+    prec = resolve_precision(precision, cl)     # before tracing: a bad precision fails fast
     fixed = dict(fixed or {})
     if optimizer is not None:
         if fixed.get("optimizer", optimizer) != optimizer:
             raise ConfigError(f"optimizer={optimizer!r} but fixed={{'optimizer': {fixed['optimizer']!r}}}: give one")
         fixed["optimizer"] = optimizer
     prof = profile(model, seq_len=seq_len)
-    if not fused_kernels:
-        prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))
-    traits = model_traits(prof, model if hasattr(model, "named_modules") else None)
-
-    forces = {k: (v,) if isinstance(v, str) else tuple(v)
-              for k, v in (("fp8_force_in", fp8_force_in), ("fp8_force_out", fp8_force_out))}
-    if for_runtime and hasattr(model, "named_modules"):
-        forces["fp8_force_out"] += _not_swappable_fp8(prof, model, forces["fp8_force_in"])
-    fp8_layers = fp8_layer_modules(prof, forces["fp8_force_in"], forces["fp8_force_out"])
-
-    def run(fix: dict):
-        res = search(prof, cl, seq_len=seq_len, global_batch=global_batch, precisions=precisions, fixed=fix,
-                     allow_cross_domain=allow_cross_domain, stack=stack, traits=traits,
-                     fp8_modules=fp8_layers)
-        return build_plan(prof, cl, res, seq_len=seq_len, global_batch=global_batch, top_k=top_k, fixed=fix,
-                          stack=stack, **forces)
-
-    try:
-        out = run(fixed)
-    except DoesNotFitError as e:
-        if "optimizer_dtype" in fixed:
-            raise
-        # Adam moments in bf16 (fp32 master weights): 8 instead of 12 optimizer bytes per parameter;
-        # chosen only when nothing fits with fp32 moments, and said so (they change the numerics)
-        try:
-            out = run({**fixed, "optimizer_dtype": "bf16"})
-        except DoesNotFitError:
-            raise e from None
-        out = dataclasses.replace(out, search={**out.search, "optimizer_note": (
-            "Adam moments in bf16 (fp32 master weights): no layout fits with fp32 moments; "
-            "pass fixed={'optimizer_dtype': 'fp32'} to refuse")})
-    if run_as == "fp8":
-        out = _emulated_fp8_plan(prof, cl, out, seq_len=seq_len, global_batch=global_batch, **forces)
-    elif run_as and run_as != out.precision:
-        out = dataclasses.replace(out, precision=run_as)
+    out = plan_profile(prof, cl, seq_len=seq_len, global_batch=global_batch, precision=prec, stack=stack,
+                       fixed=fixed, top_k=top_k, allow_cross_domain=allow_cross_domain, fused_kernels=fused_kernels,
+                       fp8_force_in=fp8_force_in, fp8_force_out=fp8_force_out,
+                       module=model if hasattr(model, "named_modules") else None)
     if isinstance(model, str):
         out = dataclasses.replace(out, model_source=model)
     return Plan.of(out)
-
-
-def _not_swappable_fp8(prof, model, force_in: tuple[str, ...]) -> tuple[str, ...]:
-    """The traced GEMMs the runtime's FP8 backends cannot swap: those that are not an nn.Linear
-    module (GPT-2's transposed Conv1D, stacked expert weights). They stay bf16 in the plan, as they
-    would in the run; forcing one in is refused here rather than on N ranks."""
-    from torch import nn
-    if not all(b.instances for b in prof.blocks):
-        return ()                               # a profile from a config: no modules to look at
-    modules = dict(model.named_modules())
-    names = [f"{inst}.{li.name}" for inst, bi in zip(block_instances(prof), prof.layers)
-             for li in prof.blocks[bi].linears]
-    out = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
-    forced = [n for n in out if n in force_in]      # named exactly (a glob pattern just skips them)
-    if forced:
-        raise ConfigError(f"fp8_force_in names {', '.join(forced[:3])}, which the FP8 backends cannot run "
-                          "(they swap nn.Linear modules only); leave them out")
-    return tuple(dict.fromkeys(out))
-
-
-# precision names plan() and `meshplan train --precision` share
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "auto")
-
-
-def _precisions(precision: str, cl) -> tuple[tuple[str, ...], str | None]:
-    """(precisions the search prices, the precision the plan records if not the priced one)."""
-    import warnings
-    if precision == "auto":
-        return (("bf16", "fp8") if cl.gpu.fp8_tflops else ("bf16",)), None
-    if precision in ("bf16", "fp16"):
-        return (precision,), None
-    if precision == "fp32":
-        # the cost model has BF16/FP16/FP8 tables only: the layout is searched at BF16 costs and the
-        # runtime runs fp32 (twice the weight and activation bytes; step times of the fp32 rate)
-        warnings.warn("precision='fp32': the layout is planned with BF16 costs (the cost model prices "
-                      "bf16/fp16/fp8); the runtime trains in fp32, so memory and step time exceed the "
-                      "prediction", stacklevel=3)
-        return ("bf16",), "fp32"
-    if precision == "fp8":
-        if cl.gpu.fp8_tflops:
-            return ("fp8",), None
-        if cl.gpu.id != "cpu":
-            raise ConfigError(f"{cl.gpu.name} has no FP8 matrix units; use precision='bf16' (FP8 is emulated "
-                              "on CPU processes only: cluster 'local-cpu')")
-        warnings.warn(f"{cl.gpu.name} has no FP8 matrix units: FP8 is emulated (torchao on CPU: the same "
-                      "quantisation, no speed-up). The layout is priced in BF16 and the FP8 modules are "
-                      "those the placement ILP would choose on an FP8 GPU with this BF16 rate", stacklevel=3)
-        return ("bf16",), "fp8"
-    raise ConfigError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-
-
-def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int, fp8_force_in=(), fp8_force_out=()):
-    """An FP8 plan for a device without FP8 units (CPU): the BF16 plan's layout and prediction,
-    with the FP8 placement ILP run as on a GPU whose FP8 rate is twice its BF16 rate (H100's
-    ratio), so the module set is the planner's own choice (first/last block and head excluded)."""
-    gpu = dataclasses.replace(cl.gpu, fp8_tflops=2 * cl.gpu.bf16_tflops, fp8_gemm_efficiency=cl.gpu.gemm_efficiency)
-    emu = dataclasses.replace(cl, gpu=gpu)
-    mods = _fp8_modules(prof, emu, plan.layout, plan.estimate, seq_len, global_batch, fp8_force_in, fp8_force_out)
-    return dataclasses.replace(plan, precision="fp8", fp8_modules=mods,
-                               search={**plan.search, "fp8_emulated": True})

@@ -13,10 +13,13 @@ if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
 
 # Ranks of the multi-process tests (meshplan.train.spawn.run_ranks) are forked from a server that
 # imports torch once; these transformers models (and torchao, which transformers imports) too,
-# instead of every rank importing them again (about 5 s of CPU each).
+# instead of every rank importing them again (about 5 s of CPU each). Triton as well: every rank
+# that runs a fused kernel imports it (0.2-0.3 s of CPU a rank, about a hundred ranks a session);
+# the server inherits TRITON_INTERPRET from here, so its Triton is the interpreter's.
 os.environ.setdefault("MESHPLAN_SPAWN_PRELOAD", ",".join(
-    f"transformers.models.{m}" for m in ("auto.modeling_auto", "llama.modeling_llama", "mixtral.modeling_mixtral",
-                                          "qwen2_moe.modeling_qwen2_moe", "phi3.modeling_phi3", "gpt2.modeling_gpt2")))
+    [f"transformers.models.{m}" for m in ("auto.modeling_auto", "llama.modeling_llama", "mixtral.modeling_mixtral",
+                                           "qwen2_moe.modeling_qwen2_moe", "phi3.modeling_phi3", "gpt2.modeling_gpt2")]
+    + ["triton", "triton.language", "triton.runtime.interpreter"]))
 
 
 import pytest  # noqa: E402

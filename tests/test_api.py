@@ -10,14 +10,14 @@ import pytest
 import meshplan as mp
 from meshplan.cli import main as cli_main
 from meshplan.errors import ConfigError, LayoutError, UnknownNameError
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 
 LLAMA8B = dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256)
 
 
 def test_import_is_light():
     code = ("import time,sys; t=time.time(); import meshplan, meshplan.cluster, meshplan.cost_models, "
-            "meshplan.planner.analytic; print(time.time()-t, 'torch' in sys.modules)")
+            "meshplan.profiling.analytic; print(time.time()-t, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert float(out[0]) < 2.0
     assert out[1] == "False"          # planning imports no torch

@@ -1,17 +1,16 @@
 """`meshplan train`: plan, then launch training on local processes (torchrun) with that plan.
 
-Run by a user, it plans (or loads `--plan`), prints the plan's summary, writes it to the output
-directory, and re-runs itself under torchrun with `--nproc` processes (`--max-restarts` restarts
-the whole job from the last checkpoint if a process dies). Each torchrun worker (`--worker`)
-builds the model with real weights (same seed on every rank), parallelises it with the plan and
-runs the training loop (meshplan.train.loop).
+Run by a user, it checks every option, plans (or loads `--plan`), prints the plan's summary,
+writes it and the job's `JobConfig` (meshplan.train.job) to the output directory, and re-runs
+itself under torchrun with `--nproc` processes (`--max-restarts` restarts the whole job from the
+last checkpoint if a process dies). Each torchrun worker (`--worker JOB_JSON`) reads the JobConfig
+back and runs meshplan.train.worker: process group, model, parallelize, the training loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -21,7 +20,9 @@ from meshplan.api import Plan, load_model
 from meshplan.cli import data as data_cli
 from meshplan.cli.common import parse_layout
 from meshplan.cluster import Cluster
-from meshplan.errors import ConfigError, MeshplanError
+from meshplan.errors import ConfigError
+from meshplan.ir.precision import PLAN_CHOICES
+from meshplan.train.job import MOE_FIELDS, JobConfig
 from meshplan.train.launch import (
     launch_local,
     layout_from_plan,
@@ -29,13 +30,11 @@ from meshplan.train.launch import (
     wait_for_endpoint,
 )
 from meshplan.train.spawn import exit_worker
+from meshplan.train.worker import FAILURE_PREFIX, run_precision, run_worker
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_SEQ, DEFAULT_BATCH = 128, 16
-# Start-up (rendezvous, rank 0 tokenising the data while the others wait, model set-up) may take
-# longer than a step's collectives; --timeout bounds the collectives of the training loop.
-SETUP_TIMEOUT_S = 300.0
-_FAILURE = "failure-rank"                   # out/failure-rank<N>.txt: why a worker stopped the job
+__all__ = ["register", "cmd_train", "train_config", "run_precision", "check_fp8_backend"]
 
 
 def register(sub) -> None:
@@ -52,7 +51,7 @@ def register(sub) -> None:
                    help=f"sequences per step (default: the plan's with --plan, else {DEFAULT_BATCH})")
     t.add_argument("--seq-len", type=int, default=None,
                    help=f"tokens per sequence (default: the plan's with --plan, else {DEFAULT_SEQ})")
-    t.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16", "fp8", "auto"],
+    t.add_argument("--precision", default=None, choices=PLAN_CHOICES,
                    help="planning: the precision to plan for (default bf16; plan() takes the same names). "
                         "With --plan: the plan's precision by default; another value is an explicit override "
                         "(e.g. --precision bf16 trains an FP8 plan in BF16). bf16/fp16: that compute with fp32 "
@@ -96,18 +95,12 @@ def register(sub) -> None:
                         "that stopped responding")
     _register_training_options(t)
     data_cli.register_train_options(t)
-    t.add_argument("--worker", metavar="ARGS_JSON", default=None, help=argparse.SUPPRESS)
+    t.add_argument("--worker", metavar="JOB_JSON", default=None, help=argparse.SUPPRESS)
     # testing aids: one rank crashes (--fail-at-step) or stops responding (--hang-at-step)
     t.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     t.add_argument("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)
     t.add_argument("--hang-rank", type=int, default=1, help=argparse.SUPPRESS)
     t.set_defaults(fn=cmd_train)
-
-
-# MoE options: --flag -> ModelConfig field (set only when given, so a dense model is refused only
-# when the user asked for balancing)
-MOE_FLAGS = ("moe_aux_loss_coeff", "moe_aux_loss_scope", "moe_z_loss_coeff", "moe_expert_bias",
-             "moe_bias_update_rate", "moe_capacity_factor", "moe_force_balance")
 
 
 def _register_training_options(t) -> None:
@@ -153,7 +146,7 @@ def _register_training_options(t) -> None:
 
 
 def _moe_overrides(args) -> dict:
-    return {k: getattr(args, k) for k in MOE_FLAGS if getattr(args, k, None) is not None}
+    return {k: getattr(args, k) for k in MOE_FIELDS if getattr(args, k, None) is not None}
 
 
 def _cluster(name: str, nproc: int, nnodes: int = 1):
@@ -217,19 +210,6 @@ def _with_options(plan, args):
     return plan
 
 
-def run_precision(plan, requested: str | None) -> dict:
-    """parallelize() keywords for running `plan` at `requested` precision (None: the plan's own).
-    A precision other than the plan's is the explicit override (logged by parallelize/train)."""
-    import torch
-    if requested in (None, "auto", plan.precision):
-        return {"compute_dtype": "plan", "fp8": True}
-    if requested == "fp8":
-        raise ConfigError(f"this plan was made for {plan.precision}, not fp8: re-plan with --precision fp8 "
-                          "(the planner chooses which modules run in FP8)")
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
-    return {"compute_dtype": dtype, "fp8": False}
-
-
 def check_fp8_backend(plan, args) -> None:
     """Raise ConfigError naming the package when an FP8 plan's backend is not installed (unless
     an explicit --precision override runs the plan without FP8)."""
@@ -250,32 +230,6 @@ def _save_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _profile_steps(text: str | None) -> tuple[int, int] | None:
-    """--profile FIRST:LAST (or one step N) -> (first, last)."""
-    if not text:
-        return None
-    from meshplan.errors import ConfigError
-    parts = text.split(":")
-    try:
-        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        first, last = 0, -1
-    if not 1 <= first <= last:
-        raise ConfigError(f"--profile {text!r}: give the steps to profile as FIRST:LAST with 1 <= FIRST <= LAST, "
-                          "e.g. --profile 6:8 (after the first steps' warm-up)")
-    return first, last
-
-
-def _starts_on_meta(model, args) -> bool:
-    """Whether `model` is parallelised from the meta device (each rank allocates only its shards):
-    meshplan's models always (their initialisation replays exactly, runtime/materialize.py), and
-    transformers models when --init-from gives their weights (a fine-tuning start: the weights come
-    from the files, read slice by slice, so no rank builds the whole model). A transformers model
-    initialised from scratch is built whole on the CPU, so its initial weights are exactly
-    transformers' own."""
-    return hasattr(model, "init_module") or bool(getattr(args, "init_from", None) and hasattr(model, "_init_weights"))
-
-
 def _load(args, device: str):
     """The model: a preset is built at --seq-len; files and configs carry their own lengths."""
     preset = not args.model.endswith((".py", ".json")) and ".py:" not in args.model
@@ -289,7 +243,8 @@ def _load(args, device: str):
 
 def cmd_train(args) -> int:
     if args.worker:
-        exit_worker(_worker(argparse.Namespace(**json.loads(Path(args.worker).read_text()))))
+        job = JobConfig.load(args.worker)
+        exit_worker(run_worker(job, lambda device: _load(job, device)))
     if under_torchrun():
         # started by `meshplan launch`, a Slurm script or torchrun itself: this process is one rank
         exit_worker(_in_launcher(args))
@@ -312,14 +267,12 @@ def cmd_train(args) -> int:
         print(plan.explain())
     plan_path = out / "plan.json"
     _save_atomic(plan_path, plan.to_json())
-    # the workers read their options from a file: on torchrun's command line, options such as
-    # --nproc or --max-restarts would be taken by torchrun's own parser (prefix matching)
-    settings = {k: v for k, v in vars(args).items() if k != "fn"}
-    settings.update(plan=str(plan_path), worker=None)
-    args_path = out / ("train-args.json" if args.nnodes == 1 else f"train-args-node{args.node_rank}.json")
-    _save_atomic(args_path, json.dumps(settings, indent=1))
-    worker = ["meshplan.cli", "train", "--worker", str(args_path)]
-    for stale in out.glob(f"{_FAILURE}*"):
+    # the workers read the job from a file (meshplan.train.job says why not from their command line)
+    job = dataclasses.replace(JobConfig.from_options(args), plan=str(plan_path))
+    job_path = out / ("train-args.json" if args.nnodes == 1 else f"train-args-node{args.node_rank}.json")
+    job.save(job_path)
+    worker = ["meshplan.cli", "train", "--worker", str(job_path)]
+    for stale in out.glob(f"{FAILURE_PREFIX}*"):
         stale.unlink()
     if args.nnodes > 1 and args.node_rank > 0:
         print(f"node {args.node_rank}: waiting for the rendezvous at {args.rdzv_endpoint} ...",
@@ -333,50 +286,16 @@ def cmd_train(args) -> int:
     code = launch_local(args.nproc, worker, module=True, max_restarts=args.max_restarts, **multi)
     if code != 0:
         # repeat the workers' diagnosis after torchrun's report, where the user looks first
-        for reason in dict.fromkeys(f.read_text() for f in sorted(out.glob(f"{_FAILURE}*"))):
+        for reason in dict.fromkeys(f.read_text() for f in sorted(out.glob(f"{FAILURE_PREFIX}*"))):
             print(f"meshplan: error: {reason}", file=sys.stderr, flush=True)
     return code
 
 
 # ---- checks made before any process starts ------------------------------------------------------
-_WHOLE = (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("warmup", 0), ("checkpoint_every", 0),
-          ("keep", 0), ("keep_every", 0), ("max_restarts", 0))
-
-
 def train_config(args):
     """The training loop's config from the command line, every option checked (ConfigError names
-    the flag and a value that works). Called before launching and again by each worker."""
-    from meshplan.train.loop import TrainConfig
-    for name, low in _WHOLE:
-        v = getattr(args, name, None)
-        if v is not None and v < low:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
-    for name in ("lr", "timeout", "rdzv_timeout"):
-        v = getattr(args, name, None)
-        if v is not None and not v > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {v}")
-    if getattr(args, "init_from", None) and not Path(args.init_from).exists():
-        raise ConfigError(f"--init-from {args.init_from!r} does not exist; give a checkpoint's step_N directory "
-                          "or a directory of safetensors files")
-    return TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, args.steps), seed=args.seed,
-                       data=args.data, **data_cli.train_options(args),
-                       out_dir=args.out, checkpoint_every=args.checkpoint_every,
-                       keep_checkpoints=getattr(args, "keep", 2),
-                       async_checkpoint=getattr(args, "async_checkpoint", False),
-                       resume=not args.no_resume, collective_timeout_s=args.timeout,
-                       fail_at_step=args.fail_at_step, hang_at_step=getattr(args, "hang_at_step", None),
-                       hang_rank=getattr(args, "hang_rank", 1),
-                       lr_schedule=getattr(args, "lr_schedule", "cosine"),
-                       wsd_decay_steps=getattr(args, "wsd_decay_steps", None),
-                       wsd_decay_style=getattr(args, "wsd_decay_style", "linear"),
-                       keep_every=getattr(args, "keep_every", 0),
-                       rampup_batch_size=tuple(args.rampup_batch_size) if getattr(
-                           args, "rampup_batch_size", None) else None,
-                       init_from=getattr(args, "init_from", None),
-                       profile_steps=_profile_steps(getattr(args, "profile", None)),
-                       batch_schedule=getattr(args, "batch_schedule", None) or None,
-                       log=getattr(args, "log", "") or (),
-                       loss_scaling=getattr(args, "loss_scaling", "auto"))
+    the flag and a value that works): JobConfig.train_config, which each worker runs again."""
+    return JobConfig.from_options(args).train_config()
 
 
 def _check_data(args) -> None:
@@ -475,63 +394,5 @@ def _in_launcher(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         print(plan.explain(), flush=True)
         _save_atomic(out / "plan.json", plan.to_json())
-    return _worker(args, plan=plan)
-
-
-def _worker(args, plan=None) -> int:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from meshplan.runtime.parallel import parallelize
-    from meshplan.train.loop import RankHangError, train
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = datetime.timedelta(seconds=max(args.timeout, SETUP_TIMEOUT_S))
-    # A private key space per restart attempt: after a restart, gloo must not find the previous
-    # attempt's addresses in torchrun's store (seen as "connectFullMesh ... Connection refused").
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"meshplan/attempt_{attempt}", base),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    try:
-        if plan is None:
-            plan = Plan.load(args.plan)
-        torch.manual_seed(args.seed)
-        # meshplan's models start on the meta device: parallelize allocates and initialises only
-        # this rank's shards (runtime/materialize.py), so a model larger than one rank can start
-        model = _load(args, "meta")
-        if not _starts_on_meta(model, args):
-            model = _load(args, "cpu")          # other models: built whole, on every rank
-        pm = parallelize(model, plan, **run_precision(plan, getattr(args, "precision", None)),
-                         fp8_backend=getattr(args, "fp8_backend", "auto"),
-                         fp8_recipe=getattr(args, "fp8_recipe", None),
-                         compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"),
-                         fp32_grads=getattr(args, "fp32_grads", None) or ())
-        if getattr(args, "fp32_grads", None) and dist.get_rank() == 0:
-            kept = ", ".join(pm.fp32_grads[:6]) + (" ..." if len(pm.fp32_grads) > 6 else "")
-            print(f"--fp32-grads {args.fp32_grads}: " + (f"gradients of {len(pm.fp32_grads)} modules reduce in fp32 "
-                  f"({kept})" if pm.fp32_grads else f"nothing to change (the plan reduces gradients in "
-                  f"{plan.layout.grad_dtype}, or no parameter matches, or one data-parallel rank)"), flush=True)
-        cfg = train_config(args)
-        try:
-            res = train(model, plan, cfg, pm=pm)
-        except (RankHangError, MeshplanError) as e:
-            # a clean reason (a hung rank, a full disk, a damaged checkpoint, ...); the non-zero
-            # exit makes torchrun stop the remaining ranks; cmd_train repeats it after torchrun's report
-            print(f"meshplan: error: {e}", file=sys.stderr, flush=True)
-            try:
-                (Path(args.out) / f"{_FAILURE}{dist.get_rank()}.txt").write_text(str(e))
-            except OSError:
-                pass                        # e.g. the full disk itself: the line above is still there
-            return 1 if isinstance(e, RankHangError) else 2
-        if dist.get_rank() == 0 and res.losses:
-            first, last = res.losses[min(res.losses)], res.losses[max(res.losses)]
-            print(f"\ntrained steps {res.start_step + 1}..{res.final_step}: loss {first:.3f} -> {last:.3f}; "
-                  f"checkpoint {res.checkpoint}", flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    job = JobConfig.from_options(args)
+    return run_worker(job, lambda device: _load(job, device), plan=plan)

@@ -23,6 +23,11 @@ over the query tiles) of one (sequence, head) and loops over its key tiles.
 What remains is the plateau efficiency of the kernel on long calls: constants.ATTN_FWD_EFF /
 ATTN_BWD_EFF (fitted).
 
+Sliding-window attention (a causal band of w keys, `AttnCall.window`): FlashAttention's local mode
+(window_size=(w-1, 0); Transformer Engine's and cuDNN's sliding window) skips the key tiles wholly
+outside the band, so a query tile row computes the min(row + 1, 1 + ceil((w-1)/T)) tiles the band
+touches: work linear in the sequence, with the band's ragged edges as the tile waste.
+
 How context parallelism splits the work (`layer_calls`): the calls one GPU runs for one layer and
 micro-batch. Each is a separate kernel with its own diagonal waste, CTA overheads and launch, so
 the same masked FLOPs cost more as short CP chunks than as one long call.
@@ -35,7 +40,8 @@ from dataclasses import dataclass
 
 from meshplan.cost_models import constants as K
 
-__all__ = ["AttnCall", "AttnShape", "layer_calls", "shape_penalty", "call_efficiency", "sm_count"]
+__all__ = ["AttnCall", "AttnShape", "layer_calls", "shape_penalty", "call_efficiency", "sm_count", "gpu_generation",
+           "generation_rate"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class AttnCall:
     k_len: float
     causal: bool
     count: float = 1.0
+    window: float = 0.0     # causal band: each query sees its last `window` keys; 0 = the whole prefix
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,32 @@ class AttnShape:
         return sum(c.count for c in self.calls)
 
 
+def gpu_generation(gpu_id: str) -> str:
+    """The tensor-core generation an attention kernel is written for (constants.ATTN_GENERATION_RATE
+    keys): "ampere" (A100, and Ada's L40S, which runs the same mma.sync kernels), "hopper" (H100,
+    H800, H200), "blackwell" (B200, GB200, B300, GB300), "other" (AMD, CPU processes)."""
+    if gpu_id.startswith(("a100", "l40s")):
+        return "ampere"
+    if gpu_id.startswith(("h100", "h800", "h200")):
+        return "hopper"
+    if gpu_id.startswith(("b200", "gb200", "b300", "gb300")):
+        return "blackwell"
+    return "other"
+
+
+def generation_rate(gpu_id: str, *, backward: bool) -> float:
+    """How much more (or less) of the GEMM rate an FA2-class attention kernel reaches on `gpu_id`'s
+    generation than on Hopper, where ATTN_FWD_EFF / ATTN_BWD_EFF are set (constants.ATTN_GENERATION_RATE)."""
+    return K.ATTN_GENERATION_RATE[gpu_generation(gpu_id)][1 if backward else 0]
+
+
 def sm_count(cluster) -> int:
     """SMs (AMD: compute units) of the cluster's GPU (constants.GPU_SM_COUNT)."""
     return K.GPU_SM_COUNT.get(cluster.gpu.id, K.GPU_SM_COUNT_DEFAULT)
 
 
 def layer_calls(seq_len: float, batch_heads: float, *, causal: bool, cp: int = 1,
-                cp_kind: str = "p2p") -> AttnShape:
+                cp_kind: str = "p2p", window: float = 0) -> AttnShape:
     """Flash-attention calls of one layer on one GPU, for a micro-batch of `batch_heads`
     (sequences x local query heads; under a2a CP before its head split), by CP implementation:
       - no CP: one call over the whole sequence.
@@ -84,12 +110,16 @@ def layer_calls(seq_len: float, batch_heads: float, *, causal: bool, cp: int = 1
         attends, causally, the gathered keys up to its end: positions r and 2cp-1-r give key lengths
         (r+1)c and (2cp-r)c, whose sum (2cp+1)c does not depend on r; rank 0's pair is taken.
       - "a2a" (Ulysses): after the all-to-all a rank holds the whole sequence for heads/cp heads.
+    A sliding `window` (causal only) is one banded call; under CP it is priced as a2a's split (the
+    whole sequence for heads/cp heads) whatever the kind: a ring's remote steps outside the band are
+    skipped, so the band's work divides evenly, and the small per-step calls are not modelled.
     """
     s = float(seq_len)
+    w = float(window) if causal and window and window < s else 0.0
     if cp <= 1:
-        return AttnShape(batch_heads, (AttnCall(s, s, causal),))
-    if cp_kind == "a2a":
-        return AttnShape(batch_heads / cp, (AttnCall(s, s, causal),))
+        return AttnShape(batch_heads, (AttnCall(s, s, causal, window=w),))
+    if cp_kind == "a2a" or w:
+        return AttnShape(batch_heads / cp, (AttnCall(s, s, causal, window=w),))
     c = s / (2 * cp)
     if not causal:
         return AttnShape(batch_heads, (AttnCall(2 * c, 2 * c, False, float(cp)),))
@@ -100,9 +130,18 @@ def layer_calls(seq_len: float, batch_heads: float, *, causal: bool, cp: int = 1
                                    AttnCall(c, 2 * c, False, half), AttnCall(2 * c, c, False, half)))
 
 
+def _band_sum(n: float, m: float) -> float:
+    """sum of min(r + 1, m) over r = 0..n-1: what a causal band of m keeps in n rows."""
+    if n <= m:
+        return n * (n + 1) / 2.0
+    return m * (m + 1) / 2.0 + (n - m) * m
+
+
 def _masked_pairs(call: AttnCall) -> float:
     """(query, key) pairs the mask keeps: what the FLOP count charges (flops.py halves causal)."""
     q, k = call.q_len, call.k_len
+    if call.causal and call.window:     # query p (of k - q .. k - 1) keeps min(p + 1, window) keys
+        return _band_sum(k, call.window) - _band_sum(k - q, call.window)
     return q * k - q * q / 2.0 if call.causal else q * k
 
 
@@ -113,15 +152,21 @@ def _call_cost(call: AttnCall, batch_heads: float, sms: int, *, backward: bool) 
     fixed = K.ATTN_CTA_FIXED_TILES_BWD if backward else K.ATTN_CTA_FIXED_TILES_FWD
     q, k = call.q_len, call.k_len
     n_q, n_k = math.ceil(q / T), math.ceil(k / T)
+    band = 0
     if call.causal:
         off = math.ceil(max(0.0, k - q) / T)           # key tiles left of the diagonal band
         tiles = n_q * off + n_q * (n_q + 1) / 2.0       # whole tiles touched by the mask
+        if call.window:     # a tile row r of the band touches min(r + 1, band) key tiles
+            band = 1 + math.ceil((call.window - 1) / T)
+            tiles = _band_sum(off + n_q, band) - _band_sum(off, band)
     else:
         tiles = float(n_q * n_k)
     # forward: a CTA per query tile looping over keys; backward: per key tile looping over queries
     ctas_per_bh = n_k if backward else n_q
     longest = (tiles / ctas_per_bh if not call.causal else
                (n_q if backward else off + n_q)) + fixed
+    if band:
+        longest = min(longest, band + fixed)
     work = batch_heads * (tiles + ctas_per_bh * fixed)
     ctas = batch_heads * ctas_per_bh
     if call.causal:     # unequal CTAs, issued longest first

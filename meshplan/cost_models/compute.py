@@ -30,7 +30,8 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     the quantisation traffic (fp8_recipe_factor)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
-    one = gemm_roofline(m, n, k, cluster, fp8=fp8, fitted=fitted) + device_of(cluster).gemm_fixed_s(cluster, fp8)
+    one = gemm_roofline(m, n, k, cluster, fp8=fp8, fitted=fitted, recipe=recipe) + device_of(cluster).gemm_fixed_s(
+        cluster, fp8)
     if fp8:   # quantise the inputs (fused cast + amax), memory-bound
         one += fp8_cast_time(m * k + (k * n if weight_cast else 0.0), cluster, recipe)
     return count * one

@@ -75,6 +75,21 @@ ATTN_KERNEL_SLOWDOWN = {"flash": 1.0, "triton": 1.3}                            
 ATTN_KERNEL_RATE = {"fa2": (1.0, 1.0), "flash": (1.0, 1.0), "cudnn": (1.61, 1.61),
                     "fa3": (1.75, 1.74), "triton": (1 / ATTN_KERNEL_SLOWDOWN["triton"],) * 2}   # measured (kernel curves)
 
+# FlashAttention-2-class kernels reach a different share of the GEMM rate on each GPU generation:
+# FA2 is written for Ampere's mma.sync tensor-core instructions and uses none of Hopper's (wgmma,
+# TMA), so on Hopper it falls far below the GEMMs cuBLAS runs there. Plateau rates (head dim 128,
+# long sequences, no mask): A100 forward up to 73% and backward up to 63% of the 312 TFLOP/s peak
+# (Dao 2023, FlashAttention-2, arXiv 2307.08691, Sec. 4.1: 228 / 197 TFLOP/s); H100 SXM forward 370,
+# backward 322 TFLOP/s (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, Fig. 5/6, the FA2
+# curves). Against each GPU's MAMF (271.2 A100, 794.5 H100; meshplan/data/hardware.csv): A100
+# 0.840 / 0.726, H100 0.466 / 0.405, so an FA2-class kernel on Ampere runs at 1.80x (forward) and
+# 1.79x (backward) the share of the GEMM rate it reaches on Hopper. ATTN_FWD_EFF / ATTN_BWD_EFF are
+# the Hopper shares (most rows with flash attention ran on H100); these multiply them per
+# generation. Ada (L40S) runs the same mma.sync kernels as Ampere. Blackwell and AMD parts keep the
+# Hopper share: no FA2-class plateau measured there is transcribed (Blackwell stacks run cuDNN).
+ATTN_GENERATION_RATE = {"ampere": (0.840 / 0.466, 0.726 / 0.405), "hopper": (1.0, 1.0),
+                        "blackwell": (1.0, 1.0), "other": (1.0, 1.0)}           # measured (kernel curves)
+
 # Unfused ("eager") attention materialises the b*a*s*s score tensor: QK^T writes it (2 B), the
 # scale+mask+softmax reads and writes it (4 B), dropout reads/writes it and a 1-byte mask (5 B),
 # PV reads it (2 B) => ~13 bytes per score element forward, twice that backward (derived);
@@ -119,6 +134,18 @@ FP8_GEMM_FIXED_S = 20e-6                                                        
 # hardware.
 FP8_QUANT_BYTES = {"tensorwise": 4.0, "rowwise": 8.0, "blockwise": 4.0 + 2 * 4 / 128,
                    "mxfp8": 4.0 + 2 / 32}                                           # derived
+# The FP8 GEMM rate each recipe's kernels reach, as a share of the tensorwise (cuBLAS) FP8 rate.
+# Rowwise: PyTorch's row-wise scaled matmul (torch._scaled_mm with per-row scales, which torchao's
+# rowwise recipe calls) runs CUTLASS kernels with the scales applied in the epilogue, slower than the
+# tensorwise cuBLAS kernel. Measured by this project on an H100 SXM (benchmarks/results/
+# gpu_suite-2026-11-24-nvidia-h100-80gb-hbm3-fp8-runtime.md; 16 layers, hidden 2048, ffn 8192,
+# 8192 tokens a step, torch.compile): the rowwise step took 0.1681 s against 0.1379 s tensorwise
+# (+21.9%); the model's quantisation bytes (FP8_QUANT_BYTES) account for 10.5 ms of the 30.2 ms
+# difference, the rest is the GEMMs' 41.6 ms at the tensorwise rate taking 61.3 ms: 0.68 of it.
+# (Published rowwise runs are 25-35% slower than tensorwise at larger shapes.) Blockwise (cuBLAS
+# 1x128 / 128x128 scaled GEMMs, DeepGEMM) and MXFP8 (scales applied by Blackwell's MMA) keep the
+# tensorwise rate: no measurement says otherwise.
+FP8_RECIPE_GEMM_RATE = {"tensorwise": 1.0, "rowwise": 0.68, "blockwise": 1.0, "mxfp8": 1.0}   # measured (own H100)
 # GPUs whose tensor cores take MX block scales (Blackwell, sm_100): meshplan.cluster ids
 MXFP8_GPUS = ("b200", "gb200")
 

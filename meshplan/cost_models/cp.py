@@ -83,7 +83,17 @@ def attention_shape(b: BlockProfile, c: Context) -> AttnShape:
     """The flash-attention calls one GPU runs for one layer and micro-batch: mbs sequences x the
     query heads of this TP rank, split by the layout's CP implementation (attention.layer_calls)."""
     L = c.layout
-    return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=b.causal, cp=L.cp, cp_kind=cp_comm_type(L))
+    if runs_dense_band(b, c):
+        return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=False, cp=L.cp, cp_kind=cp_comm_type(L))
+    return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=b.causal, cp=L.cp, cp_kind=cp_comm_type(L),
+                       window=b.attn_window)
+
+
+def runs_dense_band(b: BlockProfile, c: Context) -> bool:
+    """meshplan's runtime applies a sliding window as an SDPA mask (models/banded.py), and a masked
+    kernel computes every tile (no causal or band skipping): its windowed layers cost full attention.
+    The other stacks run FlashAttention's / cuDNN's window mode (attention.py)."""
+    return bool(b.attn_window) and c.stack.runtime_checks
 
 
 def torch_cp_merge(b: BlockProfile, c: Context) -> tuple[float, float]:

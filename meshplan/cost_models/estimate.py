@@ -192,15 +192,15 @@ def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
 
 def _with_muon(dp: list[tuple[float, float]], ranks: list[RankWork], profile: ModelProfile, L: Layout, cluster,
                g: _DPGroups, opt_max: float) -> tuple[list[tuple[float, float]], float]:
-    """Each rank's (total, exposed) DP seconds plus Muon's exchange; the optimizer time plus the
-    slowest rank's Newton-Schulz (cost_models/muon.py)."""
+    """Each rank's (total, exposed) DP seconds plus Muon's exchanges (the update's partly hidden
+    by the next forward); the optimizer time plus the slowest rank's Newton-Schulz (cost_models/muon.py)."""
     dense = group(cluster, L.tp * max(1, L.shard), 1)       # tp fastest, then the optimizer's dp shard
     ns_max = 0.0
     out = []
     for r, (w, (total, exposed)) in enumerate(zip(ranks, dp)):
-        comm, ns = muon_rank_time(w, r, profile, L, cluster, dense_group=dense, expert_group=g.edp,
-                                  matmul_flops_s=matmul_rate(cluster, False))
-        out.append((total + comm, exposed + comm))
+        comm, shown, ns = muon_rank_time(w, r, profile, L, cluster, dense_group=dense, expert_group=g.edp,
+                                         matmul_flops_s=matmul_rate(cluster, False))
+        out.append((total + comm, exposed + shown))
         ns_max = max(ns_max, ns)
     return out, opt_max + ns_max
 
@@ -245,7 +245,12 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L),
                                          activations=mem["activations"]).items():
             mem[k] = mem.get(k, 0.0) + extra
-    mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * (w.dparams + w.eparams) if fp8 else 0.0
+    # The FP8 copies (and transposes) of the weights kept between a step's micro-batches. Under ZeRO-3
+    # they are kept of the shards, like every other copy of the weights (Megatron-FSDP's
+    # --fp8-param-gather stores and all-gathers the weights in FP8; FSDP2's float8 all-gather casts
+    # the shard), and a layer's gathered FP8 weight lives only while the layer runs.
+    fp8_held = w.dparams / shard + w.eparams / L.edp if L.zero >= 3 and shard > 1 else w.dparams + w.eparams
+    mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * fp8_held if fp8 else 0.0
     if L.moe_dispatcher == "deepep" and L.ep > 1 and any(blocks[i].is_moe for i in w.layers):
         # DeepEP's registered NVLink/RDMA buffers, one per process (memory.deepep_buffer_bytes); only
         # present where DeepEP runs, so other layouts keep their categories

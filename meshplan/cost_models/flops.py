@@ -3,6 +3,9 @@
 Per token per layer, forward: 2 * (weights a token multiplies), routed experts counted topk
 times (router omitted, as Megatron does); core attention 4*s*h_q forward, halved for causal
 masking. Training = 3x forward (fwd + dgrad + wgrad). Logits: 2*h*V forward.
+A sliding-window layer (BlockProfile.attn_window = w < s) counts the keys its band keeps: query i
+attends min(i+1, w) keys, w - w^2/(2s) on average instead of s/2 (Megatron-Bridge's
+num_floating_point_operations counts the same band, `swa_context`; docs/cost_model_mechanisms.md).
 Multi-token prediction counts too, as Megatron-LM's `num_floating_point_operations`
 (megatron/training/training.py) does: per depth one more layer of the last layer's kind, the
 (2h -> h) projection (2 * 2h * h) and one more logits GEMM; MFU then includes the MTP work.
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from meshplan.ir.profile import BlockProfile, ModelProfile
 
-__all__ = ["layer_fwd_flops_per_token", "attention_fwd_flops_per_token", "model_flops_per_step",
+__all__ = ["layer_fwd_flops_per_token", "attention_fwd_flops_per_token", "attended_keys", "model_flops_per_step",
            "recompute_flops_per_step"]
 
 _DENSE_ROLES_SKIPPED = ("router",)
@@ -24,11 +27,22 @@ def layer_fwd_flops_per_token(b: BlockProfile) -> float:
     return sum(li.flops_per_token for li in b.linears if li.role not in _DENSE_ROLES_SKIPPED)
 
 
+def attended_keys(seq_len: float, window: int = 0, *, causal: bool = True, causal_half: bool = True) -> float:
+    """Keys one query attends on average: s/2 under a causal mask (the continuous form Megatron
+    uses; s with `causal_half=False`, the convention that counts the mask in full), w - w^2/(2s)
+    under a causal band of w < s keys (w when counting in full)."""
+    s = float(seq_len)
+    if window and window < s:
+        return window - window * window / (2.0 * s) if (causal_half and causal) else float(window)
+    return s / 2 if (causal_half and causal) else s
+
+
 def attention_fwd_flops_per_token(b: BlockProfile, seq_len: int, *, causal_half: bool = True) -> float:
     if not b.heads:
         return 0.0
-    f = 4.0 * seq_len * b.q_dim          # QK^T and PV, each 2*s*h_q per query token
-    return f / 2 if (causal_half and b.causal) else f
+    # QK^T (2 q_dim per attended key) and PV (2 o_dim per attended key)
+    keys = attended_keys(seq_len, b.attn_window, causal=b.causal, causal_half=causal_half)
+    return 2.0 * keys * (b.q_dim + b.o_dim)
 
 
 def _unique_blocks(p: ModelProfile) -> list[tuple[BlockProfile, int]]:

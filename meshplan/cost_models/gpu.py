@@ -7,7 +7,7 @@ published runs (cost_models.validation)."""
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.attention import AttnShape, shape_penalty, sm_count
+from meshplan.cost_models.attention import AttnShape, generation_rate, shape_penalty, sm_count
 from meshplan.cost_models.roofline import fp8_cast_time, gemm_roofline, hbm_rate, matmul_rate
 from meshplan.cost_models.pipeline import pipeline_time_lower_bound
 
@@ -39,7 +39,7 @@ class GpuDevice:
         GEMM_TILE_M-row tiles for the math; HBM traffic, the FP8 input cast and the fixed per-kernel
         cost are paid on the real rows and once per kernel."""
         padded = -(-rows // K.GEMM_TILE_M) * K.GEMM_TILE_M if rows >= 1 else K.GEMM_TILE_M
-        one = gemm_roofline(rows, n, k, cluster, fp8=fp8, math_rows=padded, fitted=fitted)
+        one = gemm_roofline(rows, n, k, cluster, fp8=fp8, math_rows=padded, fitted=fitted, recipe=recipe)
         extra = fp8_cast_time(rows * k, cluster, recipe) if fp8 else 0.0
         return groups * (one + extra) + self.gemm_fixed_s(cluster, fp8)
 
@@ -52,7 +52,7 @@ class GpuDevice:
             speed = K.ATTN_KERNEL_RATE[kernel][1 if backward else 0]
         except KeyError:
             raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_RATE)}") from None
-        rate = matmul_rate(cluster, False, fitted) * speed
+        rate = matmul_rate(cluster, False, fitted) * speed * generation_rate(cluster.gpu.id, backward=backward)
         if backward:
             t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * fitted.attn_bwd_eff)
         else:

@@ -8,7 +8,7 @@ over CP); the planner's intra-block ILP rediscovers the same pattern for traced 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, dedup_all_to_all_time, dedup_copies
@@ -30,7 +30,8 @@ from meshplan.cost_models.context import (
     is_fp8_linear,
     unfused_of,
 )
-from meshplan.cost_models.cp import attention_shape, cp_comm, cp_comm_type, cp_kv_gathered_bytes, torch_cp_merge
+from meshplan.cost_models.cp import (attention_shape, cp_comm, cp_comm_type, cp_kv_gathered_bytes, runs_dense_band,
+                                     torch_cp_merge)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.cost_models.moe_load import expected_max_std_normal, load_factor, moe_load_factor, routing_layout
 from meshplan.ir.profile import BlockProfile
@@ -95,15 +96,19 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     rep = (2 * K.BF16 * h + norm_out) / sp_div    # + the two norm inputs
     shard = 0.0
     if b.heads:
-        shard += K.BF16 * (2 * b.q_dim + 2 * b.kv_dim)           # Q, K, V (k and v: h_kv each)
+        shard += K.BF16 * (2 * b.q_dim + b.kv_dim + b.v_dim)     # Q, K, V (k and v: h_kv each)
         if policy != "selective":
-            shard += K.BF16 * b.q_dim * half + K.FP32 * b.heads    # attn output (out-proj input) + LSE
+            shard += K.BF16 * b.o_dim * half + K.FP32 * b.heads    # attn output (out-proj input) + LSE
+        # MLA: the down-projections' outputs and the normed latents, whole on every TP rank
+        per_token_latent = 2 * K.BF16 * b.latent_dim
+    else:
+        per_token_latent = 0.0
     f_mult_store = 3 if b.gated else 2            # gated: gate, up, act-out; GELU: fc1-out, act-out
     if b.ffn_hidden:
         f = b.ffn_hidden
         store = K.BF16 * f * (f_mult_store - 1) + (0 if policy == "selective" else K.BF16 * f * half)
         shard += store
-    per_token = rep + shard / tp
+    per_token = rep + shard / tp + per_token_latent
     if b.is_moe and policy != NORM_MOE:           # NORM_MOE keeps only the MoE layer's input (norm_out's)
         etp = L.etp
         fm = b.moe_ffn_hidden
@@ -136,8 +141,8 @@ def _op_sac_bytes(b: BlockProfile, c: Context) -> float:
     kept = K.BF16 * h / sp_div                                   # the layer input
     mm_out = 0.0                                                 # per token, all matmul outputs
     if b.heads:
-        mm_out += K.BF16 * (b.q_dim + 2 * b.kv_dim) / tp + K.BF16 * h / sp_div
-        kept += (K.BF16 * b.q_dim + K.FP32 * b.heads) / tp      # attention output + log-sum-exp
+        mm_out += K.BF16 * (b.q_dim + b.kv_dim + b.v_dim) / tp + K.BF16 * h / sp_div + K.BF16 * b.latent_dim
+        kept += (K.BF16 * b.o_dim + K.FP32 * b.heads) / tp      # attention output + log-sum-exp
     if b.ffn_hidden:
         mm_out += K.BF16 * b.ffn_hidden * (2 if b.gated else 1) / tp + K.BF16 * h / sp_div
     if b.is_moe:
@@ -157,6 +162,8 @@ def gemm_shape(li, c: Context) -> tuple[float, float, float, float, float]:
         return T / L.tp, n, k, 1.0, li.params / L.tp
     if li.role == "shared_folded":      # whole weights on this TP rank's tokens (MoE folding)
         return T / L.tp * li.tokens_per_token, n, k, float(li.count), li.params
+    if li.role == "attn_down":          # MLA's down-projections: whole weights on every token on each TP rank
+        return T * li.tokens_per_token, n, k, float(li.count), li.params
     if li.role in ("expert_in", "expert_out"):
         local = max(1.0, li.count / L.ep)                       # experts held by this GPU
         rows = (T / L.tp) * L.ep * L.etp * li.tokens_per_token   # tokens per local expert (balanced)
@@ -344,6 +351,12 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     L = c.layout
     g_fwd, g_wgrad = _gemms(b, c)
     attn_flops = attention_fwd_flops_per_token(b, c.seq_len) * c.tokens / L.tp
+    dense_band = runs_dense_band(b, c)
+    if dense_band or not (L.flash_attention and c.stack.attention != "eager"):
+        # a masked or eager kernel computes the whole (s x s) score matrix, window or not (the eager
+        # branch below doubles the causal count; a masked SDPA call is priced unmasked: attention_shape)
+        attn_flops = attention_fwd_flops_per_token(replace(b, attn_window=0), c.seq_len,
+                                                   causal_half=not dense_band) * c.tokens / L.tp
     if L.flash_attention and c.stack.attention != "eager":
         shape = attention_shape(b, c)
         a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=c.attn_kernel, shape=shape, fitted=c.fitted)

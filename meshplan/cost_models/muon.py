@@ -16,7 +16,16 @@ Newton-Schulz workspace. They add to the peak only where they exceed the activat
 Communication per step: every rank sends its matrix shards to their owners and receives its
 slices of the updates back: two all-to-alls of 4 bytes per shard element over the group the
 matrices are sharded over (tp x the optimizer's data-parallel shard for dense weights, edp for
-experts), fully exposed (the step waits for both).
+experts). The first is exposed (the step waits for it before Newton-Schulz). The second runs
+into the next forward (the runtime's default, overlap_update): one message per layer, posted in
+forward order at the end of the step, layer j's waited for just before layer j runs, or one
+layer earlier under FSDP, whose pre-forward all-gathers the next layer's shards (explicit
+prefetch). With g layers on the rank, u = the exchange / g per layer and f = the rank's forward /
+g per layer, layer j's slices are in after (j + 1) u and needed after max(0, j - ahead) f:
+exposed = max over j of ((j + 1) u - max(0, j - ahead) f) (`muon_update_exposed`), (1 + ahead) u
+when a layer's forward outlasts its message, the whole exchange less the forward of the layers
+before the last when it does not. The forward's own traffic on the same links (FSDP's
+all-gathers) is not charged against it: where the forward is link-bound this is optimistic.
 
 Newton-Schulz: 5 iterations of X X^T (2 k^2 l), (X X^T)^2 (2 k^3) and the product with X
 (2 k^2 l) for a k x l matrix (k <= l): (4 + 2 k / l) k numel FLOPs each; priced with k = hidden
@@ -30,7 +39,7 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import Group, collective_time
 
 __all__ = ["MUON_MATRIX_BYTES", "MUON_STEP_COPIES", "adamw_params", "muon_state_extra_bytes",
-           "muon_step_bytes", "muon_comm_time", "muon_ns_flops"]
+           "muon_step_bytes", "muon_comm_time", "muon_update_exposed", "muon_ns_flops"]
 
 MUON_MATRIX_BYTES = K.FP32 + K.FP32         # fp32 master weights + momentum buffer
 MUON_STEP_COPIES = 3                        # fp32 copies of the matrix shard during the step (above)
@@ -63,10 +72,21 @@ def muon_step_bytes(matrix_local: float, largest_matrix: float) -> float:
 
 def muon_comm_time(dense_local: float, expert_local: float, dense_group: Group, expert_group: Group,
                    cluster) -> float:
-    """Seconds of the two exchanges per step (to the owners, back to the shards), exposed."""
-    one = collective_time("all_to_all", K.FP32 * dense_local, dense_group, cluster) + \
+    """Seconds of one of the two exchanges per step (to the owners, or back to the shards)."""
+    return collective_time("all_to_all", K.FP32 * dense_local, dense_group, cluster) + \
         collective_time("all_to_all", K.FP32 * expert_local, expert_group, cluster)
-    return 2 * one
+
+
+def muon_update_exposed(update_s: float, forward_s: float, layers: int, ahead: int = 0) -> float:
+    """Seconds of the update exchange (`update_s`, all of it) that the next forward (`forward_s`
+    over `layers` layers, one message each) cannot hide, when a layer's message is needed `ahead`
+    layers before the layer itself runs (module docstring). One layer or none: all of it."""
+    if layers <= 1 or update_s <= 0:
+        return max(0.0, update_s)
+    u, f = update_s / layers, max(0.0, forward_s) / layers
+    # (j + 1) u - max(0, j - ahead) f is linear in j past `ahead`: its maximum is at j = ahead or the last layer
+    candidates = [min(ahead, layers - 1), layers - 1]
+    return max((j + 1) * u - max(0, j - ahead) * f for j in candidates)
 
 
 def muon_ns_flops(matrix_local: float, hidden: int) -> float:
@@ -95,8 +115,13 @@ def muon_rank_memory(w, r: int, profile, blocks, L, *, adam_bytes: float, activa
 
 
 def muon_rank_time(w, r: int, profile, L, cluster, *, dense_group: Group, expert_group: Group,
-                   matmul_flops_s: float) -> tuple[float, float]:
-    """(exchange seconds, Newton-Schulz seconds) of rank r's Muon step."""
+                   matmul_flops_s: float) -> tuple[float, float, float]:
+    """(exchange seconds, of them exposed, Newton-Schulz seconds) of rank r's Muon step: the
+    gradient exchange is exposed, the update exchange only where the next forward (w.t_f, one
+    micro-batch over the rank's layers) cannot hide it; FSDP (a sharded optimizer) prefetches one
+    layer ahead."""
     dense, expert, _ = _shards(w, r, profile, L)
-    comm = muon_comm_time(dense, expert, dense_group, expert_group if L.zero >= 1 else Group(1, 1, 1), cluster)
-    return comm, muon_ns_flops(dense + expert, profile.hidden) / matmul_flops_s
+    one = muon_comm_time(dense, expert, dense_group, expert_group if L.zero >= 1 else Group(1, 1, 1), cluster)
+    ahead = 1 if L.zero >= 1 and max(1, L.shard) > 1 else 0
+    return 2 * one, one + muon_update_exposed(one, w.t_f, len(w.layers), ahead), \
+        muon_ns_flops(dense + expert, profile.hidden) / matmul_flops_s

@@ -42,11 +42,13 @@ def fp8_cast_time(elements: float, cluster, recipe: str) -> float:
 
 
 def gemm_roofline(m: float, n: float, k: float, cluster, *, fp8: bool = False, math_rows: float | None = None,
-                  fitted: K.Fitted = K.FITTED) -> float:
+                  fitted: K.Fitted = K.FITTED, recipe: str = "tensorwise") -> float:
     """One (m x k) @ (k x n) GEMM at the roofline: max(math at the achieved matmul rate, HBM
     traffic of both operands and the bf16 output). `math_rows` replaces m in the math (rows padded
-    to whole tiles); the traffic is that of the real rows."""
+    to whole tiles); the traffic is that of the real rows. An FP8 GEMM runs at its recipe's share of
+    the FP8 rate (constants.FP8_RECIPE_GEMM_RATE)."""
     elt = K.FP8 if fp8 else K.BF16
-    t_compute = 2.0 * (m if math_rows is None else math_rows) * n * k / matmul_rate(cluster, fp8, fitted)
+    rate = matmul_rate(cluster, fp8, fitted) * (K.FP8_RECIPE_GEMM_RATE[recipe] if fp8 else 1.0)
+    t_compute = 2.0 * (m if math_rows is None else math_rows) * n * k / rate
     t_memory = ((m * k + k * n) * elt + m * n * K.BF16) / hbm_rate(cluster)
     return max(t_compute, t_memory)

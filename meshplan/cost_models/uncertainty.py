@@ -19,7 +19,7 @@ A risk on the upper side only (`Estimate.uncertainty_high`: a MoE router nothing
 judged at its worst: a layout whose gain does not survive its own worst case is not "faster".
 
 Derivation of the constants (validate_published as of 2026-11-24; its current results file is
-benchmarks/results/validate_published-2026-11-26.txt,
+benchmarks/results/validate_published-2026-11-27.txt,
 "LOSO error by mechanism"): for rows leaning on mechanism k, the held-out error beyond the dense
 rows' error, sqrt(MAPE_k^2 - MAPE_dense^2), divided by the mean share of the step the mechanism's
 component takes in those rows, is the relative error of that component.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from meshplan.cost_models.attention import gpu_generation
 from meshplan.ir.layout import Layout
 
 __all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
@@ -88,16 +89,16 @@ X_EP_CROSS_NODE = 1.0                                                        # m
 E_PAIR = E_DENSE / 2                                                        # derived
 
 # ---- regimes the validation table covers thinly (leave-one-regime-out) ------------------------
-# benchmarks/results/validate_published-2026-11-26.txt, "leave-one-regime-out": for each regime of
+# benchmarks/results/validate_published-2026-11-27.txt, "leave-one-regime-out": for each regime of
 # benchmarks/validate_published.py REGIMES, the published rows in it and the mean error on them when
 # none of them fitted the constants. A plan in a regime with fewer than REGIME_MIN_ROWS rows
 # extrapolates: its band is at least that regime's held-out error (measured).
 REGIME_MIN_ROWS = 5
-REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (46, 0.148),
-               "stack torchtitan": (18, 0.062), "stack llm-foundry": (36, 0.072),
-               "gpu ampere": (30, 0.085), "gpu hopper": (96, 0.260), "gpu blackwell": (2, 0.370),
-               "fp8 tensorwise": (36, 0.124), "fp8 block/row/mx recipes": (2, 0.356),
-               "ep across nodes": (4, 0.191), "context >= 64k": (12, 0.136), "moe": (18, 0.204)}
+REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (48, 0.155),
+               "stack torchtitan": (18, 0.063), "stack llm-foundry": (36, 0.073),
+               "gpu ampere": (30, 0.083), "gpu hopper": (98, 0.122), "gpu blackwell": (2, 0.384),
+               "fp8 tensorwise": (36, 0.157), "fp8 block/row/mx recipes": (2, 0.363),
+               "ep across nodes": (4, 0.189), "context >= 64k": (12, 0.161), "moe": (20, 0.211)}
 # A regime with no published row takes a regime it resembles: meshplan's runtime is PyTorch-native
 # like torchtitan (FSDP2, DTensor, SDPA, torchao FP8); the stack-neutral reference is Megatron-Core's
 # baseline. Otherwise the mean held-out error over the regimes (derived).
@@ -122,7 +123,8 @@ def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep
                  moe: bool) -> list[str]:
     """The REGIME_LORO regimes an estimate falls in (names as benchmarks/validate_published.py's
     REGIMES)."""
-    gen = "blackwell" if gpu_id.startswith(("b", "gb")) else "ampere" if gpu_id.startswith("a100") else "hopper"
+    gen = gpu_generation(gpu_id)
+    gen = "hopper" if gen == "other" else gen        # AMD parts and CPU processes: the nearest covered regime
     out = [f"stack {stack}", f"gpu {gen}"]
     if precision == "fp8":
         out.append("fp8 tensorwise" if fp8_recipe == "tensorwise" else "fp8 block/row/mx recipes")

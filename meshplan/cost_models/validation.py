@@ -12,6 +12,9 @@ Normalisation rules (data/README.md), applied per SOURCE, never per row:
 - Megatron-Core README (2024), NeMo 24.07: model FLOPs of Megatron's formula at that time, with
   core attention counted in full (not causal-halved).
 - Megatron-MoE-ModelZoo (2025): Megatron's current formula, causal attention halved.
+- Megatron-Bridge's GPT-OSS rows (25.11, 26.04.01): the count their TFLOP/s imply, every layer's
+  attention full causal (the sliding window ignored) and the gated experts as two matrices
+  (`_bridge_window_flops`).
 - MosaicML llm-foundry MFU: 3*(2*params*s + 4*L*h*s^2) per sequence over the dense BF16 peak, where
   `params` is the model's NumParams (tied embedding counted once, learned position table included).
 - Korthikanti et al.: measured step time, compared directly.
@@ -72,7 +75,10 @@ _PRESET_FILL = (("qwen3-235b", "qwen3-235b-a22b"), ("qwen3-30b", "qwen3-30b-a3b"
                 ("qwen3_30b_a3b", "qwen3-30b-a3b"), ("qwen3_235b_a22b", "qwen3-235b-a22b"),
                 ("deepseekv3", "deepseek-v3"), ("llama3_70b", "llama3-70b"), ("llama3.1_405b", "llama3-405b"),
                 ("llama3_8b", "llama3-8b"),
-                ("llama 3.1 8b", "llama3-8b"), ("llama 3.1 70b", "llama3-70b"), ("llama 3.1 405b", "llama3-405b"))
+                ("llama 3.1 8b", "llama3-8b"), ("llama 3.1 70b", "llama3-70b"), ("llama 3.1 405b", "llama3-405b"),
+                # GPT-OSS: sliding windows, sinks and attention biases come only from the preset
+                ("gpt oss 120b", "gpt-oss-120b"), ("gpt-oss-120b", "gpt-oss-120b"), ("gpt oss 20b", "gpt-oss-20b"),
+                ("gpt-oss-20b", "gpt-oss-20b"))
 
 
 @dataclass
@@ -235,6 +241,8 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
             if not cfg.get(key) and getattr(pc, key, None):
                 cfg[key] = getattr(pc, key)
         cfg["head_dim"] = pc.head_dim
+        if getattr(pc, "attention", "gqa") == "mla":       # the CSV has no MLA columns
+            cfg.update({k: getattr(pc, k) for k in _MLA_PRESET_KEYS})
     if not cfg.get("vocab"):
         if gpt_style:
             cfg["vocab"] = 51200      # Megatron GPT-2 BPE vocabulary padded (SC'21, Korthikanti)
@@ -249,12 +257,22 @@ _PRESET_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "head_dim", "
                 "topk", "moe_ffn_hidden", "shared_experts", "dense_layers", "norm", "activation", "tie_embeddings")
 
 
+_MLA_PRESET_KEYS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 def _preset_config(pc) -> dict[str, Any]:
     """A model config (the keys model_config gives) from a meshplan preset's ModelConfig."""
     cfg = {k: getattr(pc, k) for k in _PRESET_KEYS}
+    if getattr(pc, "attention", "gqa") == "mla":
+        cfg.update({k: getattr(pc, k) for k in _MLA_PRESET_KEYS})
     if not cfg["experts"]:
         for k in ("experts", "topk", "moe_ffn_hidden", "shared_experts", "dense_layers"):
             cfg.pop(k)
+    if pc.family != "gpt" and pc.bias:
+        cfg["bias"] = True              # GPT-OSS's attention biases
+    if pc.sliding_window or pc.attention_sinks:
+        cfg.update(sliding_window=pc.sliding_window, sliding_window_pattern=pc.sliding_window_pattern,
+                   attention_sinks=pc.attention_sinks)
     return cfg
 
 
@@ -417,6 +435,23 @@ def _megatron_eq3(cfg: dict[str, Any], s: int, B: int) -> float:
     return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+def _bridge_window_flops(cfg: dict[str, Any], s: int, B: int) -> float:
+    """Model FLOPs of a step as Megatron-Bridge's performance summaries (25.11, 26.04.01) report them
+    for GPT-OSS: every layer's core attention counted as full causal attention (s/2 keys per query,
+    the sliding window ignored) and each expert's gated MLP as two h x ffn matrices, plus Q/K/V/O
+    and the logits, times 3. It reproduces the published 158 TFLOP/s at 5824 tokens/s/GPU and 153 at
+    5630 (27.13 and 27.18 GFLOP per token; this count gives 27.16). The current Megatron-Bridge
+    formula (src/megatron/bridge/training/utils/flop_utils.py, num_floating_point_operations:
+    `swa_context` = w - w(w-1)/2s keys on the windowed layers, gated MLPs as 3 matrices) gives
+    32.6 GFLOP per token, 20% more than those tables: they predate it."""
+    L, h, V = cfg["layers"], cfg["hidden"], cfg["vocab"]
+    q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
+    width = cfg.get("moe_ffn_hidden") or cfg["ffn_hidden"]
+    mlp = (cfg.get("topk") or 1) * 2 * h * width
+    per_layer = h * (q + 2 * kv) + q * h + mlp + q * s / 2 * 2      # multiply-adds per token
+    return 6.0 * B * s * (L * per_layer + h * V)
+
+
 def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: float) -> float:
     """The prediction in the row's metric and FLOP convention."""
     metric = row.get("metric")
@@ -432,6 +467,8 @@ def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: floa
     if fam == "mosaic":
         per_seq = 3 * (2 * prof.total_params * s + 4 * cfg["layers"] * cfg["hidden"] * s * s)
         return per_seq * B / t / n / (peak_tflops * 1e12) * 100
+    if fam == "megatron-bridge" and cfg.get("sliding_window"):
+        return _bridge_window_flops(cfg, s, B) / t / n / 1e12
     causal = fam == "modelzoo"
     flops = model_flops_per_step(prof, s, B, causal_half=causal)
     tflops = flops / t / n / 1e12
@@ -459,11 +496,6 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
             local = re.search(r"local batch (\d+)", row.get("notes"))
             B = (int(local.group(1)) if local else row.num("mbs")) * row.num("dp")
     cfg = model_config(row, preset)
-    if row.get("model").lower().startswith(("gpt oss", "gpt-oss")):
-        # alternating 128-token sliding-window attention and attention sinks (OpenAI gpt-oss model
-        # card): meshplan's profiles have no sliding window, so every layer would be priced full
-        res.skipped = "sliding-window attention (GPT-OSS) is not modelled"
-        return res
     if not (gpu and n and s and B):
         res.skipped = "GPU, GPU count, sequence length or global batch not given"
         return res

@@ -155,9 +155,11 @@ def _megatron_model(v: _View, seq_len: int) -> list[str]:
         return []
     out = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--ffn-hidden-size", str(s.ffn_hidden),
            "--num-attention-heads", str(s.heads)]
-    if s.kv_heads != s.heads:
+    if s.mla:
+        out += _megatron_mla(s)
+    elif s.kv_heads != s.heads:
         out += ["--group-query-attention", "--num-query-groups", str(s.kv_heads)]
-    if s.head_dim * s.heads != s.hidden:
+    if s.head_dim * s.heads != s.hidden and not s.mla:
         out += ["--kv-channels", str(s.head_dim)]
     out += ["--max-position-embeddings", str(seq_len), "--vocab-size", str(s.vocab),
             "--normalization", "RMSNorm" if s.norm == "rmsnorm" else "LayerNorm"]
@@ -178,9 +180,25 @@ def _megatron_model(v: _View, seq_len: int) -> list[str]:
             out += ["--moe-layer-freq", f"([0]*{s.dense_layers}+[1]*{s.layers - s.dense_layers})"]
         if s.sigmoid_router:
             out += ["--moe-router-score-function", "sigmoid"]
+        if s.group_score_note():
+            v.notes.append(s.group_score_note())
+        if s.router_groups:
+            out += ["--moe-router-num-groups", str(s.router_groups), "--moe-router-group-topk", str(s.router_group_topk)]
+        if s.router_scaling is not None:
+            out += ["--moe-router-topk-scaling-factor", str(s.router_scaling)]
         for name, value in (s.balancing.megatron_fields() if s.balancing else {}).items():
             flag = "--" + name.replace("_", "-")
             out += [flag] if value is True else [flag, str(value)]
+    window = s.megatron_window()
+    if window is not None:
+        # Megatron-LM's --window-size (left, right) and --window-attn-skip-freq (arguments.py,
+        # _add_network_size_args; Megatron-Bridge's GPT-OSS configs set window_size (128, 0), skip 2)
+        (left, right), skip = window
+        out += ["--window-size", f"{left},{right}"]
+        if skip is not None:
+            out += ["--window-attn-skip-freq", str(skip) if isinstance(skip, int) else str(skip).replace(" ", "")]
+    if s.attention_sinks:
+        out += ["--softmax-type", "learnable"]      # a learned per-head offset in the softmax denominator
     if s.mtp_depth:
         # Megatron-Core's MTP (megatron/training/arguments.py, _add_mtp_args): the depths run on the
         # last stage with the output layer; the scaling factor multiplies the MTP losses averaged
@@ -189,6 +207,20 @@ def _megatron_model(v: _View, seq_len: int) -> list[str]:
         if s.mtp_loss_weight is not None:
             out += ["--mtp-loss-scaling-factor", str(s.mtp_loss_weight)]
     return out
+
+
+def _megatron_mla(s: Any) -> list[str]:
+    """Megatron-Core's MLA (MLATransformerConfig; flags of _add_mla_args and TransformerConfig):
+    its latent RMSNorms exist only with --qk-layernorm; --qk-head-dim is the non-rotary part.
+    MLATransformerConfig defaults to YaRN RoPE (rope_type "yarn", scaling factor 40), which
+    changes the frequencies at every position: meshplan's model trains with plain RoPE at the
+    pre-training context, so the export asks for it (and Megatron's rope fusion runs YaRN only)."""
+    out = ["--multi-latent-attention", "--qk-layernorm"]
+    if s.q_lora_rank:
+        out += ["--q-lora-rank", str(s.q_lora_rank)]
+    return out + ["--kv-lora-rank", str(s.kv_lora_rank), "--qk-head-dim", str(s.qk_nope_head_dim),
+                  "--qk-pos-emb-head-dim", str(s.qk_rope_head_dim), "--v-head-dim", str(s.v_head_dim),
+                  "--rope-type", "rope", "--no-rope-fusion"]
 
 
 def megatron_export(plan: Any, model: Any = None) -> Export:

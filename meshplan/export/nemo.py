@@ -179,6 +179,9 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
     bal = v.shape.balancing if v.shape is not None else None
     for key, value in (bal.megatron_fields() if bal else {}).items():
         o[P.tf + key] = value
+    # MLA sizes and group-limited routing (MLATransformerConfig / TransformerConfig fields)
+    for key, value in (v.shape.megatron_attention_routing_fields() if v.shape is not None else {}).items():
+        o[P.tf + key] = value
     # multi-token prediction: Megatron-Core TransformerConfig fields (Megatron-Bridge's
     # docs/training/multi-token-prediction.md names them for the model config too)
     if v.shape is not None and v.shape.mtp_depth:

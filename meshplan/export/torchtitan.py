@@ -52,6 +52,10 @@ class _Flavor:
     shared_ffn_hidden: int = 0
     dense_layers: int = 0
     flex_attention: bool = False     # attn_type "flex": torchtitan's context parallelism refuses it
+    # MLA (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) and routing
+    # (num_expert_groups, num_limited_groups, route_scale) of the deepseek_v3 flavors
+    mla: tuple[int, int, int, int, int] | None = None
+    groups: tuple[int, int, float] | None = None
 
     def matches(self, s: ModelShape) -> bool:
         got = (s.layers, s.hidden, s.heads, s.vocab, s.experts, s.topk)
@@ -59,6 +63,14 @@ class _Flavor:
         if got != want:
             return False
         if self.kv_heads is not None and (s.kv_heads, s.head_dim) != (self.kv_heads, self.head_dim):
+            return False
+        if self.mla is not None and s.mla and \
+                (s.q_lora_rank, s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim) != self.mla:
+            return False
+        # routing groups and scale are known where the shape came from a config (a profile records
+        # neither; its balancing is None)
+        if self.groups is not None and s.balancing is not None and \
+                (s.router_groups or 1, s.router_group_topk or 1, s.router_scaling or 1.0) != self.groups:
             return False
         if self.ffn_hidden is not None and (self.experts == 0 or self.dense_layers) and s.ffn_hidden != self.ffn_hidden:
             return False
@@ -77,19 +89,21 @@ def _qwen3(flavor: str, layers: int, hidden: int, heads: int, kv: int, ffn: int,
 
 
 def _deepseek(flavor: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, experts: int, topk: int,
-              moe_ffn: int, shared: int, dense: int) -> _Flavor:
+              moe_ffn: int, shared: int, dense: int, q_lora: int, groups: tuple[int, int, float]) -> _Flavor:
+    # every flavor: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128
     return _Flavor(name="deepseek_v3", flavor=flavor, layers=layers, hidden=hidden, heads=heads, kv_heads=None,
                    head_dim=None, ffn_hidden=ffn, vocab=vocab, experts=experts, topk=topk, moe_ffn_hidden=moe_ffn,
-                   shared_ffn_hidden=shared * moe_ffn, dense_layers=dense, flex_attention=True)
+                   shared_ffn_hidden=shared * moe_ffn, dense_layers=dense, flex_attention=True,
+                   mla=(q_lora, 512, 128, 64, 128), groups=groups)
 
 
 # The flavors of torchtitan v0.2.2 (torchtitan/models/<name>/__init__.py), the debug models left out.
 # llama3's FFN size is its own rule: multiple_of * ceil(ffn_dim_multiplier * int(8 * dim / 3) / multiple_of).
 TITAN_FLAVORS: tuple[_Flavor, ...] = (
     _llama3("8B", 32, 4096, 32, 14336), _llama3("70B", 80, 8192, 64, 28672), _llama3("405B", 126, 16384, 128, 53248),
-    _deepseek("16B", 27, 2048, 16, 10944, 102400, 64, 6, 1408, 2, 1),
-    _deepseek("236B", 60, 5120, 128, 12288, 102400, 160, 6, 1536, 2, 1),
-    _deepseek("671B", 61, 7168, 128, 18432, 129280, 256, 8, 2048, 1, 3),
+    _deepseek("16B", 27, 2048, 16, 10944, 102400, 64, 6, 1408, 2, 1, 0, (1, 1, 1.0)),
+    _deepseek("236B", 60, 5120, 128, 12288, 102400, 160, 6, 1536, 2, 1, 1536, (8, 3, 16.0)),
+    _deepseek("671B", 61, 7168, 128, 18432, 129280, 256, 8, 2048, 1, 3, 1536, (8, 4, 2.5)),
     _qwen3("0.6B", 28, 1024, 16, 8, 3072), _qwen3("1.7B", 28, 2048, 16, 8, 6144), _qwen3("4B", 36, 2560, 32, 8, 9728),
     _qwen3("8B", 36, 4096, 32, 8, 12288), _qwen3("14B", 40, 5120, 40, 8, 17408), _qwen3("32B", 64, 5120, 64, 8, 25600),
     _qwen3("30B-A3B", 48, 2048, 32, 4, 0, experts=128, topk=8, moe_ffn_hidden=768),
@@ -117,9 +131,13 @@ def _titan_model(plan: Any, v: _View, fl: _Flavor | None) -> dict[str, Any]:
         v.notes.append(f"model: torchtitan's models have no multi-token prediction; the run trains without the "
                        f"plan's {v.shape.mtp_depth} MTP depth(s), whose work the plan priced on the last stage")
     if fl is not None:
-        if fl.kv_heads is None:
+        if fl.kv_heads is None and not v.shape.mla:
             v.notes.append(f"model: torchtitan's {fl.name} {fl.flavor} uses multi-head latent attention, which "
-                           f"the plan's model shape ({v.shape.source}) prices as grouped-query attention")
+                           f"the plan's model shape ({v.shape.source}) does not record")
+        elif fl.mla is not None and plan.seq_len > 4096:
+            v.notes.append(f"model: torchtitan's {fl.name} applies YaRN (rope_factor 40, softmax mscale) to "
+                           f"sequences longer than its original_seq_len 4096, as at the plan's {plan.seq_len}; the "
+                           "plan priced meshplan's model, which keeps plain RoPE (the same FLOPs)")
         return {"name": fl.name, "flavor": fl.flavor}
     what = v.shape.source if v.shape is not None else f"model {plan.model!r}"
     msg = (f"{what} is not a model torchtitan v0.2.2 ships (it ships {_flavor_list()}), so [model] name and "
@@ -289,6 +307,13 @@ def torchtitan_export(plan: Any, model: Any = None) -> Export:
     lay = v.layout
     ac = _titan_ac(v)
     fl = _titan_flavor(v.shape)
+    if v.shape is not None and (v.shape.layer_windows or v.shape.attention_sinks):
+        missing = " and ".join(x for x, on in (("sliding-window attention", bool(v.shape.layer_windows)),
+                                                ("attention sinks", v.shape.attention_sinks)) if on)
+        raise ConfigError(f"torchtitan export: the model ({v.shape.source}) has {missing}, which none of the "
+                          f"torchtitan flavors this export writes ({_flavor_list()}) computes; export to Megatron-LM "
+                          "or Megatron-Bridge (window_size / window_attn_skip_freq / softmax_type), or register "
+                          "a torchtitan model of your own")
     if lay.pp > 1:
         if lay.schedule == "zb":
             _titan_zb(v)

@@ -10,10 +10,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshplan.ir.layout import Layout
+from meshplan.ir.precision import PRICED
 
 __all__ = ["Estimate", "PRECISIONS", "TIME_KEYS", "GB"]
 
-PRECISIONS = ("bf16", "fp16", "fp8")
+PRECISIONS = tuple(p.value for p in PRICED)       # what the cost model prices (ir/precision.py)
 # Memory is reported in GiB (2^30 bytes), the unit torch.cuda and nvidia-smi use; the "80 GB" of an
 # H100 is 80 GiB. The cluster's usable memory already excludes the CUDA context, NCCL buffers and
 # allocator fragmentation (meshplan.cluster).

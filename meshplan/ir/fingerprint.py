@@ -25,6 +25,12 @@ def fingerprint(model) -> str:
             h.update(f"p:{pname}:{tensor_desc(p)};".encode())
         for bname, b in module._buffers.items():
             h.update(f"b:{bname}:{tensor_desc(b)};".encode())
+        # a sliding attention window changes what a layer computes, not its parameters (meshplan's
+        # and transformers' attention modules carry it as `sliding_window`); hashed only when set,
+        # so the fingerprints of models without one are unchanged
+        window = getattr(module, "sliding_window", None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            h.update(f"w:{name}:{window};".encode())
     # tied parameters change the parameter count, so they are part of the structure
     owners: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

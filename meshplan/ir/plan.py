@@ -20,7 +20,7 @@ re-derive; a silently misread plan is not).
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
 
-__all__ = ["Plan", "RunnerUp", "FusedKernel", "PLAN_VERSION", "MESH_AXES", "PLACEMENTS", "FUSED_KERNELS"]
+__all__ = ["Plan", "PlanNotes", "RunnerUp", "FusedKernel", "PLAN_VERSION", "MESH_AXES", "PLACEMENTS", "FUSED_KERNELS"]
 
 # 2: typed layout/estimate, placements and fused kernels by module FQN, `blocks` (2026-11-24)
 PLAN_VERSION = 2
@@ -99,6 +99,39 @@ class RunnerUp:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanNotes:
+    """How the planner arrived at a plan: what the search looked at and why the choice is what it is.
+    Read by `Plan.explain()`; numbers only describe the search, nothing the runtime reads."""
+
+    meshes: int = 0                    # device meshes enumerated
+    estimates: int = 0                 # layouts costed
+    pruned_divisibility: int = 0       # candidates the model's shapes cannot split
+    pruned_memory: int = 0             # meshes whose every layout was over memory
+    pruned_bound: int = 0              # candidates skipped by the step-time lower bound
+    runtime_excluded: int = 0          # layouts the stack cannot run (costed, never returned)
+    seconds: float = 0.0               # search wall time
+    fixed: dict[str, Any] = field(default_factory=dict)   # what the user pinned (`fixed=`, --fix)
+    band_choice: str = ""              # a simpler layout chosen inside the uncertainty band, and why
+    runtime_excluded_note: str = ""    # what the stack's limits cost (a faster layout it cannot run)
+    placement_note: str = ""           # the sharding ILP's fallback, when it failed
+    optimizer_note: str = ""           # the optimizer-state dtype had to change to fit
+    fp8_emulated: bool = False         # FP8 planned for a CPU run (emulated, for correctness only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PlanNotes":
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"malformed plan JSON: unknown note(s) {', '.join(unknown)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "PlanNotes":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     version: int = PLAN_VERSION
     model: str
@@ -121,7 +154,7 @@ class Plan:
     fused_kernels: tuple[FusedKernel, ...] = ()
     estimate: Estimate
     runner_ups: tuple[RunnerUp, ...] = ()
-    search: dict[str, Any] = field(default_factory=dict)   # candidates seen, pruned, time taken, notes
+    notes: PlanNotes = field(default_factory=PlanNotes)     # how the search arrived here (explain() reads it)
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
@@ -191,6 +224,7 @@ class Plan:
         d["runner_ups"] = [dict(asdict(r), layout=r.layout.to_dict()) for r in self.runner_ups]
         d["mesh"] = dict(self.mesh)
         d["placements"] = dict(self.placements)
+        d["notes"] = self.notes.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -204,6 +238,10 @@ class Plan:
         # the mesh is written for readers and derived from the layout on load; a file whose mesh
         # disagrees with its layout was edited by hand
         saved_mesh = d.pop("mesh", None)
+        # plans saved before the notes were typed carry them as a "search" dict of the same keys
+        old_notes = d.pop("search", None)
+        if isinstance(old_notes, dict) and "notes" not in d:
+            d["notes"] = {k: v for k, v in old_notes.items() if k in {f.name for f in fields(PlanNotes)}}
         if d["version"] != PLAN_VERSION:
             raise ConfigError(f"plan version {d['version']} is not supported by this meshplan "
                               f"(expects {PLAN_VERSION}); re-run meshplan plan")
@@ -230,6 +268,7 @@ class Plan:
             d["fused_kernels"] = tuple(FusedKernel.from_dict(k) for k in d.get("fused_kernels", ()))
             d["runner_ups"] = tuple(RunnerUp(**dict(r, layout=Layout.from_dict(r["layout"])))
                                     for r in d.get("runner_ups", ()))
+            d["notes"] = PlanNotes.from_dict(d.get("notes", {}))
             return cls(**d)
         except KeyError as e:
             raise ConfigError(f"malformed plan JSON: missing key {e} (in a layout, mesh or estimate)") from None

@@ -1,6 +1,6 @@
 """Graph IR and per-block profiles: what the tracer produces and the cost model reads.
 
-The tracer (`meshplan.planner.trace`) turns any single-device nn.Module into a
+The tracer (`meshplan.profiling.trace`) turns any single-device nn.Module into a
 `ModelProfile`. The cost model never looks at an nn.Module: it reads only these frozen
 dataclasses, so a 405B model is planned from a few kilobytes of numbers.
 
@@ -76,7 +76,7 @@ class LinearInfo:
     `role`: "attn_qkv" (q, k, v or fused qkv), "attn_out", "mlp_in" (fc1 / gate / up),
     "mlp_out" (fc2 / down), "router", "expert_in", "expert_out", "shared_in", "shared_out",
     "shared_folded" (a shared expert's linear that TP keeps whole, run on each TP rank's tokens:
-    a MoE layer without routed(x), meshplan.planner.traits.fold_shared_roles), "other".
+    a MoE layer without routed(x), meshplan.profiling.traits.fold_shared_roles), "other".
     `count`: how many such weights the block holds (E for routed experts, 1 otherwise).
     `tokens_per_token`: average rows that ONE weight of this kind multiplies per block input token
     (1 for dense; topk/E for a routed expert under balanced routing).
@@ -111,7 +111,12 @@ class BlockProfile:
     heads: int = 0
     kv_heads: int = 0
     head_dim: int = 0
+    v_head_dim: int = 0            # value width per head when it differs from head_dim (MLA); 0: head_dim
     causal: bool = True
+    # sliding-window attention: each query attends its last `attn_window` keys (itself included);
+    # 0 = the whole causal prefix. Blocks of different windows are different block signatures.
+    attn_window: int = 0
+    attn_sinks: bool = False       # attention sinks: a learned logit per head in the softmax denominator
     # dense MLP
     ffn_hidden: int = 0            # inner width of the dense MLP (0 if none)
     gated: bool = False            # SwiGLU-style (two input projections) vs GELU-style
@@ -144,6 +149,22 @@ class BlockProfile:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def v_dim(self) -> int:
+        """Value width of all key/value heads (the attention output's is heads x the same)."""
+        return self.kv_heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def o_dim(self) -> int:
+        """Width of the attention output (the out-projection's input)."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of the low-rank down-projections feeding the Q/K/V up-projections (MLA's
+        wq_a and wkv_a outputs, role "attn_down"), whole on every TP rank; 0 without."""
+        return sum(li.out_features for li in self.linears if li.role == "attn_down")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelProfile:
@@ -172,10 +193,10 @@ class ModelProfile:
     # fusion name (meshplan.kernels.fusion) -> True when meshplan's runtime swaps a fused kernel
     # in, False when the model's eager form runs; absent = the pattern does not occur, or the
     # profile was not traced (then the cost model assumes a framework's usual fused kernels).
-    # Set by the tracer from meshplan.planner.fusions.find_fusions.
+    # Set by the tracer from meshplan.profiling.fusions.find_fusions.
     fusions: tuple[tuple[str, bool], ...] = ()
     # MoE routing balance while training (MOE_BALANCES), read by the tracer from the model
-    # (meshplan.planner.traits.moe_balance); meaningless for a dense model
+    # (meshplan.profiling.traits.moe_balance); meaningless for a dense model
     moe_balance: str = "unknown"
     # the model's own expert capacity (tokens beyond cf x an expert's mean rows are dropped), which
     # bounds how far an unbalanced router can load one EP rank; None = dropless

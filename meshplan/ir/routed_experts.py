@@ -1,5 +1,5 @@
 """Recognising transformers-style routed experts by their structure (class names are never read):
-shared by the planner (what expert parallelism can run, meshplan.planner.traits) and the runtime
+shared by the planner (what expert parallelism can run, meshplan.profiling.traits) and the runtime
 (the adapter that runs them under expert parallelism, meshplan.runtime.hf_experts)."""
 
 from __future__ import annotations

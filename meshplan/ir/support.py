@@ -22,7 +22,9 @@ __all__ = ["ModelTraits", "runtime_limits", "TP_ROLE_PLACEMENT", "block_placemen
 # one DTensor placement; the attention between a column- and a row-parallel linear is head-local.
 # "shared_folded": a shared expert's linear in a MoE layer that TP folds whole (no routed(x) method:
 # transformers' Qwen2-MoE), replicated and run on each TP rank's tokens (runtime/moe_folding.py).
-TP_ROLE_PLACEMENT = {"attn_qkv": "colwise", "mlp_in": "colwise", "shared_in": "colwise",
+# "attn_down": a low-rank down-projection before the Q/K/V up-projections (multi-head latent
+# attention's wq_a / wkv_a, models/mla.py), kept whole on every rank; the up-projections split by heads.
+TP_ROLE_PLACEMENT = {"attn_qkv": "colwise", "attn_down": "replicate", "mlp_in": "colwise", "shared_in": "colwise",
                      "attn_out": "rowwise", "mlp_out": "rowwise", "shared_out": "rowwise",
                      "router": "replicate", "shared_folded": "replicate", "expert_in": "expert",
                      "expert_out": "expert", "other": "replicate"}
@@ -50,9 +52,9 @@ class ModelTraits:
     `moe_tp_fold`: tensor parallelism can fold the MoE layers as the planner places them: nothing
     TP splits beside the experts and router, or a `routed(x)` method beside TP-split shared
     experts, or shared experts placed "replicate" (role "shared_folded": transformers' Qwen2-MoE,
-    meshplan.planner.traits.fold_shared_roles).
+    meshplan.profiling.traits.fold_shared_roles).
     `tp_forward`: why the model's own forward does not run on tensor-parallel local shapes (its
-    attention sizes reshapes from the full width; planner/tp_probe.py), "" when it runs or the
+    attention sizes reshapes from the full width; profiling/tp_probe.py), "" when it runs or the
     probe could not tell. `expert_shapes`: (experts, inner width, hidden) of each kind of routed
     expert weight (the inner width is what expert tensor parallelism splits).
     """
@@ -69,6 +71,8 @@ class ModelTraits:
     tp_forward: str = ""
     expert_shapes: tuple[tuple[int, int, int], ...] = ()
     mtp: int = 0    # multi-token-prediction depths (meshplan.models.mtp): the runtime's limits below
+    attn_window: int = 0      # the widest sliding attention window of any block (0: none)
+    attn_sinks: bool = False  # attention sinks: a learned per-head logit (a parameter of `heads` entries)
 
 
 def _get(layout: Mapping[str, Any] | Any, key: str, default: Any) -> Any:
@@ -147,7 +151,7 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
                        "tokens (MoE parallel folding); this model's MoE layers hold a shared expert beside the "
                        "routed experts and no routed(x) method, so the runtime runs that expert only replicated "
                        "over TP, but its profile places it tensor-parallel; plan from "
-                       "meshplan.planner.traits.fold_shared_roles(profile, model), which places it 'replicate', "
+                       "meshplan.profiling.traits.fold_shared_roles(profile, model), which places it 'replicate', "
                        "or use tp=1 (ep and etp split the experts)")
         if traits.partly_fused_qkv and tp > 1:
             out.append(f"tensor parallelism (tp={tp}) on an attention whose Q, K and V come from two linears "
@@ -169,6 +173,15 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
             out.append(f"context parallelism (cp={cp}) needs every attention to go through "
                        "F.scaled_dot_product_attention(is_causal=True), which the runtime's ring attention "
                        "replaces; this model's attention does not; use cp=1")
+        if cp > 1 and traits.attn_window:
+            out.append(f"context parallelism (cp={cp}) with sliding-window attention (window "
+                       f"{traits.attn_window}): the runtime's ring attention runs the plain causal mask and "
+                       "would drop the band; use cp=1 (windowed layers cost O(s x window), so long sequences "
+                       "fit without CP)")
+        if tp > 1 and traits.attn_sinks:
+            out.append(f"tensor parallelism (tp={tp}) with attention sinks: the runtime splits the attention "
+                       "projections by heads but keeps the per-head sink logits whole; use tp=1 (ep, etp, "
+                       "pp and FSDP split GPT-OSS-style models)")
         if traits.layers and pp * vp > traits.layers:
             out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
                        "needs at least one layer")
@@ -259,7 +272,7 @@ def block_placement_limits(placements: Mapping[str, str], roles: Mapping[str, st
                            attention: tuple[str, ...] = (), packed: Mapping[str, str] | None = None) -> list[str]:
     """Reasons the runtime cannot run one block's TP placements: `placements` {module: label},
     `roles` {linear: role}, `attention` the block's attention modules, `packed` {linear: label}
-    the packed projections (fused QKV / gate-up: meshplan.planner.traits.packing), which the
+    the packed projections (fused QKV / gate-up: meshplan.profiling.traits.packing), which the
     runtime shards per part ("colwise_qkv" / "colwise_gate_up"), never by plain rows. The sharding
     ILP may find other valid dataflows (e.g. gathering the attention output and splitting wo by
     columns); the runtime runs the pattern above, so the planner falls back to it for such blocks."""
@@ -277,4 +290,10 @@ def block_placement_limits(placements: Mapping[str, str], roles: Mapping[str, st
         got = placements.get(name)
         if got is not None and got != "heads":
             out.append(f"attention {name} placed {got!r}; the runtime runs attention head-local ('heads')")
+        # modules inside an attention (MLA's latent norms) run on its input, which the runtime gathers
+        # whole once for the attention's column-parallel linears: never on a sequence shard
+        for inner, label in placements.items():
+            if inner.startswith(name + ".") and label == "sequence":
+                out.append(f"{inner} placed 'sequence' inside attention {name}, whose input the runtime gathers "
+                           "whole; it runs 'replicate' there")
     return out

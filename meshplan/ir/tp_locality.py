@@ -1,6 +1,6 @@
 """What tensor parallelism changes inside a user's module, in one place for the runtime (which
 does it) and the planner (which first checks, on the meta device, that the model's own forward
-still runs with it: planner/tp_probe.py).
+still runs with it: profiling/tp_probe.py).
 
 Under TP a rank's column-parallel linear returns its slice of the output features and a
 row-parallel one takes its slice of the input features. The user's forward runs unchanged on

@@ -18,13 +18,14 @@ from torch import nn
 from meshplan.errors import ConfigError, UnknownNameError
 from meshplan.models.config import CONFIG_KEYS, FAMILIES, ModelConfig, _check_keys
 from meshplan.models.grouped_mm import grouped_mm
+from meshplan.models.mla import MLAttention
 from meshplan.models.moe import GroupedExperts, MoE, load_balancing_loss
 from meshplan.models.presets import PRESETS, config, presets
 from meshplan.models.transformer import Attention, Block, FeedForward, Transformer, causal_lm_loss
 
 __all__ = [
     "build", "config", "presets", "ModelConfig", "CONFIG_KEYS", "FAMILIES", "PRESETS",
-    "Transformer", "Block", "Attention", "FeedForward", "MoE", "GroupedExperts",
+    "Transformer", "Block", "Attention", "MLAttention", "FeedForward", "MoE", "GroupedExperts",
     "causal_lm_loss", "load_balancing_loss", "grouped_mm",
 ]
 

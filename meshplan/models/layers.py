@@ -18,8 +18,9 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 def rope_tables(config: ModelConfig, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles, (seq_len, head_dim // 2) each, in float32."""
-    half = config.head_dim // 2
+    """cos and sin of the rotary angles, (seq_len, rotary dim // 2) each, in float32; the rotary dim
+    is head_dim, or MLA's decoupled qk_rope_head_dim."""
+    half = (config.qk_rope_head_dim if config.attention == "mla" else config.head_dim) // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
     angles = torch.outer(torch.arange(config.seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()

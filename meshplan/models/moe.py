@@ -9,6 +9,12 @@
       experts         GroupedExperts: w1 (E, f, h), w2 (E, h, f)[, w3 (E, f, h)]
       shared_experts  FeedForward of width shared_experts * f, applied to every token (or None)
 
+Routing (DeepSeek-V3, `moe_router_*` options): with groups, the experts form
+`moe_router_num_groups` equal groups and each token picks its top k only inside its
+`moe_router_group_topk` best groups (a group scored by its two best selection scores); the
+weights come from the unbiased scores, renormalised over the k picks, times
+`moe_router_topk_scaling_factor`.
+
 Forward, with N = tokens and k = topk (every shape is static, so the block traces with
 torch.export on meta / fake tensors):
   1. scores (N, E) from the router; top-k experts and weights per token;
@@ -137,7 +143,8 @@ def kernel_route(logits: Tensor, moe: "MoE") -> tuple[Tensor, Tensor, Tensor]:
     eager route, in one kernel."""
     from meshplan.kernels.moe import moe_route
     r = moe_route(logits, moe.topk, score_func=moe.score_func, expert_bias=moe._selection_bias())
-    return r.weights, r.experts, r.prob_sum
+    weights = r.weights * moe.routed_scale if moe.routed_scale != 1.0 else r.weights
+    return weights, r.experts, r.prob_sum
 
 
 class MoE(nn.Module):
@@ -165,6 +172,10 @@ class MoE(nn.Module):
         self.bias_update_rate = float(config.moe_bias_update_rate)
         self.capacity_factor = config.moe_capacity_factor
         self.force_balance = config.moe_force_balance
+        # group-limited routing (DeepSeek-V3): 0 groups = every expert is a candidate
+        self.num_groups = config.moe_router_num_groups or 0
+        self.group_topk = config.moe_router_group_topk or 0
+        self.routed_scale = float(config.moe_router_topk_scaling_factor or 1.0)
         # set by the runtime (meshplan.runtime.expert_parallel.MoEBalancer): the process group of
         # the ranks holding other tokens of this layer (dp x cp), and micro-batches per step
         self.balance_group = None
@@ -211,13 +222,28 @@ class MoE(nn.Module):
             rr = (torch.arange(n * self.topk, device=logits.device) % e).view(n, self.topk)
             lift = torch.zeros_like(scores).scatter_(1, rr, 2.0)
             _, selected = (scores.detach() + lift).topk(self.topk, dim=-1)
-        elif bias is not None:
-            _, selected = (scores + bias).topk(self.topk, dim=-1)
         else:
-            _, selected = scores.topk(self.topk, dim=-1)
+            choice = scores if bias is None else scores + bias
+            if self.num_groups > 1:
+                choice = self._limit_groups(choice)
+            _, selected = choice.topk(self.topk, dim=-1)
         weights = scores.gather(-1, selected)
         weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         return weights, selected, probs
+
+    def _limit_groups(self, choice: Tensor) -> Tensor:
+        """Selection scores (N, E) with every expert outside the token's `group_topk` best groups
+        at -inf. A group's score is the sum of its two best selection scores (bias included, as
+        DeepSeek-V3's node-limited routing ranks them), so a group wins by two strong experts,
+        not by one."""
+        n, e = choice.shape
+        grouped = choice.view(n, self.num_groups, e // self.num_groups)          # (N, G, E/G)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)                 # (N, G)
+        kept = group_score.topk(self.group_topk, dim=-1).indices                 # (N, group_topk)
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, e)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.routed(x)
@@ -234,7 +260,7 @@ class MoE(nn.Module):
         E, k = self.experts.num_experts, self.topk
         tokens = x.reshape(-1, H)                                           # (N, h)
         logits = self.router(tokens).float()                                # (N, E)
-        if self.route_fn is not None and not self.force_balance:
+        if self.route_fn is not None and not self.force_balance and self.num_groups <= 1:
             # fused router (meshplan.kernels.moe_route): top-k, scores, bias and summed probabilities
             weights, selected, prob_sum = self.route_fn(logits, self)       # (N, k), (N, k), (E,)
         else:

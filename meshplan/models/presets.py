@@ -74,8 +74,14 @@ PRESETS: dict[str, dict[str, object]] = {
         norm_eps=1e-6, moe_aux_loss_coeff=0.001, moe_aux_loss_scope="global"),
     # --- DeepSeek-V3 (arXiv 2412.19437, Sec. 4.2; deepseek-ai/DeepSeek-V3 config.json):
     # 61 layers, first 3 dense (ffn 18432), then 256 routed experts (top-8, sigmoid scores with
-    # a selection bias) + 1 shared expert of 2048. MLA is approximated by GQA with 128 query
-    # heads of 128 and 8 key/value heads (see docs/models.md).
+    # a selection bias) + 1 shared expert of 2048.
+    # Multi-head latent attention (Sec. 2.1.1, models/mla.py): 128 heads, queries through a
+    # 1536-rank latent, keys and values through a 512-rank latent, query/key heads of 128 + 64
+    # rotary channels, values of 128; softmax scale 1/sqrt(192). YaRN (Sec. 4.3) extends the
+    # context after pre-training and is not modelled (it rescales nothing at the 4K context).
+    # Routing (Sec. 2.1.2, config.json n_group 8, topk_group 4, routed_scaling_factor 2.5,
+    # norm_topk_prob true): each token's top-8 lie in its 4 best of 8 expert groups (a group
+    # scored by its two best biased scores), weights renormalised over the 8 and scaled by 2.5.
     # Multi-token prediction (Sec. 2.2 and 4.2): D = 1 depth, its loss weight lambda 0.3 for the
     # first 10T tokens, then 0.1: build with mtp_depth=1 (models.build("deepseek-v3", mtp_depth=1)).
     # Off in the preset: meshplan's runtime runs the MTP block unsharded (no EP / CP / SP), and
@@ -88,11 +94,35 @@ PRESETS: dict[str, dict[str, object]] = {
     # loss, over the sigmoid scores normalised per token). meshplan has no per-sequence scope: the
     # nearest is "local", each rank's micro-batch, one sequence per micro-batch at mbs 1.
     "deepseek-v3": dict(
-        family="moe", layers=61, hidden=7168, heads=128, kv_heads=8, head_dim=128, ffn_hidden=18432,
+        family="moe", layers=61, hidden=7168, heads=128, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_hidden=18432,
         moe_ffn_hidden=2048, experts=256, topk=8, shared_experts=1, dense_layers=3, router="sigmoid",
+        moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
         vocab=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
         moe_expert_bias=True, moe_bias_update_rate=0.001, moe_aux_loss_coeff=0.0001, moe_aux_loss_scope="local",
         mtp_depth=0, mtp_loss_weight=0.3),
+    # --- GPT-OSS (OpenAI gpt-oss-120b / gpt-oss-20b model card, 2025; transformers GptOssConfig and
+    # openai/gpt-oss-*b config.json): 36 (20b: 24) layers of width 2880, 64 query heads and 8 KV heads
+    # of head_dim 64 (q width 4096 != hidden), biases on the attention projections, 128 (20b: 32)
+    # routed experts top-4 of width 2880, no shared expert, vocabulary 201088 (o200k_harmony),
+    # untied output, RMSNorm eps 1e-5, RoPE theta 150000 over a 4096-token pre-training context
+    # (YaRN extends it to 131072 afterwards; not modelled). layer_types alternate
+    # "sliding_attention" / "full_attention" starting with sliding, sliding_window 128: meshplan's
+    # "alternate" pattern. Attention sinks: a learned logit per head in each softmax denominator.
+    # Not modelled: the experts' and router's biases (~0.1% of the parameters), the clamped
+    # SwiGLU (alpha 1.702, limit 7; priced and run as SwiGLU) and the router's softmax over only the
+    # top-4 logits. Balancing: the model card names none; taken Megatron-Core's per-layer 1e-2
+    # aux loss per micro-batch, as for Mixtral above.
+    "gpt-oss-120b": dict(
+        family="moe", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn_hidden=2880,
+        moe_ffn_hidden=2880, experts=128, topk=4, vocab=201088, seq_len=4096, rope_theta=150000.0,
+        norm_eps=1e-5, bias=True, sliding_window=128, sliding_window_pattern="alternate",
+        attention_sinks=True, moe_aux_loss_coeff=0.01, moe_aux_loss_scope="local"),
+    "gpt-oss-20b": dict(
+        family="moe", layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn_hidden=2880,
+        moe_ffn_hidden=2880, experts=32, topk=4, vocab=201088, seq_len=4096, rope_theta=150000.0,
+        norm_eps=1e-5, bias=True, sliding_window=128, sliding_window_pattern="alternate",
+        attention_sinks=True, moe_aux_loss_coeff=0.01, moe_aux_loss_scope="local"),
     # --- Tiny models for CPU training and tests (byte-level vocabulary) ---------------------
     # tiny-moe ships with nothing balancing its router, on purpose: it is the unbalanced case the
     # tests and the imbalance band are calibrated on (cost_models/uncertainty.py); pass

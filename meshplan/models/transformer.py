@@ -8,7 +8,8 @@ no parallelism inside. Module names are the contract other tools see:
       pos_embeddings  nn.Embedding(seq_len, h)            (position="learned" only, else None;
                                                           reads the non-persistent `positions` buffer)
       layers          nn.ModuleList of Block
-        attention_norm, attention (wq, wk, wv, wo), ffn_norm,
+        attention_norm, attention (wq, wk, wv, wo; MLA: wq_a, q_norm, wq_b, wkv_a, kv_norm,
+                        wkv_b, wo, models/mla.py), ffn_norm,
         feed_forward    FeedForward (w1, w2[, w3])  or  MoE (router, experts, shared_experts)
       norm
       output          nn.Linear(h, vocab, bias=False)     (weight tied to tok_embeddings if asked)
@@ -29,8 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshplan.errors import ConfigError
+from meshplan.models.banded import banded_attention
 from meshplan.models.config import ModelConfig
 from meshplan.models.layers import FeedForward, apply_rope, document_layout, make_norm, rope_tables
+from meshplan.models.mla import MLAttention
 from meshplan.models.moe import MoE
 from meshplan.models.mtp import MultiTokenPrediction, mtp_input_ids
 
@@ -41,9 +44,13 @@ INIT_STD = 0.02      # GPT-2 / GPT-3 / Megatron init_method_std
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped key/value heads (MHA when kv_heads == heads)."""
+    """Causal self-attention with grouped key/value heads (MHA when kv_heads == heads).
 
-    def __init__(self, config: ModelConfig):
+    `window` > 0: sliding-window attention, query i sees keys i-window+1..i (models/banded.py).
+    `config.attention_sinks`: a learned logit per query head (`sinks`) joins the softmax denominator.
+    """
+
+    def __init__(self, config: ModelConfig, window: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
         self.use_rope = config.position == "rope"
@@ -52,6 +59,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.hidden, kv_dim, bias=config.bias)
         self.wv = nn.Linear(config.hidden, kv_dim, bias=config.bias)
         self.wo = nn.Linear(q_dim, config.hidden, bias=config.bias)
+        # transformers' names (GptOss): the tracer reads `sliding_window` as the block's window, and
+        # the string `attention_type` makes windowed layers block signatures of their own (set only
+        # there, so the signatures of models without windows stay what they were)
+        self.sliding_window = window
+        if window:
+            self.attention_type = "sliding_attention"
+        self.sinks = nn.Parameter(torch.zeros(config.heads)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, mask: Tensor | None = None) -> Tensor:
         """mask: None for plain causal attention, else (B, 1, T, T) bool, True where a query may
@@ -63,7 +77,9 @@ class Attention(nn.Module):
         if self.use_rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, n, T, hd)
-        if mask is None:
+        if self.sliding_window or self.sinks is not None:
+            y = banded_attention(q, k, v, window=self.sliding_window, sinks=self.sinks, mask=mask)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -76,7 +92,8 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.attention_norm = make_norm(config)
-        self.attention = Attention(config)
+        self.attention: nn.Module = (MLAttention(config) if config.attention == "mla"
+                                     else Attention(config, config.layer_window(index)))
         self.ffn_norm = make_norm(config)
         if config.is_moe_layer(index):
             self.feed_forward: nn.Module = MoE(config)
@@ -201,6 +218,10 @@ class Transformer(nn.Module):
         if isinstance(module, MoE):
             if not dry:
                 module.init_weights(INIT_STD, INIT_STD / math.sqrt(2 * self.config.layers), generator=generator)
+            return True
+        if isinstance(module, Attention) and module.sinks is not None:
+            if not dry:     # a sink logit of 0 starts every head as a plain softmax plus one null slot
+                module.sinks.zero_()
             return True
         return False
 

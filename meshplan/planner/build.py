@@ -10,16 +10,17 @@ from meshplan.cost_models.uncertainty import prefer_simpler
 from meshplan.errors import DoesNotFitError, LayoutError, MeshplanError
 from meshplan.ir.estimate import GB, Estimate
 from meshplan.ir.layout import Layout, check_layout, divisors
-from meshplan.ir.plan import FusedKernel, Plan, RunnerUp
+from meshplan.ir.plan import FusedKernel, Plan, PlanNotes, RunnerUp
 from meshplan.ir.profile import ModelProfile
-from meshplan.ir.support import TP_ROLE_PLACEMENT, block_placement_limits
+from meshplan.ir.support import block_placement_limits
 from meshplan.planner.explain import why_lost
-from meshplan.planner.fusions import find_fusions
-from meshplan.planner.ilp_fp8 import choose_fp8, fp8_candidates, fp8_layer_modules
-from meshplan.planner.ilp_sharding import shard_profile
-from meshplan.planner.traits import packing
+from meshplan.profiling.fusions import find_fusions
+from meshplan.planner.ilp.fp8 import choose_fp8, fp8_candidates, fp8_layer_modules
+from meshplan.planner.ilp.sharding import shard_profile
+from meshplan.profiling.tp_roles import role_placements
+from meshplan.profiling.traits import packing
 from meshplan.ir.stack import resolve_stack
-from meshplan.planner.stages import refine_stages
+from meshplan.planner.ilp.stage_refine import refine_stages
 
 __all__ = ["build_plan", "placements_for", "stage_modules", "block_instances"]
 
@@ -34,7 +35,8 @@ def placements_for(profile: ModelProfile, layout: Layout, cluster=None, *, seq_l
     the data-flow roles of the linears (Megatron's pattern), with a note saying so."""
     per_block = _ilp_placements(profile, layout, cluster, seq_len, notes) if layout.tp > 1 else None
     if per_block is None:
-        per_block = {b.signature: _role_placements(b, layout) for b in profile.blocks}
+        per_block = {b.signature: role_placements(b, tp=layout.tp, ep=layout.ep, sp=bool(layout.sp))
+                     for b in profile.blocks}
     out: dict[str, str] = {}
     for b in profile.blocks:
         for inst in b.instances:
@@ -78,30 +80,6 @@ def _ilp_placements(profile: ModelProfile, layout: Layout, cluster, seq_len: int
             fallback(f"for block {b.instances[0] if b.instances else b.signature}: {why[0]}")
             return None
         out[b.signature] = dict(bs.placements)
-    return out
-
-
-def _role_placements(b, layout: Layout) -> dict[str, str]:
-    """Megatron's pattern by the linears' data-flow roles (roles come from the traced graph or
-    the config, never from class names). A packed projection (fused QKV, fused gate/up) is
-    column-parallel per part (meshplan.planner.traits.packing)."""
-    out: dict[str, str] = {}
-    for li in b.linears:
-        out[li.name] = (packing(b, li) or TP_ROLE_PLACEMENT.get(li.role, "replicate")) if layout.tp > 1 \
-            else ("expert" if li.role.startswith("expert") and layout.ep > 1 else "replicate")
-    if layout.tp > 1 and b.ops and b.instances:
-        inst = b.instances[0]
-        owners = {o.module for o in b.ops if o.params}
-        for o in b.ops:
-            if not o.module.startswith(inst + "."):
-                continue
-            rel = o.module[len(inst) + 1:]
-            if o.kind == "attention":
-                # the attention between column- and row-parallel linears runs on the local heads
-                # (the runtime adjusts the module's head counts)
-                out[rel] = "heads"
-            elif o.kind == "norm" and o.module in owners:
-                out[rel] = "sequence" if layout.sp else "replicate"
     return out
 
 
@@ -303,7 +281,6 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
                 placements=placements, stages=stage_modules(profile, stage_layers),
                 num_microbatches=best.num_microbatches, fp8_modules=fp8_modules,
                 fused_kernels=_fused_kernels(profile, lay), estimate=best, runner_ups=tuple(runner_ups),
-                search={**result.stats, "fixed": dict(fixed or {}),
-                        **({"band_choice": band_note} if band_note else {}),
-                        **({"runtime_excluded_note": excluded_note} if excluded_note else {}),
-                        **({"placement_note": placement_notes[0]} if placement_notes else {})})
+                notes=PlanNotes(**result.stats, fixed=dict(fixed or {}), band_choice=band_note or "",
+                                runtime_excluded_note=excluded_note or "",
+                                placement_note=placement_notes[0] if placement_notes else ""))

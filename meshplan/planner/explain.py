@@ -106,12 +106,9 @@ def explain(plan) -> str:
     note = balance_note(plan.model, est)
     if note:
         p(f"  {note}")
-    if plan.search and plan.search.get("optimizer_note"):
-        p(f"  {plan.search['optimizer_note']}")
-    if plan.search and plan.search.get("band_choice"):
-        p(f"  {plan.search['band_choice']}")
-    if plan.search and plan.search.get("runtime_excluded_note"):
-        p(f"  {plan.search['runtime_excluded_note']}")
+    for note in (plan.notes.optimizer_note, plan.notes.band_choice, plan.notes.runtime_excluded_note):
+        if note:
+            p(f"  {note}")
     for k, v in est.time_s.items():
         if v > 0:
             frac = v / est.step_time_s
@@ -131,12 +128,12 @@ def explain(plan) -> str:
         p("Runner-ups:")
         for r in plan.runner_ups:
             p(f"  {r.layout.short():60s} {r.step_time_s:8.3f} s  {r.reason}")
-    s = plan.search
-    if s:
+    s = plan.notes
+    if s.meshes or s.estimates:
         p("")
-        bound = f", {s['pruned_bound']} skipped by the step-time bound" if s.get("pruned_bound") else ""
-        p(f"Searched {s.get('meshes', 0)} meshes, {s.get('estimates', 0)} estimates "
-          f"({s.get('pruned_memory', 0)} meshes pruned by memory{bound}) in {s.get('seconds', 0):.2f} s")
-        if s.get("placement_note"):
-            p(f"Note: {s['placement_note']}")
+        bound = f", {s.pruned_bound} skipped by the step-time bound" if s.pruned_bound else ""
+        p(f"Searched {s.meshes} meshes, {s.estimates} estimates "
+          f"({s.pruned_memory} meshes pruned by memory{bound}) in {s.seconds:.2f} s")
+    if s.placement_note:
+        p(f"Note: {s.placement_note}")
     return "\n".join(out)

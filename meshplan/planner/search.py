@@ -31,7 +31,7 @@ from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 from meshplan.ir.support import runs_as_ddp, runtime_limits
 from meshplan.planner.bound import MeshBound, policies_of
-from meshplan.planner.traits import model_traits
+from meshplan.profiling.traits import model_traits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
@@ -173,7 +173,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
            fp8_modules: frozenset | None = None, bound: bool = True) -> SearchResult:
     """Rank every candidate layout (see the module docstring) that `stack` runs (meshplan.ir.stack;
     default meshplan's runtime, whose limits meshplan.ir.support declares), priced as it runs them.
-    fp8_modules: the module set precision "fp8" candidates are priced with (planner.ilp_fp8.
+    fp8_modules: the module set precision "fp8" candidates are priced with (planner.ilp.fp8.
     fp8_layer_modules: what the plan's FP8 placement will run); None prices every linear in FP8.
     bound: cost candidates cheapest lower bound first and skip those that cannot reach the
     planner's window (planner.bound; `_cost_in_bound_order`); False costs every candidate."""

@@ -44,6 +44,7 @@ from typing import Any, Mapping, Sequence, TextIO
 
 import meshplan.api as api
 from meshplan.errors import ConfigError, DoesNotFitError, MeshplanError
+from meshplan.ir.precision import AUTO, PRICED, parse_precision
 from meshplan.ir.rampup import BatchRampup
 from meshplan.reports.html import whatif_html
 from meshplan.reports.render import to_markdown, to_table, verdicts
@@ -426,8 +427,8 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
     for name, v in (("seq_len", seq_len), ("global_batch", global_batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive whole number, got {v!r}")
-    if precision not in ("bf16", "fp16", "fp8", "auto"):
-        raise ConfigError(f"precision {precision!r}: use 'bf16', 'fp16', 'fp8' or 'auto'")
+    # fp32 is left out: a what-if prices GPU time, and the cost model has no fp32 rates
+    parse_precision(precision, allowed=(*(p.value for p in PRICED), AUTO))
     if rampup is not None:
         rampup = tuple(rampup)
         BatchRampup(*rampup, final=global_batch)            # refuse a bad ramp before planning

@@ -1,6 +1,7 @@
 """The parallelization engine: turn a `Plan` (meshplan.ir.plan) into sharded modules on
-PyTorch's distributed engine. `parallelize(model, plan)` applies one technique per module in a
-fixed order (parallel.py): pipeline split (pipeline.py), fused kernels (fused.py), tensor /
+PyTorch's distributed engine. `parallelize(model, plan, options)` is a recipe (parallel.py) over
+the run-time modes (`ParallelOptions`, options.py) and the plan's degrees and meshes
+(`ParallelDims`, dims.py), one step per technique (steps.py) in a fixed order: pipeline split (pipeline.py), fused kernels (fused.py), tensor /
 sequence parallelism (tensor_parallel.py), context parallelism (context_parallel.py), expert
 parallelism (expert_parallel.py), FP8 (fp8.py), activation recompute (recompute.py), FSDP2 / DDP
 (fsdp.py), deferred initialisation (materialize.py), then the pipeline schedule.
@@ -19,6 +20,8 @@ from typing import Any
 _LAZY = {
     "parallelize": ("meshplan.runtime.parallel", "parallelize"),
     "ParallelModel": ("meshplan.runtime.parallel", "ParallelModel"),
+    "ParallelOptions": ("meshplan.runtime.options", "ParallelOptions"),
+    "ParallelDims": ("meshplan.runtime.dims", "ParallelDims"),
 }
 __all__ = sorted(_LAZY)
 

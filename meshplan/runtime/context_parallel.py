@@ -281,7 +281,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, is_causal: bool = 
                    scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """Attention of the local queries over the whole (CP-sharded) sequence.
 
-    q: (B, heads, S/cp, hd); k, v: (B, kv_heads, S/cp, hd), each rank's tokens in the load-balanced
+    q: (B, heads, S/cp, hd); k, v: (B, kv_heads, S/cp, hd) (v may have its own head size, as in
+    multi-head latent attention; the output then has v's), each rank's tokens in the load-balanced
     order (`shard_sequence`). kv_heads < heads needs `enable_gqa` (query head h uses kv head
     h // (heads / kv_heads), as F.scaled_dot_product_attention does). Returns (B, heads, S/cp, hd)
     in q's dtype. Collective over `group`: every rank of it must call with the same shapes.
@@ -293,7 +294,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, is_causal: bool = 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise LayoutError(f"context-parallel attention needs 4-D (batch, heads, seq, head_dim) query/key/value, "
                           f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; {_REPLAN}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+    if k.shape[:-1] != v.shape[:-1] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise LayoutError(f"context-parallel attention needs matching batch and head size of query "
                           f"{tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)}; {_REPLAN}")
     if q.shape[2] != k.shape[2]:
@@ -310,6 +311,16 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, is_causal: bool = 
                           f"load-balanced split; use a seq_len divisible by 2*cp")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk != dv:
+        # values narrower or wider than queries/keys (multi-head latent attention: 192 vs 128): the
+        # kernels and the ring's stacked K/V want one head size, so the narrower side is padded with
+        # zeros, which add nothing to the scores (q, k) or to the output columns kept (v), and get
+        # no gradient that reaches the caller
+        width = max(dqk, dv)
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        out = _RingAttention.apply(q, k, v, _Ring(group), bool(is_causal), float(scale))
+        return out[..., :dv]
     return _RingAttention.apply(q, k, v, _Ring(group), bool(is_causal), float(scale))
 
 

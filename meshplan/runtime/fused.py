@@ -1,4 +1,4 @@
-"""Swap the Plan's fused kernels into the model: the runtime half of meshplan.planner.fusions.
+"""Swap the Plan's fused kernels into the model: the runtime half of meshplan.profiling.fusions.
 
 Each `Plan.fused_kernels` record (`FusedKernel`) names a kernel and a module FQN. The module's `forward` is replaced on the instance (its parameters, FQNs and
 children stay as they are, so TP styles, FSDP and checkpoints see the same module tree):
@@ -247,6 +247,8 @@ def apply_router_kernel(stage: nn.Module, modules: Iterable[str] | None = None) 
             continue
         if names is not None and fqn not in names:
             continue
+        if getattr(m, "num_groups", 0) > 1:
+            continue        # group-limited routing: the kernel's top-k spans every expert; eager routes
         w = m.router.weight
         if not w.is_meta:
             logits = torch.randn(16, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device)

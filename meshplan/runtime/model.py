@@ -8,7 +8,7 @@ and gathers / loads full state dicts. Loss convention: see meshplan.runtime.para
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from meshplan.models.mtp import mtp_targets, split_logits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.loss_parallel import VocabShard, vocab_parallel_cross_entropy
+from meshplan.runtime.dims import ParallelDims
 from meshplan.runtime.mesh import Meshes
 from meshplan.runtime.packed_projections import from_tp_order, tp_order_params
 from meshplan.runtime.moe_folding import reduce_expert_grads
@@ -35,12 +36,10 @@ class ParallelModel:
     """A model parallelised by a Plan. Built by `parallelize`; see the module docstring."""
 
     plan: object
-    mesh: object                            # the root DeviceMesh (named axes; see Meshes)
+    dims: ParallelDims                      # degrees and DeviceMeshes (runtime/dims.py)
     stages: list[nn.Module]                 # this rank's stage modules (the model itself when pp == 1)
     specs: list[_pp.StageSpec]
     device: torch.device
-    schedule: object | None = None         # the pipeline schedule at the plan's micro-batch count
-    schedules: object | None = None        # pipeline.ScheduleCache: the schedule for any micro-batch count
     fsdp_units: list[nn.Module] = field(default_factory=list)
     loss_fn: object = None                  # (whole logits, labels) -> summed loss; default: cross entropy
     fused_head: object = None               # fused.FusedHead when the loss runs fused with the output layer
@@ -52,16 +51,46 @@ class ParallelModel:
     autocast_dtype: torch.dtype | None = None   # mixed precision by autocast where FSDP does not cast
     async_tp: bool = False                  # TP collectives overlapped with matmuls (tp_comm_overlap, CUDA)
     compiled: list[str] = field(default_factory=list)   # blocks running torch.compile'd (runtime/compile.py)
-    _step_loss_fn: object = None            # this step's normalised loss (the global token count changes)
+    offload: list = field(default_factory=list)         # per local stage: offload.Offloader (bytes moved to host)
     tied: list[tuple[str, ...]] = field(default_factory=list)       # tied parameter names, canonical first
     tied_shapes: list = field(default_factory=list)                 # per tied set: local grad shape if it spans stages
-    meshes: Meshes | None = None
     fp8: object = None                      # fp8.Fp8Swap: FP8 modules here and the backend running them
     precisions: dict[str, str] = field(default_factory=dict)    # module FQN -> precision it computes in
     expert_modules: list = field(default_factory=list)   # per local stage: its (folded) experts modules
     fp32_grads: list[str] = field(default_factory=list)   # modules whose gradients reduce in fp32 (fp32_grads.py)
+    pipeline_stages: InitVar[list | None] = None    # torch PipelineStages of `stages` (pp > 1): the schedules' own
+    # ---- step state, set through set_loss_scale / set_microbatches -------------------------------
     loss_scale: float = 1.0                 # fp16: backward runs on loss x loss_scale (train/loss_scale.py);
                                             #   the returned loss is unscaled, the gradients are not
+    microbatches_override: int | None = None    # a batch-size schedule's count this step (None: the plan's)
+    schedule: object | None = field(default=None, init=False)     # the pipeline schedule at the plan's count
+    schedules: object | None = field(default=None, init=False)    # pipeline.ScheduleCache: one per count
+    _step_loss_fn: object = field(default=None, init=False, repr=False)     # this step's normalised loss
+
+    def __post_init__(self, pipeline_stages) -> None:
+        if pipeline_stages:
+            # one schedule per micro-batch count: a batch-size schedule changes the count between
+            # steps; the schedules' loss is this step's normalised loss (the token count changes)
+            self.schedules = _pp.ScheduleCache(self.plan.schedule, pipeline_stages,
+                                               loss_fn=lambda out, target: self._step_loss_fn(out, target))
+            self.schedule = self.schedules.get(self.plan.num_microbatches)
+
+    @property
+    def mesh(self):
+        """The root DeviceMesh (named axes pp, dp | dp_replicate+dp_shard, cp, tp)."""
+        return self.dims.root
+
+    @property
+    def meshes(self) -> Meshes | None:
+        return self.dims.meshes
+
+    def set_loss_scale(self, scale: float) -> None:
+        """fp16 loss scaling: the next steps' backward runs on loss x `scale`."""
+        self.loss_scale = float(scale)
+
+    def set_microbatches(self, count: int | None) -> None:
+        """Micro-batches of the next steps (a batch-size schedule or ramp-up); None: the plan's."""
+        self.microbatches_override = None if count in (None, self.plan.num_microbatches) else int(count)
 
     # ---- coordinates -----------------------------------------------------------------
     def _rank(self, axis: str) -> int:
@@ -107,7 +136,7 @@ class ParallelModel:
         """Micro-batches per step: the plan's, or fewer while a batch-size schedule or ramp-up runs
         (the training loop sets `microbatches_override`; the layout, hence the micro-batch size,
         never changes; under PP `schedules` holds a pipeline schedule per count)."""
-        return getattr(self, "microbatches_override", None) or self.plan.num_microbatches
+        return self.microbatches_override or self.plan.num_microbatches
 
     def _local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B = input_ids.shape[0]

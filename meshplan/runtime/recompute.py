@@ -5,6 +5,13 @@
 - "selective": selective activation checkpointing: the outputs of matrix multiplies are saved
   and everything else (attention core, softmax, norms, activations) is recomputed, which is
   where Korthikanti et al. (2022) find most activation memory for the least recompute FLOPs.
+  Two matmul-adjacent tensors are not saved, as the cost model's "selective" does not charge
+  them: the all-gathered (whole-sequence) input of the column-parallel linears under SP is
+  gathered again from the recomputed sequence shard, and a row-parallel projection's partial
+  sum (whole sequence, before its reduce-scatter / all-reduce) is not kept - the reduced output
+  is. Recomputing the block then re-runs the attention output projection's GEMM (the MLP's
+  down projection is past the last tensor backward needs, so early stopping skips it): about
+  h^2 of a layer's GEMM work per token.
 - "norm_act": Megatron-Core's `--recompute-granularity selective --recompute-modules layernorm
   moe_act`: the block's norms and the routed experts' activation (silu / gelu, and the SwiGLU
   product) are re-run in backward; every other tensor autograd saves is stored exactly as with
@@ -49,11 +56,32 @@ __all__ = ["NORM_ACT", "apply_recompute", "norm_modules"]
 NORM_ACT = "norm_act"
 
 # ops whose outputs selective recompute keeps: matrix multiplies (their recompute is the costly
-# part) and TP collectives (recomputing them would repeat the communication, and a replayed
-# collective must see the same inputs on every rank)
+# part) and the TP collectives that reduce (recomputing them would repeat the communication).
+# The all-gather of a sequence-parallel block's input is re-run instead: its input is the
+# recomputed sequence shard, the same on every rank as in forward, and keeping its output would
+# keep tp times the shard (Megatron gathers it again in backward, as the cost model charges)
 _SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear")
 _SAVE_CUSTOM_GEMMS = (("meshplan", "grouped_mm"), ("aten", "_grouped_mm"))
-_SAVE_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+_SAVE_COLLECTIVES = ("reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+# the position of the activation operand of each saved aten matmul (addmm / baddbmm: after the bias)
+_ACTIVATION_ARG = {"addmm": 1, "baddbmm": 1}
+
+
+def _partial_sum(op, args) -> bool:
+    """Whether a matmul contracts over a dimension sharded across TP ranks (a row-parallel
+    projection): its output is this rank's partial sum, whole-sequence under SP, which is reduced
+    straight away and never read by backward; the reduced output is what the block keeps. Told
+    by the DTensor placements the eager policy sees; a compiled block's policy sees plain tensors,
+    so there the partial sums stay saved."""
+    name = op.overloadpacket.__name__
+    i = _ACTIVATION_ARG.get(name, 0)
+    x = args[i] if len(args) > i else None
+    placements = getattr(x, "placements", None)
+    if placements is None:
+        return False
+    last = x.ndim - 1
+    return any(p.is_shard() and p.dim in (last, -1) for p in placements)
+
 
 # the routed experts' activation ops "norm_act" re-runs (meshplan's fused Triton SwiGLU included);
 # the SwiGLU product is the aten.mul that reads one of their outputs inside the experts module
@@ -76,8 +104,12 @@ def _selective_context():
     save |= {getattr(torch.ops._c10d_functional, n).default for n in _SAVE_COLLECTIVES
              if hasattr(torch.ops._c10d_functional, n)}
 
+    gemms = {getattr(torch.ops.aten, n).default for n in _SAVE_OPS if hasattr(torch.ops.aten, n)}
+
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in save and not (op in gemms and _partial_sum(op, args)):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(policy)
 
 

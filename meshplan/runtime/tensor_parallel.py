@@ -21,6 +21,16 @@ Labels and what they become (tp = size of the "tp" mesh axis):
 | colwise_qkv    | Linear     | fused q|k|v: each rank holds its heads' rows of q, of k and of v        |
 | colwise_gate_up| Linear     | fused gate|up: each rank holds its slice of gate and of up             |
 
+Inside an attention (or MLP) module whose input is gathered once (see below), "replicate"
+modules run on that whole input: a linear takes the gathered activation as a plain tensor
+(its input gradient is whole on every rank, so nothing is reduced for it) and a norm runs as it
+is. This is multi-head latent attention (models/mla.py): the down-projections wq_a / wkv_a and
+the latent norms stay whole on every rank, the up-projections wq_b / wkv_b are column-parallel
+by heads, wo row-parallel. The up-projections' column-parallel input gathers the latents'
+gradients over the ranks' heads in backward; the rotary key, one head that every rank's heads
+read straight from wkv_a, has its gradient summed over the TP group by a hook on wkv_a (the
+columns the attention names in its `shared_rope_key` attribute).
+
 Packed projections and transposed-weight linears (transformers' GPT-2 Conv1D, colwise /
 rowwise / packed) are sharded by meshplan.runtime.packed_projections (see there for how the
 shards are laid out). An attention module labelled "heads" also gets a local copy of its
@@ -63,6 +73,7 @@ from torch import nn
 from meshplan.errors import LayoutError
 from meshplan.ir.tp_locality import HEAD_COUNT_ATTRS, localise_heads
 from meshplan.runtime.loss_parallel import VocabShard
+from meshplan.runtime.sp_saved import ShardKeeper
 
 __all__ = ["apply_tensor_parallel", "HEAD_COUNT_ATTRS", "enable_async_tp"]
 
@@ -71,7 +82,8 @@ _SUPPORTED = ("colwise", "rowwise", "sequence", "replicate", "heads", "vocab_par
 _COLWISE = ("colwise", "colwise_qkv", "colwise_gate_up")
 
 
-def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_after: bool = False):
+def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_after: bool = False,
+            in_gathered: bool = False):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -93,6 +105,15 @@ def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_af
     if label == "vocab_parallel":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sequence else Replicate(),
                                use_local_output=not sequence)
+    if label == "replicate" and in_gathered:
+        # inside a module whose input is gathered once: a linear reads that Replicate DTensor as the
+        # plain whole tensor (gradient whole on every rank too); a norm works on plain tensors already
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True) if linear_or_emb else None
+    if label == "sequence" and in_gathered:
+        raise LayoutError(f"module {fqn!r} is placed 'sequence' inside a module whose input the runtime gathers "
+                          "whole (it holds column-parallel linears); a norm there runs on whole tokens: place it "
+                          "'replicate', or re-plan with sp=False")
     if label == "sequence":
         # a DTensor output keeps the global shape, so the user's `B, T, _ = x.shape` stays right
         return SequenceParallel(use_local_output=False)
@@ -112,7 +133,7 @@ def _styles(label: str, sequence: bool, module: nn.Module, fqn: str, gathered_af
     return None
 
 
-def _gather_once(tp_mesh, sequence: bool):
+def _gather_once(tp_mesh, sequence: bool, keeper: ShardKeeper | None = None):
     """Forward pre-hook on the module that holds a block's column-parallel linears (attention,
     feed-forward): its activation input becomes a Replicate DTensor once, so wq / wk / wv (or
     w1 / w3) see an input already in their layout and communicate nothing. torchtitan's
@@ -121,16 +142,27 @@ def _gather_once(tp_mesh, sequence: bool):
     Forward: one all-gather of the sequence shards (SP) or nothing (input already whole).
     Backward: the consumers' partial input gradients accumulate on that one DTensor and are
     reduced once (reduce-scatter under SP, all-reduce without), instead of once per consumer.
+    `keeper`: the module's ShardKeeper, told of each all-gather so that backward keeps the shard.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def to_replicate(x):
+        x = _cast_once(x)
         if isinstance(x, DTensor):
-            return x if all(p.is_replicate() for p in x.placements) else x.redistribute(tp_mesh, [Replicate()])
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            if all(p.is_replicate() for p in x.placements):
+                return x
+            whole = x.redistribute(tp_mesh, [Replicate()])
+        elif isinstance(x, torch.Tensor) and x.is_floating_point():
             layout = Shard(1) if sequence else Replicate()
-            return DTensor.from_local(x, tp_mesh, [layout], run_check=False).redistribute(tp_mesh, [Replicate()])
-        return x
+            x = DTensor.from_local(x, tp_mesh, [layout], run_check=False)
+            whole = x.redistribute(tp_mesh, [Replicate()])
+            if not sequence:
+                return whole
+        else:
+            return x
+        if keeper is not None:
+            keeper.gathered(x, whole)
+        return whole
 
     def hook(module, args, kwargs):
         if args:
@@ -141,6 +173,20 @@ def _gather_once(tp_mesh, sequence: bool):
             return args, {**kwargs, "x": to_replicate(kwargs["x"])}
         return None
     return hook
+
+
+def _cast_once(x):
+    """Under autocast, the shared input of a module's column-parallel linears in autocast's dtype
+    before it is gathered: each linear would otherwise cast it itself and keep its own copy for
+    backward (Q, K and V three, gate and up two), and the gather moves half the bytes. The
+    values the linears see are the ones autocast gives them."""
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return x
+    device = x.device.type if x.device.type != "meta" else "cpu"
+    if not torch.is_autocast_enabled(device):
+        return x
+    dtype = torch.get_autocast_dtype(device)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _colwise_parents(placements: dict[str, str], blocks: tuple[str, ...], modules: dict) -> set[str]:
@@ -272,7 +318,8 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh, *, shard_vocab: bool 
             head = fqn if shard_vocab else None
         else:
             style = _styles(label, sequence, mod, fqn,
-                            gathered_after=any(p.startswith(block + ".") for p in parents) if block else False)
+                            gathered_after=any(p.startswith(block + ".") for p in parents) if block else False,
+                            in_gathered=any(fqn.startswith(p + ".") for p in parents))
             if style is not None:
                 styles[fqn] = style
     if styles:
@@ -280,8 +327,48 @@ def apply_tensor_parallel(stage: nn.Module, plan, tp_mesh, *, shard_vocab: bool 
     for fqn, style in local_styles.items():
         style.apply(modules[fqn], tp_mesh)
     for fqn in sorted(parents):
-        modules[fqn].register_forward_pre_hook(_gather_once(tp_mesh, sequence), with_kwargs=True)
+        keeper = ShardKeeper(tp_mesh) if sequence else None
+        modules[fqn].register_forward_pre_hook(_gather_once(tp_mesh, sequence, keeper), with_kwargs=True)
+        if keeper is not None:
+            keeper.wrap(modules[fqn])
+    _sum_shared_head_grads(modules, placements, tp_mesh)
     return _vocab_shard(modules[head], head, tp_mesh) if head is not None else None
+
+
+class _SumColumnGrads(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient of columns `start:` all-reduced (summed) over
+    `group`: those columns feed heads on every TP rank, so each rank holds a part of their gradient."""
+
+    @staticmethod
+    def forward(ctx, x, start: int, group):
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a functional collective: traceable where the block is compiled
+        from torch.distributed._functional_collectives import all_reduce
+        shared = all_reduce(grad[..., ctx.start:].contiguous(), "sum", ctx.group)
+        return torch.cat([grad[..., :ctx.start], shared], dim=-1), None, None
+
+
+def _sum_shared_head_grads(modules: dict, placements: dict[str, str], tp_mesh) -> None:
+    """For attention modules (label "heads") that name a `shared_rope_key` (linear, first column):
+    sum the gradient of those output columns of that replicated linear over the TP group (MLA's
+    rotary key, one head read by the heads of every rank)."""
+    group = tp_mesh.get_group()
+    for fqn, label in placements.items():
+        mod = modules.get(fqn)
+        shared = getattr(mod, "shared_rope_key", None) if label == "heads" else None
+        if shared is None:
+            continue
+        name, start = shared
+        linear = getattr(mod, name, None)
+        if placements.get(f"{fqn}.{name}") != "replicate" or not isinstance(linear, nn.Linear):
+            raise LayoutError(f"{fqn}.{name} computes the rotary key every head of {fqn} shares, so tensor "
+                              f"parallelism keeps it whole ('replicate'); the plan places it "
+                              f"{placements.get(f'{fqn}.{name}')!r}: re-plan, or use tp=1")
+        linear.register_forward_hook(lambda m, args, out, _s=start: _SumColumnGrads.apply(out, _s, group))
 
 
 def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshplan.errors import ConfigError
+from meshplan.train.muon import finish_pending
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "save", "load", "latest", "optimizer_state",
            "retained", "load_weights", "CHECKPOINT_DIR"]
@@ -247,6 +248,7 @@ class Checkpointer:
         """
         import torch.distributed.checkpoint as dcp
         self.wait()
+        finish_pending(optimizer)       # Muon's update slices still in flight belong to these weights
         final, tmp = self.root / f"step_{step:06d}", self.root / f"step_{step:06d}.tmp"
         if dist.get_rank() == 0:
             try:
@@ -380,6 +382,7 @@ def load(path: str | os.PathLike, pm, optimizer) -> dict[str, Any]:
     if isinstance(meta.get("params"), dict):
         _check_same_model(path, meta["params"], _all_shapes(pm))
     _check_same_optimizer(path, meta, optimizer)
+    finish_pending(optimizer)           # an update still in flight must not land on the loaded weights
     state = {"model": pm.state_dict(), "optim": optimizer_state(pm, optimizer, init=True)}
     try:
         dcp.load(state, checkpoint_id=str(path))

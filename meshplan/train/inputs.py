@@ -88,8 +88,8 @@ class TrainingData:
 
     def evaluate(self, pm) -> float:
         """Token-weighted mean validation loss over the fixed eval batches (collective)."""
-        saved = getattr(pm, "microbatches_override", None)
-        pm.microbatches_override = None          # eval batches are full global batches
+        saved = pm.microbatches_override
+        pm.set_microbatches(None)               # eval batches are full global batches
         try:
             total, count = 0.0, 0
             for k in range(self.eval_batches):
@@ -99,7 +99,7 @@ class TrainingData:
                     pm.evaluate(b.input_ids, b.labels, b.document_ids)
                 total, count = total + loss * n, count + n
         finally:
-            pm.microbatches_override = saved
+            pm.set_microbatches(saved)
         return total / max(count, 1)
 
 

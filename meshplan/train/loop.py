@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +62,7 @@ from meshplan.train.metrics import (
     StepMetrics,
     moe_metrics,
 )
+from meshplan.train.muon import finish_pending, update_pending
 from meshplan.train.observe import Loggers, RunSummary, StepMemory, check_loggers
 from meshplan.train.optim import OPTIMIZERS, build_optimizer
 
@@ -206,6 +207,8 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     opt = build_optimizer(pm.named_parameters(), optimizer_dtype=plan.layout.optimizer_dtype, lr=config.lr,
                           betas=config.betas, weight_decay=config.weight_decay, device=pm.device,
                           optimizer=optimizer)
+    if hasattr(opt, "attach"):      # Muon: its update exchange runs into the next forward (muon.py)
+        opt.attach(pm.stages, blocks=getattr(plan, "blocks", ()))
     _report_precisions(pm, plan, out, rank)
     scaler = loss_scaler_for(pm, config.loss_scaling, initial=config.initial_loss_scale,
                              growth_interval=config.loss_scale_window)
@@ -241,6 +244,20 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
     heartbeat = _Heartbeat()
     profiler = _StepProfiler(config.profile_steps, out, rank)
     step = start
+    # Muon with an overlapped update: the weights of step k are complete only once step k+1's forward
+    # has applied the last update slices, so step k's line waits for its parameter norm until then
+    # (rank 0 writes it one step late); other optimizers log each step at its end
+    waiting: tuple | None = None          # (StepMetrics, its step's memory peak) on rank 0
+    deferred = False                      # on every rank: the last step's norm is still to be taken
+
+    def emit(m, peak) -> None:
+        log.write(m)
+        summary.add(m, memory=peak)
+        if loggers:
+            loggers.log(m)
+        if bar:
+            bar.update(m)
+
     try:
         for step in range(start, config.steps):
             heartbeat.beat(step + 1)
@@ -264,9 +281,17 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             if balancer is not None:
                 balancer.begin_step()
             if scaler is not None:
-                pm.loss_scale = scaler.scale
+                pm.set_loss_scale(scaler.scale)
             loss = pm.forward_backward(x, y) if batch.document_ids is None else \
                 pm.forward_backward(x, y, batch.document_ids)
+            if deferred:                        # the previous step's weights, all applied by this forward
+                t_norm = time.perf_counter()
+                finish_pending(opt)                         # a group no forward read (none, normally)
+                norm_before = pm.global_norm("params")      # collective
+                if rank == 0:
+                    emit(replace(waiting[0], param_norm=norm_before), waiting[1])
+                waiting = None
+                t0 += time.perf_counter() - t_norm          # not this step's work
             c1 = time.process_time()
             # fp16: unscale; inf/nan on any rank skips the step on every rank
             skip = scaler.unscale_and_check(pm) if scaler is not None else False
@@ -274,6 +299,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
             if not skip:
                 opt.step()
             pm.zero_grad()
+            deferred = update_pending(opt)      # Muon's update lands during the next forward
             routing = balancer.finish_step() if balancer is not None else {}   # expert-bias update
             dt = time.perf_counter() - t0
             cpu = time.process_time() - c0
@@ -282,7 +308,7 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                 scaler.update(skip, step + 1)
                 if skip:
                     skipped.append(step + 1)
-            param_norm = pm.global_norm("params")   # collective, outside the timed step
+            param_norm = None if deferred else pm.global_norm("params")   # collective, outside the timed step
             eval_loss = data.evaluate(pm) if data.eval_due(step + 1, config.steps) else None   # collective
             peak = memory.end()                     # collective: every rank's peak of this step
             profiler.after(step + 1)
@@ -300,12 +326,10 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                                 peak_reserved_gb=peak.reserved_gb, param_norm=param_norm,
                                 loss_scale=scale_used, skipped=skip if scaler is not None else None,
                                 global_batch=x.shape[0], eval_loss=eval_loss, **moe_metrics(routing))
-                log.write(m)
-                summary.add(m, memory=peak)
-                if loggers:
-                    loggers.log(m)
-                if bar:
-                    bar.update(m)
+                if deferred:
+                    waiting = (m, peak)
+                else:
+                    emit(m, peak)
             done = step + 1
             checkpoints.poll()                    # completes a background checkpoint once all ranks wrote it
             stopping = config.stop_at is not None and done >= config.stop_at
@@ -317,6 +341,11 @@ def train(model: torch.nn.Module, plan, config: TrainConfig, *, pm=None, dataset
                     "layout": plan.layout.to_dict(), "config": asdict(config), "optimizer": optimizer})
             if stopping:
                 break
+        finish_pending(opt)                       # the weights the caller gets are the last step's
+        if deferred:
+            last_norm = pm.global_norm("params")    # collective
+            if rank == 0 and waiting is not None:
+                emit(replace(waiting[0], param_norm=last_norm), waiting[1])
         written = checkpoints.close()             # waits for a checkpoint still being written
     except RuntimeError as e:
         if _is_timeout(e):
@@ -374,7 +403,7 @@ def _set_microbatches(pm, balancer, batch: int) -> None:
     """Keep the plan's layout (micro-batch size), change the number of micro-batches."""
     per_microbatch = pm.plan.mesh.get("dp", 1) * pm.plan.layout.mbs
     m = batch // per_microbatch
-    pm.microbatches_override = None if m == pm.plan.num_microbatches else m
+    pm.set_microbatches(m)
     if balancer is not None:
         balancer.set_microbatches(m)
 

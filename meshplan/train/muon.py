@@ -39,16 +39,27 @@ EP rank holds its experts, is preferred: no traffic). Per step:
 2. one batched point-to-point exchange (`batch_isend_irecv`, every peer's message posted at once,
    one message per peer holding all its pieces) brings each matrix's shards to its owner;
 3. owners orthogonalise their whole matrices;
-4. one more batched exchange sends every rank the slices of the updates its shards need, and
-   each rank applies weight decay and the update to its shards.
+4. the update slices go back to the shards, and each rank applies weight decay and the update:
+   with `overlap_update` (the default) and the optimizer attached to the model (`attach`, which
+   the training loop calls), this exchange is posted at the end of `step()` and not waited for:
+   one batched call per forward group (the FSDP unit, else the block, whose forward first reads
+   the weights), each waited for and applied by a forward pre-hook of that module, which runs
+   before FSDP2's own pre-forward all-gather (train/muon_overlap.py). The exchange then travels
+   while the earlier layers compute, as Megatron-LM overlaps its distributed optimizer's
+   parameter all-gather with the next forward. Weight decay is applied in `step()`; until the
+   pending slices arrive the shards are decayed but not yet updated, so whatever reads the weights
+   between steps calls `finish_pending()` first (checkpoint save and load, the parameter-norm
+   metric, the end of training; the stage modules' state_dict and load_state_dict pre-hooks do it
+   too, and `step()` does it for slices a forward did not consume). `overlap_update=False`, or an
+   optimizer never attached, waits at the end of the step, in one batched call.
 
-So a step issues two collective calls whatever the number of matrices. Pieces travel in fp32, the
-master weights' dtype (bf16 would halve the traffic but lose agreement with single-device Muon
-to rounding). What does not overlap:
-the step waits for the gradient exchange before any Newton-Schulz (a matrix is not started as
-soon as its own pieces arrive), and waits for the update exchange before returning, because
-FSDP2's next forward all-gathers the shards at once. Unsharded parameters (one rank, DDP
-replicas, TP-replicated weights) are orthogonalised where they are, with no communication.
+So a step issues two collective calls (overlap off) or one plus one per forward group with
+traffic (overlap on), whatever the number of matrices. Pieces travel in fp32, the master
+weights' dtype (bf16 would halve the traffic but lose agreement with single-device Muon to
+rounding). What does not overlap: the step waits for the gradient exchange before any
+Newton-Schulz (a matrix is not started as soon as its own pieces arrive), and the first forward
+group's slices are waited for before the first layer computes. Unsharded parameters (one rank,
+DDP replicas, TP-replicated weights) are orthogonalised where they are, with no communication.
 """
 
 from __future__ import annotations
@@ -62,9 +73,10 @@ import torch
 import torch.distributed as dist
 
 from meshplan.errors import ConfigError
+from meshplan.train.muon_overlap import ForwardGroups, PendingGroup, forward_groups, post
 from meshplan.train.optim import closure_loss, local_shard
 
-__all__ = ["Muon", "is_muon_param", "newton_schulz", "NS_COEFFS", "NS_STEPS", "RMS_SCALE"]
+__all__ = ["Muon", "is_muon_param", "newton_schulz", "finish_pending", "update_pending", "NS_COEFFS", "NS_STEPS", "RMS_SCALE"]
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)      # quintic Newton-Schulz (K. Jordan, 2024)
 NS_STEPS = 5
@@ -198,13 +210,15 @@ class Muon(torch.optim.Optimizer):
     are shared (the RMS-matched scale makes one learning rate fit both), `momentum`/`nesterov`/
     `ns_steps` are Muon's, `betas`/`eps` AdamW's. State keys: `momentum_buffer` (Muon), `step`,
     `exp_avg`, `exp_avg_sq` (AdamW, torch's), each shaped and sharded like its parameter.
+    `overlap_update`: leave the update exchange in flight into the next forward once `attach`ed
+    to the model (module docstring, step 4); False waits in `step()`.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], *, lr: float = 1e-3,
                  weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = NS_STEPS, ns_dtype: torch.dtype | None = None,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 muon_params: Callable[[str, torch.Tensor], bool] = is_muon_param):
+                 muon_params: Callable[[str, torch.Tensor], bool] = is_muon_param, overlap_update: bool = True):
         named = list(named_params)
         if not named or not all(isinstance(x, tuple) and len(x) == 2 for x in named):
             raise ConfigError("Muon needs (name, parameter) pairs, e.g. Muon(model.named_parameters()): "
@@ -234,6 +248,53 @@ class Muon(torch.optim.Optimizer):
         self._units: list[_Unit] | None = None
         self._origins: dict[int, tuple[int, ...]] = {}  # id(param) -> global offset of this rank's shard
         self.collective_calls = 0                       # batched exchanges issued (tests count them)
+        self.overlap_update = bool(overlap_update)
+        self._forward: ForwardGroups | None = None
+        self._pending: list[PendingGroup] = []          # forward order
+
+    # -- the update exchange left in flight into the next forward (train/muon_overlap.py) --
+    def attach(self, stages: Iterable[torch.nn.Module], blocks: Iterable[str] = ()) -> None:
+        """Hook this rank's stage modules (`ParallelModel.stages`; `blocks`: the plan's block FQNs)
+        so that each forward group's pending update is applied just before the module reading it
+        runs. Without it, or with `overlap_update=False`, `step()` applies the whole update itself."""
+        stages = list(stages)
+        if not stages or not all(isinstance(m, torch.nn.Module) for m in stages):
+            raise ConfigError("Muon.attach needs the model's stage modules (ParallelModel.stages), "
+                              f"got {stages!r}")
+        self.finish_pending()
+        if self._forward is not None:
+            self._forward.detach()
+        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        self._forward = forward_groups(stages, matrices, blocks, self._apply_upto, self.finish_pending)
+
+    @property
+    def pending(self) -> bool:
+        """Whether some shards still wait for their slice of the last step's update."""
+        return bool(self._pending)
+
+    @torch.no_grad()
+    def finish_pending(self) -> None:
+        """Wait for the update slices still in flight and apply them (a no-op when none are)."""
+        self._apply_upto(None)
+
+    @torch.no_grad()
+    def _apply_upto(self, last: int | None) -> None:
+        """Apply the pending forward groups up to index `last` (None: all), in posting order."""
+        if not self._pending:
+            return
+        me = dist.get_rank() if dist.is_initialized() else 0
+        while self._pending and (last is None or self._pending[0].index <= last):
+            group = self._pending.pop(0)
+            with torch.profiler.record_function("muon.update_exchange.wait"):
+                self._apply(group.units, group.posted.collect(), group.lr, me)
+
+    def _apply(self, keys: Iterable[int], back: dict, lr: float, me: int) -> None:
+        """Add -lr x the received update slices of units `keys` to this rank's shards."""
+        for k in keys:
+            u = self._units[k]
+            if me in u.pieces:
+                w = local_shard(u.param)
+                w[_slices(u.pieces[me], self._origins[id(u.param)])].add_(back[(k, me)].to(w.dtype), alpha=-lr)
 
     def initial_state(self, p: torch.Tensor) -> dict:
         """Zero state for `p` (what a checkpoint loads into before the first step)."""
@@ -247,6 +308,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure_loss(closure)
+        self.finish_pending()           # slices no forward consumed since the last step
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
@@ -297,7 +359,7 @@ class Muon(torch.optim.Optimizer):
         # 2. shards to their owners
         owned = self._exchange(
             send=lambda k, u, r: inputs[id(u.param)][_slices(u.pieces[r], self._origins[id(u.param)])],
-            direction="to_owner", me=me)
+            direction="to_owner", me=me, keys=range(len(self._units))).collect()
         # 3. owners orthogonalise their matrices
         updates: dict[int, torch.Tensor] = {}
         dtype = self.ns_dtype or (torch.bfloat16 if params[0].device.type == "cuda" else torch.float32)
@@ -311,17 +373,28 @@ class Muon(torch.optim.Optimizer):
             o = newton_schulz(whole.reshape(m, n), self.ns_steps, dtype)
             updates[k] = o.mul_(RMS_SCALE * math.sqrt(max(m, n))).reshape(u.box[1])
         del inputs, owned           # the step holds at most three fp32 copies of the shards at once
-        # 4. update slices back to the shards; decay and step
-        back = self._exchange(
-            send=lambda k, u, r: updates[k][_slices(u.pieces[r], u.box[0])],
-            direction="from_owner", me=me)
+        # 4. update slices back to the shards; decay now, the update now or in the next forward
         for p in params:
             if wd:
                 local_shard(p).mul_(1 - lr * wd)
+
+        def send(k, u, r):
+            return updates[k][_slices(u.pieces[r], u.box[0])]
+
+        if self._forward is None or not self.overlap_update:
+            self._apply(range(len(self._units)), self._exchange(
+                send=send, direction="from_owner", me=me, keys=range(len(self._units))).collect(), lr, me)
+            return
+        by_group: dict[int, list[int]] = {}
         for k, u in enumerate(self._units):
-            if me in u.pieces:
-                w = local_shard(u.param)
-                w[_slices(u.pieces[me], self._origins[id(u.param)])].add_(back[(k, me)].to(w.dtype), alpha=-lr)
+            by_group.setdefault(self._forward.of_param.get(id(u.param), -1), []).append(k)
+        for g in sorted(by_group):                      # forward order; -1: not under a hooked module
+            with torch.profiler.record_function("muon.update_exchange.issue"):
+                posted = self._exchange(send=send, direction="from_owner", me=me, keys=by_group[g])
+            if g < 0 or not posted.works:               # nothing to wait for: apply now
+                self._apply(by_group[g], posted.collect(), lr, me)
+            else:
+                self._pending.append(PendingGroup(index=g, posted=posted, units=by_group[g], lr=lr))
 
     def _like_param(self, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """The gradient with the parameter's placements (a DTensor gradient could differ)."""
@@ -330,38 +403,23 @@ class Muon(torch.optim.Optimizer):
             return g.redistribute(p.device_mesh, placements)
         return g
 
-    def _exchange(self, *, send, direction: str, me: int) -> dict[tuple[int, int], torch.Tensor]:
-        """Move pieces between owners and shard holders. to_owner: every holder's piece of each
-        matrix to its owner; from_owner: the owner's slice for every holder. One message per peer
-        (all its pieces, in unit order, concatenated), every message posted in one batch.
-        Returns {(unit index, rank holding the piece): tensor} for what this rank now has."""
-        out: dict[tuple[int, int], torch.Tensor] = {}
-        outgoing: dict[int, list[torch.Tensor]] = {}
-        incoming: dict[int, list[tuple[tuple[int, int], tuple[int, ...]]]] = {}
-        for k, u in enumerate(self._units):
-            for r in u.pieces:
-                src, dst = (r, u.owner) if direction == "to_owner" else (u.owner, r)
-                if src == me and dst == me:
-                    out[(k, r)] = send(k, u, r)
-                elif src == me:
-                    outgoing.setdefault(dst, []).append(send(k, u, r).reshape(-1))
-                elif dst == me:
-                    incoming.setdefault(src, []).append(((k, r), u.pieces[r][1]))
-        if not outgoing and not incoming:
-            return out
-        ops, buffers = [], {}
-        device = self._units[0].param.device
-        for peer, parts in sorted(outgoing.items()):
-            ops.append(dist.P2POp(dist.isend, torch.cat(parts).contiguous(), peer))
-        for peer, parts in sorted(incoming.items()):
-            buffers[peer] = torch.empty(sum(math.prod(s) for _, s in parts), dtype=torch.float32, device=device)
-            ops.append(dist.P2POp(dist.irecv, buffers[peer], peer))
-        self.collective_calls += 1
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for peer, parts in incoming.items():
-            for key, shape, chunk in zip((k for k, _ in parts), (s for _, s in parts),
-                                         buffers[peer].split([math.prod(s) for _, s in parts])):
-                out[key] = chunk.reshape(shape)
-        return out
+    def _exchange(self, *, send, direction: str, me: int, keys: Iterable[int]):
+        """Post the exchange of units `keys` (muon_overlap.post: one message per peer, one batched
+        call); `.collect()` on the result waits and returns {(unit, holder rank): piece}."""
+        posted, issued = post(self._units, keys, send=send, direction=direction, me=me,
+                              device=self._units[0].param.device)
+        self.collective_calls += issued
+        return posted
 
+
+def update_pending(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether an optimizer's last update is still in flight (Muon with `overlap_update`): it lands
+    during the next forward, so nothing should read the weights before then without finish_pending."""
+    return bool(getattr(optimizer, "pending", False))
+
+
+def finish_pending(optimizer: torch.optim.Optimizer) -> None:
+    """Apply an optimizer's update still in flight (Muon with `overlap_update`); others have none."""
+    finish = getattr(optimizer, "finish_pending", None)
+    if finish is not None:
+        finish()

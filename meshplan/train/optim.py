@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 
 from meshplan.errors import ConfigError
+from meshplan.ir.layout import OPTIMIZER_DTYPES
 
 __all__ = ["AdamWBF16Moments", "build_optimizer", "OPTIMIZER_DTYPES", "OPTIMIZERS"]
 
-OPTIMIZER_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "muon")
 
 

@@ -17,7 +17,7 @@ from meshplan.ir.estimate import GB
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.cost_models.memory import state_bytes
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 
 # GPT-style: LayerNorm-free defaults are fine, what matters is GELU 4h + MHA
 GPT = dict(layers=24, hidden=2048, heads=16, vocab=51200, gated=False)

@@ -7,7 +7,7 @@ import pytest
 import meshplan as mp
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.errors import ConfigError, LayoutError
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 from meshplan.planner.search import _fsdp_variants
 
 P = profile_from_config(dict(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256))
@@ -47,3 +47,16 @@ def test_search_offers_all_flavours_and_honours_fixed():
     assert _fsdp_variants(3, 32, 8, {"reshard_after_forward": False}) == [dict(fsdp_shard=0, reshard_after_forward=False)]
     pl = mp.plan(P, CL, seq_len=4096, global_batch=64, fixed={"zero": 3, "fsdp_shard": 8, "tp": 1, "pp": 1, "cp": 1})
     assert pl.layout.fsdp_shard == 8 and pl.layout.zero == 3
+
+
+def test_fp8_weight_copies_are_sharded_under_zero3():
+    """The FP8 weight copies kept between micro-batches are of the shards under ZeRO-3 (Megatron-FSDP
+    FP8 parameter gather, FSDP2 float8 all-gather), whole under ZeRO-1 (one copy per replica)."""
+    params = P.total_params
+    z3 = estimate_profile(P, CL, dict(dp=32, zero=3, mbs=1, recompute="full"), seq_len=4096, global_batch=64,
+                          precision="fp8")
+    z1 = estimate_profile(P, CL, dict(dp=32, zero=1, mbs=1, recompute="full"), seq_len=4096, global_batch=64,
+                          precision="fp8")
+    gib = 2**30
+    assert z1.memory_gb["fp8_cache"] == pytest.approx(2 * params / gib, rel=0.02)
+    assert z3.memory_gb["fp8_cache"] == pytest.approx(2 * params / 32 / gib, rel=0.02)

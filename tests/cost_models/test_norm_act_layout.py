@@ -32,7 +32,7 @@ from meshplan.cost_models.layer import NORM_ACT, Context, activation_bytes
 from meshplan.errors import ConfigError
 from meshplan.ir.layout import RECOMPUTE, Layout
 from meshplan.models.presets import PRESETS
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 
 POLICIES = ("none", "selective", NORM_ACT, "full")
 B, T = 2, 32

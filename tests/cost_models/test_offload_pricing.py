@@ -30,7 +30,7 @@ from meshplan.cost_models.offload import (
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB
 from meshplan.ir.layout import Layout
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 from meshplan.planner.search import search
 
 SMALL = dict(layers=16, hidden=1024, heads=8, kv_heads=8, vocab=32000, ffn_hidden=2816)

@@ -12,7 +12,7 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.compute import elementwise_time
 from meshplan.cost_models.layer import NORM_ACT, Context, activation_bytes, layer_cost, moe_load_factor
 from meshplan.ir.layout import Layout
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 
 MOE = profile_from_config(dict(family="moe", layers=2, hidden=2048, heads=16, kv_heads=4, vocab=32000,
                                ffn_hidden=4096, experts=8, topk=2, moe_ffn_hidden=1408))

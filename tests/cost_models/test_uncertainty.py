@@ -10,7 +10,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models import uncertainty as U
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.ir.estimate import Estimate
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 
 LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256, ffn_hidden=14336)
 
@@ -83,7 +83,7 @@ def test_explain_states_the_band():
                  global_batch=16)
     text = pl.explain()
     assert "uncertainty band" in text and pl.estimate.uncertainty > 0
-    if pl.search.get("band_choice"):
+    if pl.notes.band_choice:
         assert "inside the band" in text
 
 

@@ -46,7 +46,11 @@ MEGATRON_FLAGS = {
     "--moe-router-score-function", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
     "--moe-z-loss-coeff", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
     "--moe-expert-capacity-factor", "--moe-router-force-load-balancing", "--mtp-num-layers",
-    "--mtp-loss-scaling-factor",
+    "--mtp-loss-scaling-factor", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "--kv-lora-rank",
+    "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type", "--no-rope-fusion",
+    "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
+    # sliding windows and attention sinks (megatron/training/arguments.py)
+    "--window-size", "--window-attn-skip-freq", "--softmax-type",
 }
 # torchtitan v0.2.2 (2026-02-20) torchtitan/config/job_config.py: the fields of each section.
 TITAN_KEYS = {
@@ -87,7 +91,8 @@ TRANSFORMER = {"recompute_granularity", "recompute_method", "recompute_num_layer
                "seq_length", "pipeline_model_parallel_layout", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
                "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
                "moe_expert_capacity_factor", "moe_router_force_load_balancing", "tp_comm_overlap",
-               "mtp_num_layers", "mtp_loss_scaling_factor"} | STRATEGY - {"fsdp", "ddp"}
+               "mtp_num_layers", "mtp_loss_scaling_factor", "window_size", "window_attn_skip_freq",
+               "softmax_type"} | STRATEGY - {"fsdp", "ddp"}
 PRECISION = {"precision", "fp8", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
              "num_layers_at_end_in_bf16"}
 NEMO_PREFIXES = {"trainer.strategy.": STRATEGY, "trainer.strategy.ddp.": DDP, "model.config.": TRANSFORMER,
@@ -230,6 +235,38 @@ def test_exports_train_the_routers_balanced_as_the_preset_does(preset, fields):
     # a shape read from a profile knows only the kind of balancing, not its settings: no flags
     prof = mp.profile_from_config(cfg, seq_len=4096)
     assert ModelShape.from_profile(prof).balancing is None
+
+
+def test_deepseek_v3_exports_as_mla_with_group_limited_routing():
+    """The deepseek-v3 preset reaches every target as DeepSeek-V3 (MLA, 8 groups keeping 4, weights
+    scaled by 2.5), not as grouped-query attention; a dense GQA preset gets none of it."""
+    import dataclasses
+    cfg = models.config("deepseek-v3")
+    pl = _plan("mixtral-8x7b", mp.Cluster.preset("dgx-h100", nodes=2), seq_len=4096, global_batch=64,
+               ep=8, tp=1, pp=1, zero=1)
+    as_plan = dataclasses.replace(cfg, layers=32)
+    args = list(ex.megatron_export(pl, as_plan).args)
+    assert {a for a in args if a.startswith("--")} <= MEGATRON_FLAGS
+    assert "--multi-latent-attention" in args and "--qk-layernorm" in args and "--no-rope-fusion" in args
+    want = {"--q-lora-rank": "1536", "--kv-lora-rank": "512", "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64",
+            "--v-head-dim": "128", "--rope-type": "rope", "--moe-router-num-groups": "8",
+            "--moe-router-group-topk": "4", "--moe-router-topk-scaling-factor": "2.5", "--num-attention-heads": "128"}
+    assert {k: _flag(args, k) for k in want} == want
+    assert not {"--group-query-attention", "--num-query-groups", "--kv-channels"} & set(args)
+    fields = {"multi_latent_attention": True, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128,
+              "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "qk_layernorm": True, "rope_type": "rope",
+              "moe_router_num_groups": 8, "moe_router_group_topk": 4, "moe_router_topk_scaling_factor": 2.5}
+    for flavor, prefix in (("nemo", "model.config."), ("megatron-bridge", "model.")):
+        data = ex.nemo_export(pl, as_plan, flavor=flavor).data
+        assert {k: data[prefix + k] for k in fields} == fields
+    dense = list(ex.megatron_export(pl, dataclasses.replace(models.config("llama3-8b"), layers=32)).args)
+    assert not {"--multi-latent-attention", "--moe-router-num-groups", "--q-lora-rank"} & set(dense)
+    # torchtitan: DeepSeek-V3's own flavor, matched on the MLA and routing sizes too
+    from meshplan.export.torchtitan import _titan_flavor
+    from meshplan.export.shape import ModelShape
+    assert _titan_flavor(ModelShape.from_config(cfg)).flavor == "671B"
+    assert _titan_flavor(ModelShape.from_config(cfg.replace(kv_lora_rank=256))) is None
+    assert _titan_flavor(ModelShape.from_config(cfg.replace(moe_router_group_topk=2))) is None
 
 
 def test_megatron_rejects_zero_bubble_and_notes_gpipe(plans):

@@ -11,7 +11,7 @@ import meshplan
 from meshplan.cluster import Cluster
 from meshplan.ir.layout import Layout, check_layout, split_layers
 from meshplan.errors import ConfigError, LayoutError, MeshplanError
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 
 LLAMA = dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256, ffn_hidden=14336)
 MOE = dict(layers=8, hidden=2048, heads=16, kv_heads=4, vocab=32768, experts=8, topk=2, moe_ffn_hidden=1024)

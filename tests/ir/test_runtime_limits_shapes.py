@@ -1,7 +1,7 @@
 """Runtime limits that depend on the model's shapes and code (meshplan.ir.support, read by the
 planner's search and by `parallelize`):
 
-- the model's forward must run on tensor-parallel local shapes (planner/tp_probe.py): nanoGPT-style
+- the model's forward must run on tensor-parallel local shapes (profiling/tp_probe.py): nanoGPT-style
   attention that splits by the full width is planned without TP, with the reason;
 - FSDP2 shards a routed expert's weight over the expert-data-parallel ranks only where one of its
   dimensions (this rank's experts, inner width, hidden) divides evenly (it pads only dim 0, which
@@ -44,9 +44,9 @@ def test_tp_forward_limit_names_the_reason():
 
 
 def test_full_width_attention_is_planned_without_tp():
-    # the probe's model zoo lives beside the probe's tests (tests/planner), on the path however
+    # the probe's model zoo lives beside the probe's tests (tests/profiling), on the path however
     # this file is collected
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "planner"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiling"))
     from test_tp_probe import GPT, LocalAttention, NanoAttention
     cl = mp.Cluster.preset("local-cpu")
     with pytest.raises(MeshplanError, match=r"block h.0 fails on tensor-parallel local shapes"):

@@ -9,7 +9,7 @@ import pytest
 
 import meshplan as mp
 from meshplan.errors import LayoutError
-from meshplan.planner.traits import model_traits
+from meshplan.profiling.traits import model_traits
 from meshplan.ir.support import ModelTraits, runtime_limits
 
 
@@ -81,7 +81,7 @@ def test_planner_never_returns_what_the_runtime_refuses():
 def test_explain_names_an_excluded_faster_layout():
     model = mp.models.build("mixtral-8x7b", device="meta")
     plan = mp.plan(model, mp.Cluster.preset("dgx-h100", nodes=2), seq_len=4096, global_batch=64)
-    note = plan.search.get("runtime_excluded_note")
+    note = plan.notes.runtime_excluded_note
     if note:                         # when the fastest layout was excluded, explain() says why
         assert "excluded: the runtime cannot run it" in note and note in plan.explain()
     assert runtime_limits(plan.layout, model_traits(mp.profile(model, seq_len=4096))) == []

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from meshplan.errors import ConfigError
-from meshplan.planner.fusions import find_fusions
-from meshplan.planner.trace import trace
+from meshplan.profiling.fusions import find_fusions
+from meshplan.profiling.trace import trace
 from meshplan.runtime.fused import apply_fused_kernels
 import dataclasses
 
-from tests.planner.test_fusions import UserLM
+from tests.profiling.test_fusions import UserLM
 
 SEQ, VOCAB = 8, 96
 

@@ -35,9 +35,10 @@ PUBLISHED_PARAMS = {
     "mixtral-8x22b": 141e9,
     "qwen3-30b-a3b": 30.5e9,
     "qwen3-235b-a22b": 235e9,
-    "deepseek-v3": 671e9,       # without the MTP module; MLA approximated (docs/models.md)
+    "deepseek-v3": 671e9,       # without the MTP module (docs/models.md)
 }
-PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9e9, "mixtral-8x22b": 39e9, "qwen3-30b-a3b": 3.3e9, "qwen3-235b-a22b": 22e9}
+PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9e9, "mixtral-8x22b": 39e9, "qwen3-30b-a3b": 3.3e9, "qwen3-235b-a22b": 22e9,
+                    "deepseek-v3": 37e9}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,7 +77,7 @@ def test_preset_param_counts_match_published_totals(name):
         assert cfg.num_active_params() == pytest.approx(PUBLISHED_ACTIVE[name], rel=0.03)
 
 
-def test_deepseek_v3_shape_and_stated_approximation():
+def test_deepseek_v3_shape_and_stated_totals():
     model = mm.build("deepseek-v3")
     cfg = model.config
     assert (cfg.layers, cfg.hidden, cfg.heads, cfg.vocab) == (61, 7168, 128, 129280)
@@ -85,9 +86,12 @@ def test_deepseek_v3_shape_and_stated_approximation():
     assert tuple(moe.experts.w1.shape) == (256, 2048, 7168)
     assert moe.shared_experts.w1.out_features == 2048 and moe.expert_bias.shape == (256,)
     assert model.layers[0].feed_forward.w1.out_features == 18432
-    # The figure docs/models.md states for the GQA stand-in of MLA.
-    assert round(cfg.num_params() / 1e9, 1) == 674.8
-    assert round(cfg.num_active_params() / 1e9, 1) == 41.4
+    attn = model.layers[0].attention
+    assert (attn.wq_b.out_features, attn.wkv_a.out_features, attn.wkv_b.out_features, attn.wo.in_features) \
+        == (128 * 192, 512 + 64, 128 * 256, 128 * 128)
+    # the figures docs/models.md states
+    assert round(cfg.num_params() / 1e9, 1) == 671.0
+    assert round(cfg.num_active_params() / 1e9, 1) == 37.6
 
 
 def test_preset_overrides_rederive_dependent_sizes():

@@ -19,8 +19,8 @@ from meshplan.cost_models.moe_load import load_factor as _load_factor
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
-from meshplan.planner.analytic import profile_from_config
-from meshplan.planner.traits import balance_from_config, moe_balance
+from meshplan.profiling.analytic import profile_from_config
+from meshplan.profiling.traits import balance_from_config, moe_balance
 
 # Mixtral-8x7B's shape (8 experts, top-2), planned from its config: no trace needed
 MIXTRAL = dict(family="moe", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000,

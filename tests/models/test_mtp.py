@@ -115,7 +115,7 @@ def test_targets_shift_and_config_checks():
 def test_cost_model_prices_the_mtp_depth_on_the_last_stage_only():
     from meshplan.cost_models.estimate import estimate_profile
     from meshplan.cost_models.flops import model_flops_per_step
-    from meshplan.planner.analytic import profile_from_config
+    from meshplan.profiling.analytic import profile_from_config
     cfg = dict(layers=8, hidden=1024, heads=8, kv_heads=8, vocab=32000, ffn_hidden=2816, seq_len=2048)
     plain, mtp = profile_from_config(cfg), profile_from_config(dict(cfg, mtp_depth=1))
     assert mtp.fingerprint != plain.fingerprint and mtp.mtp_depth == 1

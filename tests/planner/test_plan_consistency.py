@@ -23,8 +23,8 @@ import meshplan as mp
 from meshplan.api import plan
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.validation import DEFAULT_CSV, load_rows
-from meshplan.planner.analytic import profile_from_config
-from meshplan.planner.ilp_fp8 import fp8_layer_modules
+from meshplan.profiling.analytic import profile_from_config
+from meshplan.planner.ilp.fp8 import fp8_layer_modules
 
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -64,7 +64,7 @@ def test_fixed_plan_equals_estimate_and_free_plan_is_no_slower(bench, rows, row_
     # the search finds a layout at least as fast; the plan is that one, or a simpler one whose loss
     # is inside the band (and says so)
     assert c.fastest_s <= c.pub.step_time_s * (1 + 1e-9)
-    assert c.free.estimate.step_time_s <= c.pub.step_time_s * (1 + 1e-9) or c.free.search.get("band_choice")
+    assert c.free.estimate.step_time_s <= c.pub.step_time_s * (1 + 1e-9) or c.free.notes.band_choice
 
 
 GPT20B = profile_from_config(dict(family="gpt", layers=44, hidden=6144, heads=48, kv_heads=48, ffn_hidden=24576,

@@ -8,7 +8,7 @@ import pytest
 
 import meshplan as mp
 from meshplan.planner import search as S
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 from meshplan.planner.bound import MeshBound, policies_of
 from meshplan.planner import build as build_module
 from meshplan.planner.build import build_plan

@@ -9,7 +9,7 @@ from html import unescape
 import pytest
 
 import meshplan as mp
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 from meshplan.reports import svg
 from meshplan.reports.html import plan_report_html, write_plan_report
 from meshplan.reports.whatif import whatif

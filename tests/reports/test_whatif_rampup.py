@@ -6,7 +6,7 @@ import pytest
 
 import meshplan as mp
 from meshplan.errors import ConfigError
-from meshplan.planner.analytic import profile_from_config
+from meshplan.profiling.analytic import profile_from_config
 from meshplan.reports.whatif import WhatIf, rampup_seconds, whatif
 
 SEQ, GB = 8192, 128

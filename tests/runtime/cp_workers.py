@@ -21,14 +21,14 @@ BF16_TOL = dict(rtol=2e-2, atol=1e-2)
 
 
 def _attention_case(rank: int, world: int, *, heads: int, kv_heads: int, causal: bool, dtype, seq: int = 16,
-                    scale: float | None = None) -> dict:
+                    scale: float | None = None, v_hd: int = 8) -> dict:
     from meshplan.runtime.context_parallel import ring_attention, shard_sequence
     g = torch.Generator().manual_seed(7)
     B, hd = 2, 8
     q = torch.randn(B, heads, seq, hd, generator=g)
     k = torch.randn(B, kv_heads, seq, hd, generator=g)
-    v = torch.randn(B, kv_heads, seq, hd, generator=g)
-    dout = torch.randn(B, heads, seq, hd, generator=g)
+    v = torch.randn(B, kv_heads, seq, v_hd, generator=g)
+    dout = torch.randn(B, heads, seq, v_hd, generator=g)
     gqa = heads != kv_heads
     # reference: SDPA in fp32 on the whole sequence (on the bf16-rounded inputs for bf16)
     ref_in = [t.to(dtype).float().detach().clone().requires_grad_() for t in (q, k, v)]
@@ -54,6 +54,9 @@ ATTENTION_CASES = {
     "noncausal_gqa_fp32": dict(heads=4, kv_heads=1, causal=False, dtype=torch.float32),
     "causal_scale_fp32": dict(heads=2, kv_heads=2, causal=True, dtype=torch.float32, scale=0.3),
     "causal_gqa_bf16": dict(heads=4, kv_heads=2, causal=True, dtype=torch.bfloat16),
+    # multi-head latent attention: values narrower (and, for the padding's other side, wider) than q/k
+    "causal_narrow_v_fp32": dict(heads=4, kv_heads=4, causal=True, dtype=torch.float32, v_hd=6),
+    "causal_wide_v_gqa_fp32": dict(heads=4, kv_heads=2, causal=True, dtype=torch.float32, v_hd=12),
 }
 
 

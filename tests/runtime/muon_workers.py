@@ -5,16 +5,26 @@
   single-device model after two single-device Muon steps from the same weights and batches.
   The step's collectives are counted (every c10d / functional collective, and the calls to
   batch_isend_irecv): the Muon exchange is two batched calls per step, whatever the number of
-  matrices.
+  matrices. The optimizer is attached to the model with `overlap_update=False`: the update
+  exchange is waited for inside the step, as without overlap.
+- `overlapped`: the same with the update exchange left in flight into the next forward, over
+  three steps; with `checkpoint`, a DCP checkpoint is saved after the first (while its update is
+  in flight) and loaded into a freshly parallelised model and optimizer that take the other two.
+  With `profile`, the second step and the third's forward-backward run under torch.profiler
+  (CPU): the labels of the exchange's issue and wait (muon_overlap.py), of the step, of the
+  forward-backward and of the moment the first block's compute begins come back with their times.
 - `train`: meshplan.train.loop.train with optimizer="muon" (train_workers.train_run's pattern).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 from pathlib import Path
 
 import numerics
+
 import torch
 import torch.distributed as dist
 
@@ -66,7 +76,9 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
     # eps as numerics.py explains: AdamW (embeddings, head, norms) turns reordering noise on ~0
     # gradients into whole steps with a tiny eps
     opt = build_optimizer(pm.named_parameters(), optimizer="muon", lr=LR, weight_decay=WD, eps=numerics.EPS)
-    ref_opt = build_optimizer(ref.named_parameters(), optimizer="muon", lr=LR, weight_decay=WD, eps=numerics.EPS)
+    opt.overlap_update = False
+    opt.attach(pm.stages, blocks=case["plan"].blocks)
+    ref_opt = _ref_optimizer(ref)
     counts = []
     for step in range(STEPS):
         x, y = numerics.batch(case["global_batch"], case["seq_len"])
@@ -88,6 +100,86 @@ def equivalence(rank: int, world: int, case: dict) -> dict:
             "calls": opt.collective_calls}
 
 
+def _ref_optimizer(ref):
+    from meshplan.train.optim import build_optimizer
+    return build_optimizer(ref.named_parameters(), optimizer="muon", lr=LR, weight_decay=WD, eps=numerics.EPS)
+
+
+def _parallel_muon(case: dict, model):
+    from meshplan.runtime import parallelize
+    from meshplan.train.optim import build_optimizer
+    pm = parallelize(model, case["plan"], compute_dtype=None)
+    opt = build_optimizer(pm.named_parameters(), optimizer="muon", lr=LR, weight_decay=WD, eps=numerics.EPS)
+    opt.attach(pm.stages, blocks=case["plan"].blocks)
+    return pm, opt
+
+
+def _marks(prof) -> dict[str, list[tuple[float, float]]]:
+    """{label: [(start us, end us)]} of the test's and Muon's record_function ranges."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        if e.name.startswith(("muon.", "test.")):
+            out.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def overlapped(rank: int, world: int, case: dict) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from meshplan.train import checkpoint as ckpt
+    torch.manual_seed(0)
+    model = _build(case)
+    ref = copy.deepcopy(model)
+    ref_opt = _ref_optimizer(ref)
+    pm, opt = _parallel_muon(case, model)
+    batches = [tuple(t.roll(step, 0) for t in numerics.batch(case["global_batch"], case["seq_len"]))
+               for step in range(3)]
+    for x, y in batches:
+        numerics.reference_loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    pm.forward_backward(*batches[0])
+    opt.step()
+    pm.zero_grad()
+    in_flight = opt.pending                          # the first step's update, not yet applied
+    after_save = None
+    if case.get("checkpoint"):
+        path = ckpt.save(case["out"], 1, pm, opt, {"optimizer": "muon"})
+        after_save = opt.pending
+        del pm, opt
+        pm, opt = _parallel_muon(case, _build(case))     # a fresh model: the checkpoint's weights only
+        ckpt.load(path, pm, opt)
+    pm.forward_backward(*batches[1])
+    counts = []
+    held = dict(pm.stages[0].named_modules())
+    first_block = next(held[b] for b in case["plan"].blocks if b in held)     # this stage's first
+
+    def layer0_begins(module, args):                 # after FSDP2's all-gather and Muon's hook
+        with record_function("test.layer0.compute"):
+            pass
+    handle = first_block.register_forward_pre_hook(layer0_begins)
+    prof = profile(activities=[ProfilerActivity.CPU]) if case.get("profile") else contextlib.nullcontext()
+    with prof:
+        with record_function("test.step"), _CountStep() as c:
+            opt.step()
+        counts.append(c.counts)
+        pending = [g.index for g in opt._pending]
+        pm.zero_grad()
+        with record_function("test.forward_backward"), _CountStep() as c:
+            pm.forward_backward(*batches[2])
+        counts.append(c.counts)
+    handle.remove()
+    left = opt.pending                               # after the forward: every slice applied
+    opt.step()
+    at_end = opt.pending
+    params = pm.full_state_dict()                    # its state_dict pre-hook applies the last step's update
+    for n, t in ref.state_dict().items():
+        torch.testing.assert_close(params[n], t, **numerics.PARAM_TOL, msg=lambda m, n=n: f"param {n}: {m}")
+    return {"in_flight": in_flight, "after_save": after_save, "left": left, "at_end": at_end,
+            "pending": pending, "after_state_dict": opt.pending, "groups": opt._forward.count,
+            "counts": counts, "marks": _marks(prof) if case.get("profile") else {}}
+
+
 def train_run(rank: int, world: int, case: dict) -> dict:
     from meshplan.runtime.parallel import parallelize
     from meshplan.train.loop import TrainConfig, train
@@ -102,11 +194,15 @@ def train_run(rank: int, world: int, case: dict) -> dict:
         if case.get("expect_error"):
             return {"raised": type(e).__name__, "message": str(e)}
         raise
-    return {"losses": res.losses, "start": res.start_step,
-            "checkpoint": res.checkpoint and Path(res.checkpoint).name}
+    # the parameter norm each metrics line reports, and the weights' norm once training returned
+    lines = Path(case["out"], "metrics.jsonl")
+    norms = {r["step"]: r["param_norm"] for r in map(json.loads, lines.read_text().splitlines())} \
+        if rank == 0 and lines.exists() else {}
+    return {"losses": res.losses, "start": res.start_step, "param_norms": norms,
+            "final_norm": pm.global_norm("params"), "checkpoint": res.checkpoint and Path(res.checkpoint).name}
 
 
 def run_cases(rank: int, world: int, cases: dict) -> dict:
     from worlds import each_case
-    kinds = {"train": train_run}
+    kinds = {"train": train_run, "overlapped": overlapped}
     return each_case(rank, cases, lambda name, case: kinds.get(case.get("kind"), equivalence)(rank, world, case))

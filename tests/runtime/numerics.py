@@ -22,12 +22,28 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from worlds import plans
+from worlds import planning_model, plans
 
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 PARAM_TOL = dict(rtol=1e-4, atol=2e-5)
 LR = 1e-3
 EPS = 1e-4
+
+
+# test-only models: a preset with overrides. tiny-mla: tiny-llama with DeepSeek-V3's multi-head
+# latent attention (4 heads of 16 + 8 rotary channels, values of 16, latents of 48 and 32)
+VARIANTS = {"tiny-mla": ("tiny-llama", dict(kv_heads=None, attention="mla", q_lora_rank=48, kv_lora_rank=32,
+                                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))}
+# tiny-swa: GPT-OSS's attention on tiny-llama: 8-token windows on layers 0 and 2 (sequences of 32),
+# biases; tiny-swa-sinks adds the per-head sink logits
+VARIANTS["tiny-swa"] = ("tiny-llama", dict(sliding_window=8, sliding_window_pattern="alternate", bias=True))
+VARIANTS["tiny-swa-sinks"] = ("tiny-llama", dict(sliding_window=8, attention_sinks=True, bias=True))
+
+
+def _build(kind: str, **kw):
+    from meshplan import models
+    name, overrides = VARIANTS.get(kind, (kind, {}))
+    return models.build(name, **overrides, **kw)
 
 
 def build_model(kind: str, *, seq_len: int):
@@ -41,8 +57,7 @@ def build_model(kind: str, *, seq_len: int):
         model = transformers.LlamaForCausalLM(cfg)
         model.config.use_cache = False
         return model
-    from meshplan import models
-    model = models.build(kind, seq_len=seq_len, device="cpu")
+    model = _build(kind, seq_len=seq_len, device="cpu")
     model.init_weights()
     return model
 
@@ -54,8 +69,9 @@ def plan_for(kind: str, world: int, fixed_items: tuple, seq_len: int, global_bat
     many at once in two processes)."""
     import meshplan as mp
     from meshplan.cluster import Cluster
-    model = (build_model(kind, seq_len=seq_len) if kind.startswith("hf")
-             else mp.models.build(kind, seq_len=seq_len, device="meta"))
+    # one model object per kind and length: traced once for all its layouts (worlds.traced_once)
+    model = planning_model(("numerics", kind, seq_len), lambda: (
+        build_model(kind, seq_len=seq_len) if kind.startswith("hf") else _build(kind, seq_len=seq_len, device="meta")))
     return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world), seq_len=seq_len,
                    global_batch=global_batch, fixed=dict(fixed_items))
 

@@ -31,6 +31,8 @@ CASES_2 = {
     "cp2_recompute_selective": ("tiny-llama", dict(cp=2, tp=1, dp=1, pp=1, mbs=4, recompute="selective")),
     "gpt_cp2": ("tiny-gpt", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
     "hf_cp2": ("hf-llama", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
+    # multi-head latent attention: query/key heads wider than the values (ring attention pads v)
+    "mla_cp2": ("tiny-mla", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
 }
 CASES_4 = {
     "cp2_dp2_fsdp": ("tiny-llama", dict(cp=2, dp=2, tp=1, pp=1, zero=3, mbs=2)),

@@ -20,7 +20,7 @@ import ep_workers
 import moe_workers
 import numerics
 from test_expert_parallel import _cases, _ok, _plan, _run
-from worlds import plans, prefetch
+from worlds import planning_model, plans, prefetch
 
 # name -> (model, fixed layout); the world size is tp * cp * pp * dp
 CASES_2 = {
@@ -64,9 +64,10 @@ CASES_4 = {
 }
 
 CASES_8 = {
-    # EP x TP x PP: each pipeline stage folds its own dp x tp ranks (SP residual across stages)
+    # EP x TP x PP: each pipeline stage folds its own dp x tp ranks (SP residual across stages);
+    # 2 micro-batches a data-parallel rank run every phase of 1F1B on the first stage
     "ep2_tp2_pp2_dp2_sp": ("moe-shared", dict(tp=2, sp=True, ep=2, pp=2, vp=1, schedule="1f1b", dp=2, cp=1,
-                                              zero=1, mbs=1)),
+                                              zero=1, mbs=2)),
     # fewer local experts (4 / ep4 = 1) than edp ranks (2): FSDP shards the experts on another dim
     "ep4_edp2_tp2_dp4_sp_zero3": ("moe", dict(tp=2, sp=True, ep=4, dp=4, cp=1, pp=1, zero=3, mbs=1)),
     # everything folded at once: dense TP2 x CP2 x DP2, experts EP2 x ETP2 x EDP2
@@ -85,7 +86,8 @@ BALANCE_2 = {
 def _balance_plan(world: int, fixed_items: tuple):
     import meshplan as mp
     from meshplan.cluster import Cluster
-    return mp.plan(moe_workers.build_model(device="meta"), Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world),
+    model = planning_model(("moe_workers.build_model", "meta"), lambda: moe_workers.build_model(device="meta"))
+    return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world),
                    seq_len=moe_workers.SEQ, global_batch=moe_workers.BATCH, fixed=dict(fixed_items))
 
 

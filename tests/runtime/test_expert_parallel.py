@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 import ep_workers
-from worlds import plans
+from worlds import planning_model, plans
 
 SEQ, BATCH = ep_workers.SEQ, ep_workers.BATCH
 
@@ -48,12 +48,13 @@ def _cluster(world: int):
 
 
 @plans
-def _plan(kind: str, world: int, fixed_items: tuple, for_runtime: bool = True):
+def _plan(kind: str, world: int, fixed_items: tuple, stack: str = "meshplan"):
     import meshplan as mp
     device = "cpu" if kind.startswith("hf") else "meta"
-    model = ep_workers.build_model(kind, device=device)
+    model = planning_model(("ep_workers.build_model", kind, device),
+                           lambda: ep_workers.build_model(kind, device=device))
     return mp.plan(model, _cluster(world), seq_len=SEQ, global_batch=BATCH, fixed=dict(fixed_items),
-                   for_runtime=for_runtime)
+                   stack=stack)
 
 
 def _cases(table: dict, world: int, more: tuple = ()) -> dict:

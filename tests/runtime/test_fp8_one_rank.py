@@ -57,7 +57,7 @@ def test_plan_takes_train_precision_names():
     with pytest.warns(UserWarning, match="FP8 is emulated"):
         p8 = mp.plan(model, mp.Cluster.preset("local-cpu", nproc=1), seq_len=32, global_batch=8, precision="fp8")
     # the ILP's choice: every linear of the middle blocks; first/last block and the head stay BF16
-    assert p8.precision == "fp8" and p8.search["fp8_emulated"]
+    assert p8.precision == "fp8" and p8.notes.fp8_emulated
     assert {m.split(".")[1] for m in p8.fp8_modules} == {"1", "2"} and "output" not in p8.fp8_modules
     assert _tiny_plan("auto").precision == "bf16"          # local-cpu has no FP8 units to prefer
     with pytest.raises(ConfigError, match="fp32, bf16, fp16, fp8, auto"):

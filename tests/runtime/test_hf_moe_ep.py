@@ -16,7 +16,7 @@ from __future__ import annotations
 import hf_moe_workers
 import pytest
 
-from worlds import plans
+from worlds import planning_model, plans
 
 CASES = {
     "mixtral_ep2_zero3": ("hf-mixtral", dict(ep=2, dp=2, tp=1, cp=1, pp=1, zero=3, mbs=2)),
@@ -45,9 +45,9 @@ def _cluster(world: int):
 @plans
 def _plan(kind: str, world: int, fixed_items: tuple):
     import meshplan as mp
-    from meshplan.planner.traits import fold_shared_roles
+    from meshplan.profiling.traits import fold_shared_roles
     fixed = dict(fixed_items)
-    model = hf_moe_workers.build_model(kind)
+    model = planning_model(("hf_moe_workers.build_model", kind), lambda: hf_moe_workers.build_model(kind))
     if kind == "hf-qwen2-moe" and fixed.get("tp", 1) > 1:
         # its shared expert (and gate) placed "replicate": the profile with role "shared_folded"
         model = fold_shared_roles(mp.profile(model, seq_len=hf_moe_workers.SEQ), model)
@@ -136,7 +136,7 @@ def test_traits():
     import meshplan as mp
     from meshplan.ir.layout import Layout
     from meshplan.planner.build import placements_for
-    from meshplan.planner.traits import _ep_experts, _moe_tp_fold, fold_shared_roles
+    from meshplan.profiling.traits import _ep_experts, _moe_tp_fold, fold_shared_roles
     mixtral, qwen = (hf_moe_workers.build_model(k) for k in ("hf-mixtral", "hf-qwen2-moe"))
     assert _ep_experts(mixtral) and _ep_experts(qwen)
     assert _moe_tp_fold(mp.profile(mixtral, seq_len=hf_moe_workers.SEQ), mixtral)

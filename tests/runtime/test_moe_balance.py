@@ -8,11 +8,10 @@ ranks (`world4`) runs the three cases (ZeRO-3, recompute, PP 1F1B); each test re
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import moe_workers
+from worlds import planning_model, plans
 
 CASES_4 = {
     "ep2_edp2_zero3_m2": dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=1),
@@ -23,11 +22,11 @@ CASES_4 = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@plans
 def _plan(world: int, fixed_items: tuple):
     import meshplan as mp
     from meshplan.cluster import Cluster
-    model = moe_workers.build_model(device="meta")
+    model = planning_model(("moe_workers.build_model", "meta"), lambda: moe_workers.build_model(device="meta"))
     return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world), seq_len=moe_workers.SEQ,
                    global_batch=moe_workers.BATCH, fixed=dict(fixed_items))
 

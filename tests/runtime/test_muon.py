@@ -135,6 +135,8 @@ def world4(tmp_path_factory):
     cases = {name: dict(model="tiny-llama", plan=plans[name], seq_len=SEQ, global_batch=BATCH) for name in items}
     cases["moe_ep2_edp2"] = dict(model="moe", plan=_moe_plan(4, MOE_CASE), seq_len=SEQ, global_batch=BATCH)
     out = tmp_path_factory.mktemp("muon")
+    for name, (base, options) in OVERLAP.items():
+        cases[name] = dict(cases[base], kind="overlapped", out=str(out / name), **options)
     run = dict(kind="train", seq_len=SEQ, steps=4)
     cases |= {"full": dict(run, plan=plans["fsdp4"], out=str(out / "a")),
               "stop2": dict(run, plan=plans["tp2_dp2_zero1"], out=str(out / "b"), stop_at=2),
@@ -181,8 +183,72 @@ def test_resume_with_muon_under_another_plan_gives_the_same_losses(world4):
     for step in (1, 2, 3, 4):       # step 4's loss follows an update from the restored momentum
         got = (first if step <= 2 else second)["losses"][step]
         torch.testing.assert_close(got, full["losses"][step], rtol=1e-4, atol=1e-5)
+    # `meshplan train` leaves each step's update in flight into the next forward; each metrics line
+    # still reports the norm of its own step's weights (written once the next forward applied them)
+    norms = full["param_norms"]
+    assert sorted(norms) == [1, 2, 3, 4] and len(set(norms.values())) == 4, norms
+    assert norms[4] == pytest.approx(full["final_norm"], rel=1e-6)
+    assert norms[2] == pytest.approx(first["final_norm"], rel=1e-4)     # stop2 ran steps 1-2 on another plan
+    assert first["param_norms"][2] == pytest.approx(first["final_norm"], rel=1e-6)
     refused = world4["adamw_refused"][0]
     assert refused["raised"] == "ConfigError" and "holds muon optimizer state" in refused["message"], refused
+
+
+# ---- the update exchange left in flight into the next forward (muon_overlap.py) ----------------
+
+# FSDP2 per-block units (explicit prefetch one unit ahead), PP x TP without FSDP (block hooks),
+# ZeRO-1 under TP (one FSDP2 unit per stage on CPU processes: one group, before its all-gather)
+# and expert units nested in the blocks over EDP (the last two without the checkpoint: its time)
+OVERLAP = {"overlap_fsdp4": ("fsdp4", {"checkpoint": True, "profile": True}),
+           "overlap_pp2_tp2": ("pp2_tp2", {"checkpoint": True}),
+           "overlap_tp2_dp2_zero1": ("tp2_dp2_zero1", {}),
+           "overlap_moe": ("moe_ep2_edp2", {})}
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP))
+def test_overlapped_update_equals_single_device_through_a_checkpoint(world4, name):
+    """Three overlapped steps (with a DCP save while the first step's update is in flight and a
+    load into a fresh model and optimizer): the weights equal single-device Muon's (the worker
+    asserts it)."""
+    from worlds import ok
+    runs = world4[name]
+    ok(runs)
+    assert any(r["in_flight"] for r in runs)        # the save found slices in flight ...
+    for r in runs:
+        assert r["after_save"] is (False if OVERLAP[name][1].get("checkpoint") else None)   # ... and applied them
+        assert not r["left"]                        # the forward applied every pending group
+        assert r["at_end"] == bool(r["pending"])    # the last step's update left in flight ...
+        assert not r["after_state_dict"]            # ... until the state_dict's pre-hook
+        assert r["pending"] == sorted(set(r["pending"])) and len(r["pending"]) <= r["groups"]
+        # forward groups: 4 FSDP2 block units; 2 blocks per pipeline stage; ZeRO-1's one stage unit
+        assert r["groups"] == {"overlap_fsdp4": 4, "overlap_pp2_tp2": 2, "overlap_tp2_dp2_zero1": 1}.get(
+            name, r["groups"]), r
+
+
+def test_update_exchange_is_issued_in_the_step_and_waited_for_in_the_next_forward(world4):
+    """torch.profiler ranges of one step and the next forward-backward (FSDP2 over 4 ranks, 4
+    blocks: 4 forward groups): each group's exchange is issued once, inside the step; each is
+    waited for once, inside the next forward, and the later groups only after the first block
+    began computing (its pre-hook runs after FSDP2's all-gather and Muon's); the step issues its
+    gradient exchange and one batched call per group, the forward no Muon exchange at all."""
+    from worlds import ok
+    runs = world4["overlap_fsdp4"]
+    ok(runs)
+    for r in runs:
+        marks = r["marks"]
+        (s0, s1), = marks["test.step"]
+        (f0, f1), = marks["test.forward_backward"]
+        issued, waited = marks["muon.update_exchange.issue"], marks["muon.update_exchange.wait"]
+        layer0 = marks["test.layer0.compute"][0][0]
+        assert r["groups"] == 4 and r["pending"] == [0, 1, 2, 3], r
+        assert len(issued) == 4 and all(s0 <= a and b <= s1 for a, b in issued), (marks, s0, s1)
+        assert len(waited) == 4 and all(f0 <= a and b <= f1 for a, b in waited), (marks, f0, f1)
+        # block 0 prefetches block 1's all-gather: groups 0 and 1 before its compute, 2 and 3 after
+        assert [a > layer0 for a, _ in waited] == [False, False, True, True], (waited, layer0)
+        step, forward = r["counts"]
+        assert step["batch_isend_irecv"] == 1 + 4, step
+        assert step.get("functional.send", 0) <= (1 + 4) * 3 and step.get("functional.recv_", 0) <= (1 + 4) * 3
+        assert "batch_isend_irecv" not in forward and "functional.send" not in forward, forward
 
 
 # ---- the layout knob and its price -----------------------------------------------------------
@@ -216,6 +282,22 @@ def test_muon_is_priced_cheaper_state_plus_exchange_and_adamw_is_unchanged():
     assert muon.memory_gb["optimizer_step"] >= 0
     # the owner exchange is data-parallel traffic; Newton-Schulz is optimizer time
     assert muon.comm_s["dp"] > adamw.comm_s["dp"] and muon.time_s["optimizer"] > adamw.time_s["optimizer"]
+
+
+def test_update_exchange_is_charged_only_where_the_next_forward_cannot_hide_it():
+    from meshplan.cost_models.muon import muon_update_exposed
+    # 8 layers, 1 s of exchange (0.125 s a layer): a forward of 0.5 s a layer hides all but the
+    # first layer's message (the second's too when FSDP prefetches one layer ahead)
+    assert muon_update_exposed(1.0, 4.0, 8) == pytest.approx(0.125)
+    assert muon_update_exposed(1.0, 4.0, 8, ahead=1) == pytest.approx(0.25)
+    # a forward faster than the messages hides the forward of the layers before the last
+    assert muon_update_exposed(1.0, 0.4, 8) == pytest.approx(1.0 - 0.05 * 7)
+    assert muon_update_exposed(1.0, 0.4, 8, ahead=1) == pytest.approx(1.0 - 0.05 * 6)
+    # brute force over every layer's wait agrees; one layer (ZeRO's one unit) hides nothing
+    for u, f, g, ahead in ((2.0, 3.0, 5, 0), (2.0, 1.0, 5, 1), (1.0, 1.0, 3, 1), (3.0, 0.5, 2, 1)):
+        want = max((j + 1) * u / g - max(0, j - ahead) * f / g for j in range(g))
+        assert muon_update_exposed(u, f, g, ahead) == pytest.approx(want)
+    assert muon_update_exposed(1.0, 100.0, 1) == 1.0 and muon_update_exposed(0.0, 1.0, 8) == 0.0
 
 
 def test_plan_and_cli_take_the_optimizer():

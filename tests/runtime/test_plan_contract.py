@@ -4,7 +4,11 @@ process on the meta device, and the parameters each rank then holds must be what
 model charged that rank for (its optimizer state: fp32 master + Adam moments per held
 parameter), within 5%. Ranks 0 and world-1 are checked (first and last pipeline stage). The
 cases are planned and checked in two processes side by side (planning is CPU-bound and
-single-threaded); each test reads its case's rows."""
+single-threaded); each test reads its case's rows.
+
+The same processes measure what one micro-batch's forward keeps for backward on a rank
+(activations, logits; fake_world.kept_for_backward) against what the estimate charges
+(fake_world.charged_for_backward); see docs/runtime.md, "Activation and logits memory per rank"."""
 
 from __future__ import annotations
 
@@ -22,7 +26,33 @@ CASES = [
 ]
 
 
+# what one micro-batch's forward keeps for backward (fake_world.kept_for_backward, meta device)
+# against what the estimate charges per micro-batch (fake_world.charged_for_backward), at real
+# scale where activations and logits dominate memory: (model, nodes, seq_len, global_batch,
+# fixed layout keys, rank). Every case's logits are vocab-parallel (tp > 1), which runs the same
+# on every device; at tp = 1 the plan prices the fused linear + cross-entropy kernel, which the
+# CPU build runs eagerly.
+MEMORY_CASES = [
+    # TP8 + SP at 128k, one data-parallel rank (mixed precision by autocast), 16 layers recomputed
+    ("memory", "llama3-8b", 1, 131072, 8, (("dp", 1),), 0),
+    # TP8 + SP, 4 pipeline ranks, selective recompute, FSDP2 over dp=2: the last stage (logits)
+    ("memory", "llama3-70b", 8, 8192, 512, (("tp", 8), ("pp", 4), ("recompute", "selective")), -1),
+    # ring CP over 2 ranks x TP8 at 128k
+    ("memory", "llama3-8b", 2, 131072, 16, (("cp", 2), ("tp", 8)), 0),
+    # FSDP2 (ZeRO-3) over dp=4 x TP2
+    ("memory", "llama3-8b", 1, 8192, 64, (("tp", 2), ("pp", 1), ("zero", 3)), 0),
+]
+
+
+def _measure_case(case) -> dict:
+    _, model, nodes, seq_len, global_batch, fixed, rank = case
+    return fake_world.measure(model, mp.Cluster.preset("dgx-h100", nodes=nodes), seq_len=seq_len,
+                              global_batch=global_batch, fixed=dict(fixed), rank=rank)
+
+
 def _check_case(case) -> list[dict]:
+    if case[0] == "memory":
+        return _measure_case(case)
     model, nodes, seq_len, global_batch = case
     # the runtime runs multi-token prediction without EP (docs/models.md): DeepSeek-V3's
     # expert-parallel accounting is checked on its main model
@@ -34,7 +64,8 @@ def _check_case(case) -> list[dict]:
 @pytest.fixture(scope="module")
 def contract_rows():
     from worlds import in_processes
-    return dict(zip(CASES, in_processes(_check_case, CASES)))
+    cases = CASES + MEMORY_CASES
+    return dict(zip(cases, in_processes(_check_case, cases)))
 
 
 @pytest.mark.slow
@@ -47,6 +78,110 @@ def test_rank_holds_what_the_cost_model_charged(contract_rows, model, nodes, seq
         assert row["error"] <= 0.05, row
     if model in ("qwen3-235b-a22b", "deepseek-v3"):
         assert " ep" in rows[0]["layout"] and "ep1 " not in rows[0]["layout"] + " ", rows[0]
+
+
+def _memory_row(contract_rows, case):
+    r = contract_rows[case]
+    assert "error" not in r, f"{r['error']}\n{r['tb']}"
+    return r["ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: f"{c[1]}-{c[3]}-{dict(c[5])}")
+def test_logits_are_what_the_cost_model_charged(contract_rows, case):
+    """The logits tensor the loss sees plus what the loss keeps (vocab-parallel: its fp32 softmax
+    slice) on the last stage, against head_activation_bytes: bf16 logits + fp32 softmax, / tp."""
+    row = _memory_row(contract_rows, case)
+    kept, charged = row["kept"], row["charged"]
+    if not charged["logits"]:
+        assert kept["logits"] == 0, row
+        return
+    assert abs(kept["logits"] - charged["logits"]) <= 0.10 * charged["logits"], row
+
+
+# what the eager runtime keeps over what the plan charges, per case (docs/runtime.md, "Activation
+# and logits memory per rank", says where it comes from: eager norms' fp32 copies and SwiGLU's
+# silu output, and under autocast the fp32 residual stream): a known gap, expected to fail until
+# the runtime or the cost model closes it; growing past it is a regression. Cases not listed
+# (selective recompute under TP8 + SP) must hold within 10%.
+KNOWN_GAP = {MEMORY_CASES[0]: 1.54, MEMORY_CASES[2]: 1.56, MEMORY_CASES[3]: 1.48}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: f"{c[1]}-{c[3]}-{dict(c[5])}")
+def test_activations_are_what_the_cost_model_charged(contract_rows, case):
+    """One micro-batch's forward on the rank keeps (every stage chunk it holds) what the estimate
+    charges per micro-batch: (activations - logits - one recomputed layer) / micro-batches in flight,
+    within 10%; or, for a case with a known gap, no more than that gap."""
+    row = _memory_row(contract_rows, case)
+    ratio = row["kept"]["activations"] / row["charged"]["per_mb"]
+    if abs(ratio - 1) <= 0.10:
+        return
+    assert case in KNOWN_GAP, (f"the runtime keeps {ratio:.3f}x the activations the plan charges; "
+                               "it must be within 10%", row)
+    assert ratio <= KNOWN_GAP[case] * 1.05, (f"the runtime keeps {ratio:.2f}x the activations the plan charges, "
+                                            f"more than the known {KNOWN_GAP[case]}x", row)
+    pytest.xfail(f"the runtime keeps {ratio:.2f}x the activations the plan charges (docs/runtime.md, "
+                 "'Activation and logits memory per rank')")
+
+
+@pytest.mark.slow
+def test_ring_attention_holds_no_score_block_at_128k(contract_rows):
+    """Ring CP at 128k: no tensor of the rank's forward is as large as one (query chunk, key chunk)
+    block of fp32 scores, let alone the rank's queries against every key."""
+    case = MEMORY_CASES[2]
+    row = _memory_row(contract_rows, case)
+    cp, tp, seq = 2, 8, case[3]
+    heads = 32 // tp                              # llama3-8b's query heads on one TP rank
+    block = 4 * heads * (seq // (2 * cp)) ** 2
+    assert 0 < row["kept"]["largest_in_blocks"] < block / 8, (row["kept"]["largest_in_blocks"], block)
+
+
+def test_meta_measurement_keeps_what_a_real_cpu_forward_keeps():
+    """The meta stand-ins (autocast's casts, the CPU flash kernel for attention) keep, byte for
+    byte, what a real forward under torch.autocast on the CPU keeps (grouped K/V heads, bf16)."""
+    import torch
+    torch.manual_seed(0)
+    real = mp.models.build("tiny-llama", device="cpu", seq_len=256)
+    real.init_weights()
+    ids = torch.randint(0, real.config.vocab, (2, 256))
+    kept = fake_world.forward_kept(real, ids, torch.bfloat16)
+    meta = fake_world.forward_kept(mp.models.build("tiny-llama", device="meta", seq_len=256), ids.to("meta"),
+                                   torch.bfloat16)
+    assert real.config.kv_heads < real.config.heads and kept > 0
+    assert meta == kept
+
+
+def test_sequence_parallel_keeps_the_shard_for_backward(monkeypatch):
+    """TP2 + SP (meta device, fake process group): each block's attention and feed-forward keep the
+    sequence shard of their gathered input for backward (runtime/sp_saved.py), not the gathered
+    whole-sequence tensor: a block keeps 2 x (whole - shard) bytes less than with the gathered
+    tensor saved (bf16 under autocast: one cast of the shared input)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import numerics
+    from meshplan.runtime import sp_saved
+    from meshplan.runtime.parallel import parallelize
+    seq, tp = 64, 2
+    plan = numerics.plan_for("tiny-llama", tp, (("dp", 1), ("mbs", 2), ("pp", 1), ("sp", True), ("tp", tp)), seq, 4)
+    assert plan.sequence_parallel and plan.layout.recompute == "none"
+
+    def per_block(keep: bool) -> dict:
+        if not keep:
+            monkeypatch.setattr(sp_saved.ShardKeeper, "gathered", lambda self, shard, whole: None)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+        try:
+            pm = parallelize(mp.models.build("tiny-llama", device="meta", seq_len=seq), plan, materialize=False)
+            return fake_world.kept_for_backward(pm, plan)["by_block"]
+        finally:
+            dist.destroy_process_group()
+    kept, gathered = per_block(True), per_block(False)
+    whole = plan.layout.mbs * seq * mp.models.build("tiny-llama", device="meta", seq_len=seq).config.hidden * 2
+    blocks = [k for k in kept if k.startswith("layers.")]
+    assert len(blocks) == 4 and kept["stage"] == gathered["stage"]
+    for b in blocks:
+        assert gathered[b] - kept[b] == 2 * (whole - whole // tp), (b, kept[b], gathered[b])
 
 
 def test_runtime_pattern_placements_match_single_device():

@@ -97,21 +97,23 @@ def _plans(kind: str) -> dict:
     came back, {case: the planner's reason} for the layouts it refused, and the cases whose plan
     has another layout than the one fixed."""
     from meshplan.errors import MeshplanError
+    from worlds import traced_once
     x, y = _step_batch(SEQ, BATCH)
     model = fake_world.build(kind, SEQ)
     cluster = mp.Cluster.preset("local-cpu")
-    out = {"free": (f"free/{kind}", kind, mp.plan(model, cluster, seq_len=SEQ, global_batch=BATCH), SEQ, x, y),
-           "parallel": [], "refused": {}, "other": []}
-    layouts = {**FIXED, **(FIXED_MOE if "moe" in kind or "mixtral" in kind else {})}
-    for name, fixed in layouts.items():
-        try:
-            plan = mp.plan(model, cluster, seq_len=SEQ, global_batch=BATCH, fixed=fixed)
-        except MeshplanError as e:
-            out["refused"][f"{kind}/{name}"] = str(e)
-            continue
-        if {k: getattr(plan.layout, k) for k in fixed} != fixed:
-            out["other"].append((kind, name, plan.layout.short()))
-        out["parallel"].append((f"{kind}/{name}", kind, plan, SEQ, x, y))
+    with traced_once():             # one model, many layouts: traced once
+        out = {"free": (f"free/{kind}", kind, mp.plan(model, cluster, seq_len=SEQ, global_batch=BATCH), SEQ, x, y),
+               "parallel": [], "refused": {}, "other": []}
+        layouts = {**FIXED, **(FIXED_MOE if "moe" in kind or "mixtral" in kind else {})}
+        for name, fixed in layouts.items():
+            try:
+                plan = mp.plan(model, cluster, seq_len=SEQ, global_batch=BATCH, fixed=fixed)
+            except MeshplanError as e:
+                out["refused"][f"{kind}/{name}"] = str(e)
+                continue
+            if {k: getattr(plan.layout, k) for k in fixed} != fixed:
+                out["other"].append((kind, name, plan.layout.short()))
+            out["parallel"].append((f"{kind}/{name}", kind, plan, SEQ, x, y))
     return out
 
 

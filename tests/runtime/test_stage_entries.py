@@ -21,7 +21,7 @@ def test_stage_without_block_is_refused_before_building():
     """A plan made without the runtime's limits (or edited by hand): the runtime refuses it too."""
     model = mp.models.build("tiny-llama", layers=3, seq_len=32, device="meta")
     plan = mp.plan(model, mp.Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2), seq_len=32, global_batch=8,
-                   fixed={"pp": 2, "vp": 2, "schedule": "interleaved", "tp": 1, "dp": 1}, for_runtime=False)
+                   fixed={"pp": 2, "vp": 2, "schedule": "interleaved", "tp": 1, "dp": 1}, stack="megatron-core")
     specs = pp.stage_specs(plan.stages)
     if all(s.is_first or any(m.startswith("layers.") for m in s.owned) for s in specs):
         pytest.skip(f"the planner gave every stage a block: {plan.stages}")

@@ -142,7 +142,7 @@ def test_with_fsdp_and_pipeline(world4, name):
 def test_planner_labels_packed_linears(kind):
     import meshplan as mp
     from meshplan.ir.support import runtime_limits
-    from meshplan.planner.traits import model_traits
+    from meshplan.profiling.traits import model_traits
     model = workers.build_model(kind, seq_len=SEQ)
     traits = model_traits(mp.profile(model, seq_len=SEQ), model)
     assert traits.fused_qkv and runtime_limits({"tp": 2}, traits) == []

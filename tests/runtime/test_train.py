@@ -17,7 +17,6 @@ far more.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
@@ -26,15 +25,17 @@ import torch
 
 import procs
 import train_workers
+from worlds import planning_model, plans
 
 SEQ, BATCH, STEPS = 32, 8, 6
 
 
-@functools.lru_cache(maxsize=None)
+@plans
 def _plan(world: int, fixed: tuple):
     import meshplan as mp
     from meshplan.cluster import Cluster
-    model = mp.models.build("tiny-llama", seq_len=SEQ, device="meta")
+    model = planning_model(("tiny-llama", SEQ, "meta"),
+                           lambda: mp.models.build("tiny-llama", seq_len=SEQ, device="meta"))
     return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world), seq_len=SEQ,
                    global_batch=BATCH, fixed=dict(fixed))
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worlds import plans
+from worlds import planning_model, plans
 
 VOCAB = 256
 
@@ -118,7 +118,8 @@ def prefetch_plans(calls) -> None:
 def _plan(kind: str, world: int, fixed_items: tuple, seq_len: int, global_batch: int):
     import meshplan as mp
     from meshplan.cluster import Cluster
-    return mp.plan(build_model(kind, seq_len=seq_len), Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world),
+    model = planning_model(("tp_fused", kind, seq_len), lambda: build_model(kind, seq_len=seq_len))
+    return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world),
                    seq_len=seq_len, global_batch=global_batch, fixed=dict(fixed_items))
 
 

@@ -9,11 +9,15 @@ is the check each test makes first.
 
 Work that runs in the test process and keeps one core busy - planning, above all - is spread
 over two processes: `in_processes(fn, items)`, and the `plans` cache whose `prefetch` makes a
-world's plans two at a time.
+world's plans two at a time. Most of a small model's planning time is its trace (about 95%: the
+search over a few CPU ranks takes milliseconds), and a world plans each model at many layouts:
+`planning_model` keeps one model object per key and `traced_once` has `meshplan.plan` trace each
+object once (the `plans` cache plans inside it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import traceback
@@ -96,19 +100,69 @@ def in_processes(fn, items: list, *, processes: int = 2) -> list:
     return list(_workers(processes).map(functools.partial(_call, fn), items))
 
 
+# ---- one trace per model ---------------------------------------------------------------------------
+
+_models: dict = {}
+_traces: dict = {}          # (id(model), seq_len) -> (model, its profile): the model is kept, so its id stays its own
+
+
+def planning_model(key, build):
+    """The model object this process plans for `key` (built once by `build()`). Planned under
+    `traced_once`, it is traced once for every layout and world size it is planned with. Never
+    changed after it is built (a plan of a changed model needs a model of its own)."""
+    if key not in _models:
+        _models[key] = build()
+    return _models[key]
+
+
+@contextlib.contextmanager
+def traced_once():
+    """Inside: `meshplan.plan` traces each model object once per sequence length and reuses the
+    profile (a ModelProfile is frozen, and tracing reads only the module's structure, so the plan
+    is the one a fresh trace gives: the same JSON but for the search's own seconds). Only for
+    models that are not changed after their first plan (`planning_model`'s)."""
+    import torch
+
+    import meshplan
+    from meshplan import api
+    # meshplan.profile is resolved (and kept) on first use: resolve it now, so that it is never
+    # this context's cache, which must not outlive the context
+    meshplan.profile  # noqa: B018
+    real = api.profile
+    if getattr(real, "_traced_once", False):          # nested: the outer context's cache serves
+        yield
+        return
+
+    def profile(model, *, seq_len: int = api.TRACE_SEQ_LEN, **kw):
+        if kw or not isinstance(model, torch.nn.Module):
+            return real(model, seq_len=seq_len, **kw)
+        key = (id(model), seq_len)
+        if key not in _traces:
+            _traces[key] = (model, real(model, seq_len=seq_len))
+        return _traces[key][1]
+    profile._traced_once = True
+    api.profile = profile
+    try:
+        yield
+    finally:
+        api.profile = real
+
+
 # ---- plans made two at a time ----------------------------------------------------------------------
 
 def _planned(item):
     module, name, args = item
     import importlib
-    return getattr(importlib.import_module(module), name).fn(*args)
+    with traced_once():
+        return getattr(importlib.import_module(module), name).fn(*args)
 
 
 class plans:
     """A plan-making function's cache (decorator, like functools.lru_cache on positional
     arguments) that can make many plans at once in two processes: `f.prefetch([args, ...])`
     before building a world's cases (planning is CPU-bound and single-threaded, and a world
-    needs dozens of plans). The decorated function must be a module-level name."""
+    needs dozens of plans). The decorated function must be a module-level name; it runs under
+    `traced_once`, so a model it takes from `planning_model` is traced once per process."""
 
     def __init__(self, fn):
         self.fn, self.done = fn, {}
@@ -116,7 +170,8 @@ class plans:
 
     def __call__(self, *args):
         if args not in self.done:
-            self.done[args] = self.fn(*args)
+            with traced_once():
+                self.done[args] = self.fn(*args)
         return self.done[args]
 
     def prefetch(self, calls) -> None:
