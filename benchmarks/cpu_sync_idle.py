@@ -12,7 +12,7 @@ nproc / cores, the `packed` step of cpu_closing_loop.py), less the collective's 
 measured on its own (the same loop with no work chunk, whose wall time is all collective): the
 idle per synchronisation point. Reported for several W.
 
-What it shows (benchmarks/results/cpu_sync_idle-2026-11-25-r2.txt): pairs of one pairing alone
+What it shows (benchmarks/results/cpu_sync_idle-2026-11-25.txt): pairs of one pairing alone
 drift out of phase and fill each other's waits (idle ~0), but pairs that cross keep every rank in
 step and stall the host like an all-reduce over all four. `meshplan calibrate` measures that wait amid compute for both
 (cost_models/cpu_probes.amid_compute_latency) and fits the loopback base and hop latency to the two.

@@ -1,4 +1,4 @@
-"""Shape dependence of flash attention on GPUs (meshplan.cost_models.attention, issue #16): longer
+"""Shape dependence of flash attention on GPUs (meshplan.cost_models.attention): longer
 calls run closer to the kernel's plateau, causal diagonal tiles waste less as the call grows, context
 parallelism's chunked calls cost more per FLOP than one long call, few CTAs leave SMs idle, and the
 backward runs below the forward. Every test compares numbers that the mechanism makes differ."""

@@ -1,4 +1,4 @@
-"""CPU processes are charged the compute a GPU roofline misses (issue #16 part 3): PyTorch's CPU
+"""CPU processes are charged the compute a GPU roofline misses: PyTorch's CPU
 SDPA (backward ~6x forward), bf16 element-wise ops below copy bandwidth, per-op host overhead; all
 scaled by the process's own matmul rate, so a calibrated (slower or faster) host moves them too."""
 

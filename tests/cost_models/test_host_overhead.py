@@ -1,5 +1,5 @@
-"""CPU processes pay host work a GPU-oriented model does not charge (issue #16 part 3,
-meshplan.cost_models.host): DTensor dispatch and redistributions under TP, the runtime's gloo
+"""CPU processes pay host work a GPU-oriented model does not charge
+(meshplan.cost_models.host): DTensor dispatch and redistributions under TP, the runtime's gloo
 collectives under EP / CP / PP, the ring's eager per-block ops, the grouped GEMMs' per-expert loop,
 torch.distributed.pipelining's per-action schedule, and the per-parameter optimizer / norm loops in
 place of the fixed STEP_OVERHEAD_S. Each is a measured constant times a count from the trace and the

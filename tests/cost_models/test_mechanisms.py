@@ -1,4 +1,4 @@
-"""Mechanisms of issue #16 (part 1 and 2), each checked against the formula it comes from, so that
+"""Cost-model mechanisms, each checked against the formula it comes from, so that
 removing the mechanism fails a test: unfused gradient accumulation, context-parallel attention
 variants (ring, all-gather KV, all-to-all)."""
 

@@ -1,4 +1,4 @@
-"""MoE routing imbalance (issue #16 part 2): the busiest EP rank's routed rows exceed the mean by the
+"""MoE routing imbalance: the busiest EP rank's routed rows exceed the mean by the
 expected maximum of a balanced router's per-rank loads (cost_models.layer.moe_load_factor), and
 the MoE layer's expert GEMMs, element-wise work and all-to-all run at that rank's pace; a capacity
 factor (padded) or forced balance sets the factor instead."""

@@ -1,4 +1,4 @@
-"""The "norm_act" recompute policy end to end (issue #16 part 2, "a plan is what runs"): Megatron-Core's
+"""The "norm_act" recompute policy end to end ("a plan is what runs"): Megatron-Core's
 --recompute-granularity selective --recompute-modules layernorm moe_act as a Layout option, run by
 meshplan's runtime (runtime/recompute.py), priced by the cost model (cost_models.layer.NORM_ACT),
 offered by the search and mapped by the exports.

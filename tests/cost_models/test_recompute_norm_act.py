@@ -1,4 +1,4 @@
-"""Selective recompute of the norms and the MoE activation (issue #16 part 2): Megatron-Core's
+"""Selective recompute of the norms and the MoE activation: Megatron-Core's
 --recompute-granularity selective --recompute-modules layernorm moe_act, the cost model's policy
 "norm_act" (cost_models.layer). The norms' outputs (the QKV, MLP and router inputs) and the routed
 experts' activation outputs are not stored; backward re-runs the two norms and the activation."""

@@ -1,4 +1,4 @@
-"""Uncertainty bands on estimates (issue #16 part 4): derived from mechanism validation errors,
+"""Uncertainty bands on estimates: derived from mechanism validation errors,
 wider for less-validated mechanisms, and the planner keeps a simpler layout when the gain of a
 more complex one is inside the band."""
 

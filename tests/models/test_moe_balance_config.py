@@ -1,4 +1,4 @@
-"""How the model balances its routers is part of what the planner sees and prices (issue #16 part 2):
+"""How the model balances its routers is part of what the planner sees and prices:
 the trace records it, forced balance is priced at exactly the mean load, a router nothing balances
 widens the band's upper side on expert-parallel layouts, and Plan.explain() names the risk."""
 

@@ -29,7 +29,7 @@ def p70():
 def test_plan_is_best_of_what_it_saw_and_fits(p70):
     est = p70.estimate
     assert est.fits and est.step_time_s > 0
-    # a faster runner-up only when its gain is inside the uncertainty band (issue #16: the planner
+    # a faster runner-up only when its gain is inside the uncertainty band (the planner
     # then keeps the simpler, better-validated layout and says so)
     assert all(r.step_time_s >= est.step_time_s or ("inside the band" in r.reason and p70.notes.band_choice)
                for r in p70.runner_ups if r.fits)
@@ -193,8 +193,8 @@ def test_fp8_estimate_costs_only_the_chosen_fp8_layers():
 
 
 def test_sharding_ilp_failure_is_recorded_not_swallowed(monkeypatch):
-    """An ILP that fails leaves the Megatron pattern in the plan AND says so (issue #15: it used to
-    fall back silently)."""
+    """An ILP that fails leaves the Megatron pattern in the plan AND says so (a silent fallback
+    would hide that the placements are not the ILP's)."""
     from meshplan.errors import LayoutError
     from meshplan.planner import build
 

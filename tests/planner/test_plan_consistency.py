@@ -1,4 +1,4 @@
-"""Planner / cost-model consistency (issue #16 part 5): the search and `estimate` price one layout
+"""Planner / cost-model consistency: the search and `estimate` price one layout
 the same way, and the free plan is never predicted slower than a layout inside its search space.
 
 Rows of benchmarks/plan_vs_published.py that used to fail, each for its own root cause:

@@ -188,7 +188,7 @@ def test_parallelize_needs_process_group():
 
 def test_tp_gathers_once_per_block(world2):
     """The activation entering attention / feed-forward is gathered once for all its column-parallel
-    linears (torchtitan's PrepareModuleInput), not once per linear (issue #17: wq, wk, wv, w1, w3
+    linears (torchtitan's PrepareModuleInput), not once per linear (wq, wk, wv, w1, w3
     each gathered the same tensor). Per micro-batch and layer: 2 all-gathers forward + 4 backward
     under SP (the reduce-scatters' transposes, and the two inputs gathered again from the sequence
     shards kept for backward, once per module: runtime/sp_saved.py), 2 all-reduces each way

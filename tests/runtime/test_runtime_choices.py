@@ -1,4 +1,4 @@
-"""What the runtime and the planner choose (issue #17), without processes: fixed schedules kept
+"""What the runtime and the planner choose, without processes: fixed schedules kept
 or refused, fused kernels only where faster, zero=0 (DDP) offered by the search."""
 
 from __future__ import annotations
