@@ -1,4 +1,4 @@
-"""Workers for tests/runtime/test_muon.py (imported by spawned ranks).
+"""Workers for tests/train/test_muon.py (imported by spawned ranks).
 
 - `equivalence`: the model parallelised by a plan takes two Muon steps (gradients from the
   model's own backward on a fixed batch); its full parameters must equal those of the

@@ -10,7 +10,7 @@ writes TensorBoard events and summary.json. The same world also compares bf16 gr
 reductions with and without `fp32_grads`.
 
 Tolerances: PP and DP sum in another order than one process (micro-batches, shards), so losses
-and norms agree to fp32 rounding (rtol 1e-4, as tests/runtime/test_train.py's cross-plan resume);
+and norms agree to fp32 rounding (rtol 1e-4, as tests/train/test_train.py's cross-plan resume);
 a resume under the same plan replays the same kernels (1e-6). A wrong batch (a sample read twice
 or skipped, a micro-batch count not applied) moves the loss by far more.
 """
