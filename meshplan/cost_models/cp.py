@@ -53,7 +53,7 @@ def _cp_a2a(b: BlockProfile, c: Context) -> tuple[float, float, float, float]:
     the output back after it; backward runs the same four on the gradients. Each all-to-all sends the
     rank's local tensor, (cp-1)/cp of it off-GPU; none overlaps attention (it needs the whole input)."""
     t_local = c.tokens / c.layout.tp
-    size = K.BF16 * t_local * (2 * b.q_dim + 2 * b.kv_dim)      # q + k + v in, attention output back
+    size = K.BF16 * t_local * (b.q_dim + b.kv_dim + b.v_dim + b.o_dim)   # q + k + v in, attention output back
     t = collective_time("all_to_all", size, c.cp, c.cluster)
     return t, t, t, t
 

@@ -96,7 +96,8 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     rep = (2 * K.BF16 * h + norm_out) / sp_div    # + the two norm inputs
     shard = 0.0
     if b.heads:
-        shard += K.BF16 * (2 * b.q_dim + b.kv_dim + b.v_dim)     # Q, K, V (k and v: h_kv each)
+        # Q, K, V (k and v: h_kv each) and the flash kernel's saved output (heads x the value width)
+        shard += K.BF16 * (b.q_dim + b.kv_dim + b.v_dim + b.o_dim)
         if policy != "selective":
             shard += K.BF16 * b.o_dim * half + K.FP32 * b.heads    # attn output (out-proj input) + LSE
         # MLA: the down-projections' outputs and the normed latents, whole on every TP rank

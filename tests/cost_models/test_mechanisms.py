@@ -260,3 +260,30 @@ def test_rowwise_fp8_reproduces_the_measured_h100_step_difference():
                            global_batch=4, precision="fp8", stack="torchtitan").step_time_s
             for r in ("tensorwise", "rowwise")}
     assert step["rowwise"] - step["tensorwise"] == pytest.approx(0.1681 - 0.1379, rel=0.10)
+
+
+
+def test_latent_attention_keeps_value_wide_outputs():
+    """MLA's queries and keys are 192 wide per head, its values and the attention output 128: the
+    activation charge and the a2a CP volume count each tensor at its own width, so the same block
+    with value-wide outputs as wide as its queries is charged exactly the difference."""
+    import dataclasses
+
+    import meshplan as mp
+    from meshplan.cost_models.context import Context
+    from meshplan.cost_models.cp import _cp_a2a
+    from meshplan.cost_models.layer import activation_bytes
+    from meshplan.profiling.analytic import profile_from_config
+    mla = profile_from_config(mp.models.config("deepseek-v3"), seq_len=4096)
+    b = next(x for x in mla.blocks if x.heads)
+    wide = dataclasses.replace(b, v_head_dim=b.head_dim)     # values (and so the output) as wide as q
+    assert b.o_dim < wide.o_dim == b.q_dim
+    cl = Cluster.preset("dgx-h100", nodes=2)
+    tp = 8
+    ctx = Context.build(cl, Layout(tp=tp, dp=2, mbs=1), seq_len=4096, fp8=False)
+    extra = activation_bytes(wide, ctx, policy="none") - activation_bytes(b, ctx, policy="none")
+    # per token: the flash output and the out-projection input (o_dim each), the values (v_dim), / tp
+    per_token = K.BF16 * (2 * (wide.o_dim - b.o_dim) + (wide.v_dim - b.v_dim)) / tp
+    assert extra == pytest.approx(per_token * ctx.tokens, rel=1e-9)
+    cp_ctx = Context.build(cl, Layout(tp=1, cp=8, dp=2, mbs=1, cp_comm_type="a2a"), seq_len=4096, fp8=False)
+    assert _cp_a2a(b, cp_ctx)[0] < _cp_a2a(wide, cp_ctx)[0]
