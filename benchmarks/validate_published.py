@@ -35,7 +35,7 @@ from _report import emit  # noqa: E402
 
 from meshplan.cost_models import constants as K  # noqa: E402
 from meshplan.cost_models import validation as V  # noqa: E402
-from meshplan.cost_models.attention import gpu_generation  # noqa: E402
+from meshplan.cost_models.uncertainty import regime_generation  # noqa: E402
 from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, split_of  # noqa: E402
 
 # Constants re-fitted by --fit (the fields of constants.Fitted), with the bounds they may take
@@ -159,8 +159,7 @@ def leave_one_source_out(rows, traced, profiles, *, rounds: int = 2, factors=(0.
 
 
 def _gen(row) -> str:
-    gen = gpu_generation(V._gpu(row) or "")
-    return "hopper" if gen == "other" else gen
+    return regime_generation(V._gpu(row) or "")
 
 
 def _fp8_recipe(row) -> str:

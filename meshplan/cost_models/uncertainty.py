@@ -119,13 +119,18 @@ def regime_of(layout: Mapping[str, Any], *, seq_len: int, precision: str, ep_cro
             "fsdp": layout.get("zero", 1) == 3}
 
 
+def regime_generation(gpu_id: str) -> str:
+    """The GPU-generation regime of `gpu_id` (attention.gpu_generation; AMD parts and CPU processes,
+    which no published row covers, take the nearest covered regime, Hopper)."""
+    gen = gpu_generation(gpu_id)
+    return "hopper" if gen == "other" else gen
+
+
 def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep_cross: bool, seq_len: int,
                  moe: bool) -> list[str]:
     """The REGIME_LORO regimes an estimate falls in (names as benchmarks/validate_published.py's
     REGIMES)."""
-    gen = gpu_generation(gpu_id)
-    gen = "hopper" if gen == "other" else gen        # AMD parts and CPU processes: the nearest covered regime
-    out = [f"stack {stack}", f"gpu {gen}"]
+    out = [f"stack {stack}", f"gpu {regime_generation(gpu_id)}"]
     if precision == "fp8":
         out.append("fp8 tensorwise" if fp8_recipe == "tensorwise" else "fp8 block/row/mx recipes")
     if ep_cross:

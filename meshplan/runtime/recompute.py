@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["NORM_ACT", "apply_recompute", "norm_modules"]
+__all__ = ["NORM_ACT", "apply_recompute", "norm_modules", "local_tensor", "storage_key"]
 
 NORM_ACT = "norm_act"
 
@@ -132,15 +132,15 @@ def _op_key(func) -> tuple[str, str]:
     return packet._qualified_op_name.split("::")[0], packet.__name__
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns memory: a DTensor's local shard, else the tensor itself."""
     inner = getattr(t, "_local_tensor", None)
     return inner if isinstance(inner, torch.Tensor) else t
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, StorageWeakRef] | None:
+def storage_key(t: torch.Tensor) -> tuple[int, StorageWeakRef] | None:
     try:
-        ref = StorageWeakRef(_local(t).untyped_storage())
+        ref = StorageWeakRef(local_tensor(t).untyped_storage())
     except (RuntimeError, NotImplementedError):      # a tensor without storage (fake, sparse)
         return None
     return ref.cdata, ref
@@ -172,7 +172,7 @@ class _Ref:
 
     def resolve(self, outs: list[list] | None = None) -> torch.Tensor:
         t = outs[self.op][self.leaf] if outs is not None else self.region.value(self.op, self.leaf)
-        return t if self.view is None else _local(t).as_strided(*self.view)
+        return t if self.view is None else local_tensor(t).as_strided(*self.view)
 
 
 @dataclass(eq=False)
@@ -244,7 +244,7 @@ class _Recorder(TorchDispatchMode):
             self.norm_region = None
 
     def _lookup(self, table: dict, t: torch.Tensor):
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is None or key[0] not in table:
             return None
         ref, entry = table[key[0]]
@@ -276,13 +276,13 @@ class _Recorder(TorchDispatchMode):
         recorded = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                key = _storage_key(x)
+                key = storage_key(x)
                 if key is not None:
                     inputs.add(key[0])
                 # a tensor an earlier recorded op made is referenced, not kept: that is the saving
                 ref = self.outputs.get(x)
                 if ref is None and (base := self._lookup(self.produced, x)) is not None:
-                    loc = _local(x)
+                    loc = local_tensor(x)
                     ref = _Ref(base.region, base.op, base.leaf, (loc.size(), loc.stride(), loc.storage_offset()))
                 x = ref if ref is not None else x
             recorded.append(x)
@@ -292,15 +292,15 @@ class _Recorder(TorchDispatchMode):
         for j, y in enumerate(tree_flatten(out)[0]):
             if isinstance(y, torch.Tensor):
                 self.outputs[y] = _Ref(region, i, j)    # an in-place op's output: the latest writer
-            key = _storage_key(y) if isinstance(y, torch.Tensor) else None
+            key = storage_key(y) if isinstance(y, torch.Tensor) else None
             if key is None or key[0] in inputs or self._lookup(self.produced, y) is not None:
                 continue                # a view of an input, or of an earlier recorded output
             self.produced[key[0]] = (key[1], _Ref(region, i, j))
             if is_act:
                 self.acts[key[0]] = (key[1], region)
         for y in tree_flatten(out)[0]:     # in-place ops inside the region move the version on
-            if isinstance(y, torch.Tensor) and (key := _storage_key(y)) is not None and key[0] in self.produced:
-                self.versions[key[0]] = _local(y)._version
+            if isinstance(y, torch.Tensor) and (key := storage_key(y)) is not None and key[0] in self.produced:
+                self.versions[key[0]] = local_tensor(y)._version
         return out
 
     def _check_replayable(self, func, args, kwargs) -> None:
@@ -327,10 +327,10 @@ class _Recorder(TorchDispatchMode):
         ref = self._lookup(self.produced, t)
         if ref is None:
             return t
-        if _local(t)._version != self.versions.get(_storage_key(t)[0]):
+        if local_tensor(t)._version != self.versions.get(storage_key(t)[0]):
             return t                    # written in place after the region: a replay would not match
         ref.region.pending += 1
-        loc = _local(t)
+        loc = local_tensor(t)
         return _Handle(ref, loc.size(), loc.stride(), loc.storage_offset(),
                        t._spec if loc is not t else None)
 
@@ -338,7 +338,7 @@ class _Recorder(TorchDispatchMode):
     def unpack(h):
         if not isinstance(h, _Handle):
             return h
-        base = _local(h.ref.region.value(h.ref.op, h.ref.leaf))
+        base = local_tensor(h.ref.region.value(h.ref.op, h.ref.leaf))
         h.ref.region.release()
         v = base.as_strided(h.size, h.stride, h.offset)
         if h.spec is not None:

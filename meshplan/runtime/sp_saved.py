@@ -29,19 +29,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshplan.runtime.recompute import local_tensor, storage_key
+
 __all__ = ["ShardKeeper"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return _local(t).untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):      # no storage (sparse, some fakes)
-        return None
+def _storage_id(t: torch.Tensor) -> int | None:
+    key = storage_key(t)
+    return None if key is None else key[0]
 
 
 @dataclass(eq=False)
@@ -95,8 +90,8 @@ class ShardKeeper:
     def gathered(self, shard: torch.Tensor, whole: torch.Tensor) -> None:
         if not self.active():
             return
-        key, loc = _storage(whole), _local(whole)
-        if key is not None and key != _storage(shard):
+        key, loc = _storage_id(whole), local_tensor(whole)
+        if key is not None and key != _storage_id(shard):
             self._next[key] = _Gather(shard.detach(), loc.size(), loc.stride())
 
     def wrap(self, module: nn.Module) -> None:
@@ -124,9 +119,9 @@ class ShardKeeper:
 
 
 def _pack(gathers: dict[int, _Gather], t: torch.Tensor):
-    g = gathers.get(_storage(t))
+    g = gathers.get(_storage_id(t))
     if g is None:
         return t
-    loc = _local(t)
+    loc = local_tensor(t)
     g.pending += 1
     return _Handle(g, loc.size(), loc.stride(), loc.storage_offset(), t._spec if loc is not t else None)
