@@ -12,6 +12,7 @@ from meshplan.errors import ConfigError, quiet_imports
 from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
+from meshplan.ir.precision import Precision
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 from meshplan.planner.explain import explain as _explain
@@ -128,7 +129,8 @@ def resolve_cluster(cluster: Any):
 
 
 def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None = None, *, seq_len: int,
-             global_batch: int, precision: str = "bf16", stack: Stack | str | None = None) -> Estimate:
+             global_batch: int, precision: Precision | str = Precision.BF16,
+             stack: Stack | str | None = None) -> Estimate:
     """Score one layout: predicted step time, throughput, MFU and per-GPU memory.
 
     model: an nn.Module (any device, usually meta), a preset name ("llama3-70b"), a config
@@ -153,7 +155,7 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
                             stack=resolve_stack(stack, default="reference"))
 
 
-def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: str = "bf16",
+def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: Precision | str = Precision.BF16,
          fixed: Mapping[str, Any] | None = None, top_k: int = 5, allow_cross_domain: bool = False,
          fused_kernels: bool = True, stack: Stack | str | None = None, fp8_force_in: Sequence[str] = (),
          fp8_force_out: Sequence[str] = (), for_runtime: bool | None = None, optimizer: str | None = None):
@@ -166,10 +168,11 @@ def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision
     TP overlap, context-parallel implementation, gradient accumulation). `for_runtime` is the older
     spelling: True is stack="meshplan", False stack="megatron-core".
 
-    precision: "bf16", "fp16", "fp8", "fp32" or "auto" (bf16 and fp8 are both tried where the GPU
-    has FP8 units), the names `meshplan train --precision` takes. "fp8" on a device without FP8
-    units (local-cpu) gives an emulated FP8 plan with a warning: BF16 costs, the FP8 module set the
-    placement ILP would choose on an FP8 GPU of the same BF16 rate (torchao runs it on CPU).
+    precision: a Precision (meshplan.ir.precision) or its name, "bf16", "fp16", "fp8", "fp32", or
+    "auto" (bf16 and fp8 are both tried where the GPU has FP8 units), the names `meshplan train
+    --precision` takes. "fp8" on a device without FP8 units (local-cpu) gives an emulated FP8 plan
+    with a warning: BF16 costs, the FP8 module set the placement ILP would choose on an FP8 GPU of
+    the same BF16 rate (torchao runs it on CPU).
     "fp32" is planned with BF16 costs (warned) and trained in fp32.
     fixed: constrain any layout key, e.g. {"tp": 8, "recompute": "full"}; {"optimizer_dtype": "bf16"}
     keeps Adam's moments in bf16 (fp32 master weights; 8 instead of 12 optimizer bytes/param).

@@ -40,6 +40,16 @@ ALLOWED: dict[str, set[str]] = {
 }
 MAX_LINES = 600
 
+# The planner's integer programs and the search's lower bound read the cost model through its
+# tables (cost_models/tables.py: any name in its __all__) and its public entry, never its
+# internals (constants, compute, comm, private helpers): cost-model module -> the names they may
+# import from it (None: the module's __all__).
+TABLE_READERS = ("planner/ilp/", "planner/bound.py")
+COST_MODEL_INTERFACE: dict[str, frozenset[str] | None] = {
+    "meshplan.cost_models.tables": None,
+    "meshplan.cost_models.estimate": frozenset({"estimate_profile"}),
+}
+
 
 def _package(path: Path) -> str:
     rel = path.relative_to(ROOT)
@@ -81,6 +91,62 @@ def _imports_in(source: str, module: str, is_pkg: bool):
                 yield node.lineno, target
 
 
+def _imported_names(source: str, module: str, is_pkg: bool):
+    """(line, meshplan module, name or None for a whole-module import) for every import."""
+    tree = ast.parse(source)
+    here = module.split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "meshplan":
+                    yield node.lineno, a.name, None
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here if is_pkg else here[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "meshplan":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                # `from meshplan.cost_models import tables` names a submodule
+                if (ROOT.parent / sub.replace(".", "/")).with_suffix(".py").exists() or \
+                        (ROOT.parent / sub.replace(".", "/")).is_dir():
+                    yield node.lineno, sub, None
+                else:
+                    yield node.lineno, target, a.name
+
+
+def _public_names(module: str) -> frozenset[str]:
+    """A meshplan module's __all__, read from its source."""
+    tree = ast.parse((ROOT.parent / module.replace(".", "/")).with_suffix(".py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def _interface_violations(source: str, module: str, is_pkg: bool) -> list[str]:
+    """The imports of cost-model internals in a table reader's source."""
+    bad = []
+    for line, target, name in _imported_names(source, module, is_pkg):
+        if _target_package(target) != "cost_models":
+            continue
+        if target not in COST_MODEL_INTERFACE:
+            bad.append(f"{line}: {target}{'.' + name if name else ''} (not the cost model's interface)")
+            continue
+        allowed = COST_MODEL_INTERFACE[target]
+        if name is None:
+            if allowed is not None:     # a whole module would expose what the names leave out
+                bad.append(f"{line}: import of the whole module {target} (import its names {sorted(allowed)})")
+            continue
+        if name.startswith("_") or name not in (allowed if allowed is not None else _public_names(target)):
+            bad.append(f"{line}: {target}.{name} (not in the interface of {target})")
+    return bad
+
+
 def _target_package(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "meshplan"
@@ -105,6 +171,31 @@ def test_imports_follow_the_data_flow(path):
         if target != pkg and target not in ALLOWED[pkg]:
             bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module} ({pkg} -> {target})")
     assert not bad, "imports against docs/architecture.md:\n" + "\n".join(bad)
+
+
+READERS = [p for p in FILES if str(p.relative_to(ROOT)).startswith(TABLE_READERS)]
+
+
+@pytest.mark.parametrize("path", READERS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_ilps_and_bound_read_the_cost_model_through_its_tables(path):
+    bad = _interface_violations(path.read_text(), _module(path), path.name == "__init__.py")
+    assert not bad, (f"{path.relative_to(ROOT.parent)} reaches into the cost model; read it through "
+                     f"meshplan.cost_models.tables (add a table entry there if one is missing):\n" + "\n".join(bad))
+
+
+def test_the_interface_checker_sees_internals():
+    """The table readers' checker itself: internals, private names and aliased modules are seen;
+    the tables and the public entry pass."""
+    src = ("from meshplan.cost_models import constants as K\nfrom meshplan.cost_models.estimate import _pp_comm\n"
+           "from meshplan.cost_models.tables import layer_table, _state_sum\nimport meshplan.cost_models.comm\n"
+           "def f():\n    from ..cost_models.compute import gemm_time\n")
+    bad = _interface_violations(src, "meshplan.planner.bound", False)
+    assert [b.split(":")[0] for b in bad] == ["1", "2", "3", "4", "6"], bad
+    ok = ("from meshplan.cost_models.tables import OpCostTable, layer_table\n"
+          "from meshplan.cost_models import tables\nfrom meshplan.cost_models.estimate import estimate_profile\n"
+          "from meshplan.ir.estimate import GB\n")
+    assert _interface_violations(ok, "meshplan.planner.ilp.fp8", False) == []
+    assert READERS and all("planner" in str(p) for p in READERS)
 
 
 def test_modules_stay_small():

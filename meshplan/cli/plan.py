@@ -8,7 +8,7 @@ import time
 
 import meshplan as mp
 from meshplan.cli.common import cluster_from_args, parse_layout
-from meshplan.ir.precision import PLAN_CHOICES, PRICED
+from meshplan.ir.precision import PLAN_CHOICES, PRICED, Precision
 from meshplan.cluster import GPUS, Cluster
 from meshplan.errors import MeshplanError
 from meshplan.export import EXPORT_STACKS, FORMATS as EXPORT_FORMATS, export_constraints, export_text
@@ -95,7 +95,7 @@ def register(sub) -> None:
     e.add_argument("--layout", default="", help="e.g. tp=2,pp=1,dp=4,mbs=1,recompute=selective,zero=1")
     e.add_argument("--seq-len", type=int, default=8192)
     e.add_argument("--global-batch", type=int, default=128, help="sequences per step")
-    e.add_argument("--precision", default="bf16", choices=[p.value for p in PRICED])
+    e.add_argument("--precision", default=Precision.BF16, choices=[p.value for p in PRICED])
     e.add_argument("--json", action="store_true", help="print the Estimate as JSON")
     e.add_argument("--stack", default=None, choices=list(STACKS),
                    help="the software that runs the layout (default: the stack-neutral reference)")
@@ -107,7 +107,7 @@ def register(sub) -> None:
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=128, help="sequences per step")
-    p.add_argument("--precision", default="bf16", choices=PLAN_CHOICES,
+    p.add_argument("--precision", default=Precision.BF16, choices=PLAN_CHOICES,
                    help="the names plan() and train --precision take")
     p.add_argument("--fix", default="", help="constrain layout keys, e.g. tp=4,pp=8")
     p.add_argument("--top-k", type=int, default=5, help="runner-ups to keep")

@@ -21,7 +21,8 @@ from meshplan.cli import data as data_cli
 from meshplan.cli.common import parse_layout
 from meshplan.cluster import Cluster
 from meshplan.errors import ConfigError
-from meshplan.ir.precision import PLAN_CHOICES
+from meshplan.ir.layout import OPTIMIZER_DTYPES
+from meshplan.ir.precision import PLAN_CHOICES, Precision
 from meshplan.train.job import MOE_FIELDS, JobConfig
 from meshplan.train.launch import (
     launch_local,
@@ -64,7 +65,7 @@ def register(sub) -> None:
                         "per-tensor scaling from an amax history); default: the plan's (tensorwise)")
     t.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile each transformer block: auto = on CUDA GPUs only (default: %(default)s)")
-    t.add_argument("--optimizer-dtype", default=None, choices=["fp32", "bf16"],
+    t.add_argument("--optimizer-dtype", default=None, choices=list(OPTIMIZER_DTYPES),
                    help="Adam moments' dtype (master weights stay fp32); default: the plan's layout (fp32)")
     t.add_argument("--optimizer", default=None, choices=["adamw", "muon"],
                    help="muon: Muon (Newton-Schulz orthogonalised momentum) for the hidden matrices, AdamW for "
@@ -193,7 +194,7 @@ def _plan(args, world_size: int | None = None):
     if getattr(args, "fp8_recipe", None) in ("tensorwise", "rowwise"):
         fixed["fp8_recipe"] = args.fp8_recipe       # priced as run ("delayed" costs as tensorwise)
     plan = mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
-                   precision=getattr(args, "precision", None) or "bf16")
+                   precision=getattr(args, "precision", None) or Precision.BF16)
     return _with_options(dataclasses.replace(plan, model_source=args.model), args)
 
 
@@ -216,7 +217,8 @@ def check_fp8_backend(plan, args) -> None:
     import torch
 
     from meshplan.runtime.fp8 import resolve_backend
-    if plan.precision != "fp8" or not plan.fp8_modules or not run_precision(plan, getattr(args, "precision", None))["fp8"]:
+    if plan.precision != Precision.FP8 or not plan.fp8_modules or \
+            not run_precision(plan, getattr(args, "precision", None))["fp8"]:
         return
     # the layout's tp and recipe: "auto" resolves as the ranks will (TE only where it runs the layout)
     resolve_backend(getattr(args, "fp8_backend", "auto"), torch.device("cuda" if torch.cuda.is_available() else "cpu"),

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from meshplan.errors import ConfigError
-from meshplan.ir.precision import AUTO, PRICED
+from meshplan.ir.precision import AUTO, PRICED, Precision
 from meshplan.reports.html import write_whatif_report
 from meshplan.reports.whatif import DEFAULT_COUNTS, DEFAULT_GPUS, whatif
 
@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     w.add_argument("--budget", help="cost limit in USD: 20M, 1.5k, $300000")
     w.add_argument("--price", action="append", metavar="GPU=USD",
                    help="override the on-demand price per GPU-hour, e.g. h100-sxm=2.5 (repeat or comma-separate)")
-    w.add_argument("--precision", default="bf16", choices=[*(p.value for p in PRICED), AUTO])
+    w.add_argument("--precision", default=Precision.BF16, choices=[*(p.value for p in PRICED), AUTO])
     w.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), default=None,
                    help="batch-size ramp-up (as meshplan train): time to train includes its smaller steps")
     w.add_argument("--json", metavar="PATH", help="write the full sweep as JSON")

@@ -174,6 +174,16 @@ FSDP_OVERLAP_EFF = 0.11                                                         
 # TP comm hidden by --tp-comm-overlap (userbuffers ring-exchange; Megatron docs report most of
 # it hidden on H100). Without that flag TP comm is fully exposed.
 TP_OVERLAP_HIDDEN = 0.95                                                            # fitted
+# Expert all-to-all overlapped with another micro-batch's compute (Megatron-Core
+# --overlap-moe-expert-parallel-comm: one micro-batch's forward merged with another's backward layer
+# by layer, the dispatch/combine of one on a side stream under the other's attention and experts;
+# DeepSeek-V3 report §3.2.1 designs DualPipe on the same pairing). While the transfer runs, its kernels
+# hold SMs: DeepEP's normal kernels take 20 SMs (DeepSeek-V3 report §3.2.2: "only 20 SMs are sufficient
+# to fully utilize the bandwidths of IB and NVLink"; Megatron-Core's --moe-deepep-num-sms default) and so
+# does NCCL's all-to-all here (its channel count is of the same order). Compute running beside the
+# transfer slows by that share of the GPU's SMs (cost_models.layer._ep_overlapped).
+EP_COMM_SMS = 20                                                                    # measured (report)
+SM_COUNT = {"ampere": 108, "hopper": 132, "blackwell": 148, "other": 0}            # datasheets (A100, H100/H200 SXM, B200)
 
 # ---- step-level overheads -------------------------------------------------------------------
 # Per-step fixed cost: data loading, logging, grad-norm/clip reductions, launch gaps at the

@@ -11,11 +11,11 @@ from __future__ import annotations
 import copy
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.comm import collective_time, group, p2p_time
+from meshplan.cost_models.comm import collective_time, group
 from meshplan.cost_models.compute import fp8_recipe_factor
-from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
 from meshplan.cost_models.device import device_of
-from meshplan.cost_models.layer import LAYER_FUSIONS, Context, routing_layout, unfused_of
+from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
+from meshplan.cost_models.layer import Context
 from meshplan.cost_models.memory import (
     adam_bytes,
     deepep_buffer_bytes,
@@ -35,18 +35,17 @@ from meshplan.cost_models.offload import (
 )
 from meshplan.cost_models.pipeline import in_flight, pipeline_time
 from meshplan.cost_models.ranks import (
-    LayerTable,
     RankWork,
     clear_layer_cache,
     embedding_time,
     fused_loss,
     head_activation_bytes,
     head_times,
-    layer_fp8_flags,
     rank_layers,
     rank_work,
 )
 from meshplan.cost_models.roofline import matmul_rate
+from meshplan.cost_models.tables import layer_table, pipeline_p2p_s, stack_unfused
 from meshplan.cost_models.uncertainty import extrapolation, imbalance_risk, plan_regimes, regime_of, step_uncertainty
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
@@ -54,6 +53,7 @@ from meshplan.ir.layout import Layout, check_layout
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 
+# layer_table and stack_unfused are the planner's tables (cost_models/tables.py), named here too
 __all__ = ["estimate_profile", "layer_table", "stack_unfused", "clear_caches"]
 # re-exported for callers that imported them from here before they moved to ranks.py
 _REEXPORTED = (embedding_time, fused_loss, head_times, head_activation_bytes, TIME_KEYS)
@@ -92,19 +92,6 @@ def _fsdp_overlap(layout: Layout, cluster, fitted: K.Fitted = K.FITTED) -> float
     if not cluster.gpu.comm_overlap:
         return 0.0
     return fitted.dp_overlap_eff if layout.fsdp_impl == "megatron" else fitted.fsdp_overlap_eff
-
-
-def _pp_comm(profile: ModelProfile, cluster, L: Layout, m: int, tokens: float) -> tuple[float, float]:
-    """(exposed, total) seconds of pipeline p2p per step."""
-    p, v = L.pp, L.vp
-    if p == 1:
-        return 0.0, 0.0
-    size = K.BF16 * tokens * profile.hidden / (L.tp if L.sp else 1)
-    cross = group(cluster, p, L.tp * L.cp * L.dp).domains > 1   # neighbouring stages in other domains
-    hop = p2p_time(size, cluster, cross_domain=cross)
-    total = 2 * m * v * hop                     # each micro-batch crosses every boundary fwd and bwd
-    exposed = 2 * (p * v - 1) * hop             # fill and drain put the hops on the critical path
-    return exposed, max(total, exposed)         # with m < p the fill/drain hops are all there is
 
 
 class _DPGroups:
@@ -218,11 +205,13 @@ def _activation_bytes(w: RankWork, r: int, profile: ModelProfile, L: Layout, m: 
 
 
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
-                 fp8: bool, pp_deferred: bool = False, grad_store: float | None = None) -> dict[str, float]:
+                 fp8: bool, pp_deferred: bool = False, grad_store: float | None = None,
+                 fp8_primary: bool = False) -> dict[str, float]:
     """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
     keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
     reduce-scatter. grad_store: bytes per held gradient (memory.grad_store_bytes; None: the
-    reduction's dtype)."""
+    reduction's dtype). fp8_primary: the stack keeps the parameters themselves in FP8
+    (Stack.fp8_param_gather), so the FP8 copies replace the BF16 working weights."""
     shard = L.shard
     gb, ob = grad_bytes(L), optimizer_bytes(L)    # fp32 master + Adam moments in L.optimizer_dtype
     gs = gb if grad_store is None else grad_store
@@ -251,6 +240,9 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
     # the shard), and a layer's gathered FP8 weight lives only while the layer runs.
     fp8_held = w.dparams / shard + w.eparams / L.edp if L.zero >= 3 and shard > 1 else w.dparams + w.eparams
     mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * fp8_held if fp8 else 0.0
+    if fp8 and fp8_primary and not (L.zero >= 3 and shard > 1):
+        # FP8 primary weights (Megatron-Core --fp8-param-gather): no BF16 working copy beside them
+        mem["weights"] = max(0.0, mem["weights"] - K.PARAM_BYTES * fp8_held)
     if L.moe_dispatcher == "deepep" and L.ep > 1 and any(blocks[i].is_moe for i in w.layers):
         # DeepEP's registered NVLink/RDMA buffers, one per process (memory.deepep_buffer_bytes); only
         # present where DeepEP runs, so other layouts keep their categories
@@ -265,34 +257,6 @@ def _check_precision(precision: str, cluster) -> bool:
     if fp8 and not cluster.gpu.fp8_tflops:
         raise ConfigError(f"{cluster.gpu.name} has no FP8 matrix units; use precision='bf16'")
     return fp8
-
-
-def stack_unfused(profile: ModelProfile, cluster, stack: Stack) -> frozenset:
-    """The per-layer fusions (layer.LAYER_FUSIONS) that run as separate eager kernels on `stack`:
-    none where torch.compile fuses the element-wise work (on GPUs: the runtime compiles on CUDA
-    only), the traced model's own eager ones where the stack has fused kernels or runs the model
-    as traced (meshplan's runtime on CPU), and all of them for an eager stack priced from a profile
-    that records no fusions (a config's analytic profile: torchtitan without compile)."""
-    if device_of(cluster).runs_compile(stack):
-        return frozenset()
-    if stack.fused_elementwise or profile.fusions:
-        return unfused_of(profile)
-    return frozenset(LAYER_FUSIONS)
-
-
-def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, precision: str = "bf16",
-                fp8_modules: frozenset | None = None, fp8_recipe: str | None = None,
-                stack: Stack | str | None = None, fitted: K.Fitted = K.FITTED) -> LayerTable:
-    """The per-layer costs (`LayerTable.cost(i, policy)`: time, communication) and activation bytes
-    (`LayerTable.act(i, policy)`) of `layout`, one micro-batch on one GPU, exactly as
-    `estimate_profile` prices them: what the planner's ILPs read instead of re-pricing layers."""
-    L = Layout.coerce(layout)
-    stack = resolve_stack(stack, default="reference")
-    fp8 = precision == "fp8"
-    unfused = stack_unfused(profile, cluster, stack)
-    ctx = Context.build(cluster, routing_layout(L, profile.moe_balance), seq_len, fp8, unfused,
-                        fp8_recipe=fp8_recipe or L.fp8_recipe, stack=stack, fitted=fitted)
-    return LayerTable(profile, cluster, ctx.layout, seq_len, ctx, layer_fp8_flags(profile, fp8, fp8_modules), unfused)
 
 
 def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int, fp8: bool,
@@ -361,8 +325,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     dev = device_of(cluster)
     bubble = dev.pipeline_bubble(cluster, L, busy, bubble)
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)
-    pp_exposed, pp_total = _pp_comm(profile, cluster, L, m, ctx.tokens)
-    pp_exposed += dev.pp_host_time(L, cluster, m)        # the sends' and receives' host work
+    pp_exposed, pp_total = pipeline_p2p_s(profile, cluster, L, m, ctx.tokens)   # host work included
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
     deferred = stack.pp_fsdp_deferred and L.pp > 1
     dp: list[tuple[float, float]] = []
@@ -376,7 +339,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     for r, w in enumerate(ranks):
         if w.twin is None:
             mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred,
-                                           grad_store_bytes(L, stack)))
+                                           grad_store_bytes(L, stack),
+                                           fp8_primary=L.fp8_recipe in stack.fp8_param_gather))
         else:       # a twin holds what its twin holds but for the micro-batches in flight
             mem_stages.append(dict(mem_stages[w.twin],
                                    activations=_activation_bytes(w, r, profile, L, m, ctx.tokens) / GB))

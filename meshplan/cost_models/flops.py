@@ -81,6 +81,9 @@ def recompute_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, l
     if rc == "norm_moe":    # the MoE layers' GEMMs (router, experts, shared expert) run again
         moe_roles = ("router", "expert_in", "expert_out", "shared_in", "shared_out", "shared_folded")
         return tokens * sum(n * li.flops_per_token for b, n in blocks for li in b.linears if li.role in moe_roles)
+    if rc == "mla_up":      # latent attention's up-projections and the dense MLPs run again
+        return tokens * sum(n * li.flops_per_token for b, n in blocks for li in b.linears
+                            if (b.latent_dim and li.role == "attn_qkv") or li.role in ("mlp_in", "mlp_out"))
     if rc == "op_sac":      # every second matmul runs again (torchtitan's op-level SAC)
         return tokens * sum(n * layer_fwd_flops_per_token(b) for b, n in blocks) / 2
     full = sum(n * (layer_fwd_flops_per_token(b) + attention_fwd_flops_per_token(b, seq_len)) for b, n in blocks)

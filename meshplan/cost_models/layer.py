@@ -20,6 +20,7 @@ from meshplan.cost_models.compute import (
     matmul_rate,
     permute_time,
 )
+from meshplan.cost_models.attention import gpu_generation
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.context import (
     COL_ROLES,
@@ -40,15 +41,15 @@ from meshplan.kernels import fusion as FU  # pure Python, no torch
 # re-exported: callers import the per-layer pieces from here
 __all__ = ["Context", "LayerCost", "layer_cost", "gemm_shape", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
            "cp_kv_gathered_bytes", "attention_shape", "moe_load_factor", "routing_layout", "expected_max_std_normal",
-           "NORM_ACT", "NORM_MOE", "OP_SAC", "is_fp8_linear", "LAYER_FUSIONS"]
+           "NORM_ACT", "NORM_MOE", "MLA_UP", "OP_SAC", "is_fp8_linear", "LAYER_FUSIONS"]
 
 _COL, _ROW = COL_ROLES, ROW_ROLES
 # element-wise passes over h-wide bf16 tensors per layer forward: 2 norms (read x, write y) +
 # 2 residual adds (read 2, write 1) = 10 (derived)
 _NORM_RESIDUAL_PASSES = 10.0
-# Recompute policies (see activation_bytes): Megatron-Core's --recompute-modules layernorm moe_act and
-# layernorm moe, torchtitan's op-level selective activation checkpointing
-NORM_ACT, NORM_MOE, OP_SAC = "norm_act", "norm_moe", "op_sac"
+# Recompute policies (see activation_bytes): Megatron-Core's --recompute-modules layernorm moe_act,
+# layernorm moe and mla_up_proj mlp, torchtitan's op-level selective activation checkpointing
+NORM_ACT, NORM_MOE, MLA_UP, OP_SAC = "norm_act", "norm_moe", "mla_up", "op_sac"
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     "norm_act" (Megatron-Core --recompute-granularity selective --recompute-modules layernorm moe_act:
     the two norms' outputs and the routed experts' activation outputs are recomputed, not stored) |
     "norm_moe" (--recompute-modules layernorm moe: the norms' outputs and everything inside the MoE
-    layer are recomputed; only its input is kept) | "op_sac" (torchtitan's op-level selective
-    checkpointing: `_op_sac_bytes`).
+    layer are recomputed; only its input is kept) | "mla_up" (--recompute-modules mla_up_proj mlp:
+    latent attention's Q, K, V are rebuilt from the saved latents before attention's backward and a
+    dense MLP from its input; everything else is kept as with "none") | "op_sac" (torchtitan's
+    op-level selective checkpointing: `_op_sac_bytes`).
     """
     L = c.layout
     tp, T = L.tp, c.tokens
@@ -92,12 +95,18 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     # FP8 (TE) stores the inputs of its FP8 GEMMs in 1 byte
     half = 0.5 if _fp8_share(b, c, COL_ROLES + ROW_ROLES) else 1.0
     half_e = 0.5 if _fp8_share(b, c, ("expert_in", "expert_out")) else 1.0
-    norm_out = 0.0 if policy in (NORM_ACT, NORM_MOE) else 2 * K.BF16 * h * half   # QKV-in and FC1/router-in
+    sac = policy == "selective" and c.stack.selective_sac    # Stack.selective_sac: norms re-run too
+    norm_out = 0.0 if policy in (NORM_ACT, NORM_MOE) or sac else 2 * K.BF16 * h * half   # QKV-in, FC1/router-in
     rep = (2 * K.BF16 * h + norm_out) / sp_div    # + the two norm inputs
+    if sac:
+        rep += K.BF16 * h / sp_div                # the MLP's reduced output, kept as a collective's
     shard = 0.0
     if b.heads:
-        # Q, K, V (k and v: h_kv each) and the flash kernel's saved output (heads x the value width)
-        shard += K.BF16 * (b.q_dim + b.kv_dim + b.v_dim + b.o_dim)
+        # Q, K, V (k and v: h_kv each) and the flash kernel's saved output (heads x the value width);
+        # mla_up rebuilds latent attention's Q, K, V in backward (Megatron's CheckpointWithoutOutput
+        # frees them once attention's forward has run)
+        qkv = 0 if policy == MLA_UP and b.latent_dim else b.q_dim + b.kv_dim + b.v_dim
+        shard += K.BF16 * (qkv + (0 if sac else b.o_dim))     # SAC re-runs the attention core
         if policy != "selective":
             shard += K.BF16 * b.o_dim * half + K.FP32 * b.heads    # attn output (out-proj input) + LSE
         # MLA: the down-projections' outputs and the normed latents, whole on every TP rank
@@ -105,7 +114,7 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     else:
         per_token_latent = 0.0
     f_mult_store = 3 if b.gated else 2            # gated: gate, up, act-out; GELU: fc1-out, act-out
-    if b.ffn_hidden:
+    if b.ffn_hidden and policy != MLA_UP:         # mla_up re-runs a dense MLP from its (kept) input
         f = b.ffn_hidden
         store = K.BF16 * f * (f_mult_store - 1) + (0 if policy == "selective" else K.BF16 * f * half)
         shard += store
@@ -279,8 +288,13 @@ def _tp_comm(b: BlockProfile, c: Context) -> float:
 
 def _ep_comm(b: BlockProfile, c: Context) -> float:
     """All-to-all seconds for ONE forward pass (dispatch + combine); backward is the same."""
+    return sum(_ep_comm_parts(b, c))
+
+
+def _ep_comm_parts(b: BlockProfile, c: Context) -> tuple[float, float]:
+    """(dispatch, combine) all-to-all seconds of ONE forward pass."""
     if not b.is_moe or c.layout.ep == 1:
-        return 0.0
+        return 0.0, 0.0
     # the all-to-all ends when the busiest rank has received (dispatch) and sent back (combine) its rows
     tok = c.tokens / c.layout.tp * moe_load_factor(b, c)
     # FP8 experts get their inputs dispatched in FP8: half the dispatch payload
@@ -288,11 +302,11 @@ def _ep_comm(b: BlockProfile, c: Context) -> float:
     if c.layout.moe_dispatcher == "deepep":
         per_token = K.BF16 * tok * b.hidden      # one copy of every local token
         gpus, domains = dedup_copies(b.experts, b.topk, c.ep)
-        return dedup_all_to_all_time(per_token * gpus * scale, per_token * domains * scale, c.ep, c.cluster) + \
-            dedup_all_to_all_time(per_token * gpus, per_token * domains, c.ep, c.cluster)
+        return (dedup_all_to_all_time(per_token * gpus * scale, per_token * domains * scale, c.ep, c.cluster),
+                dedup_all_to_all_time(per_token * gpus, per_token * domains, c.ep, c.cluster))
     size = b.topk * tok * b.hidden * K.BF16
-    return collective_time("all_to_all", size * scale, c.ep, c.cluster) + \
-        collective_time("all_to_all", size, c.ep, c.cluster)
+    return (collective_time("all_to_all", size * scale, c.ep, c.cluster),
+            collective_time("all_to_all", size, c.ep, c.cluster))
 
 
 def _ep_counts_comm(b: BlockProfile, c: Context) -> float:
@@ -342,6 +356,71 @@ def _moe_forward(b: BlockProfile, c: Context) -> float:
     return t + elementwise_time(nbytes, c.cluster) + permute_time(_permute_bytes(b, c), c.cluster)
 
 
+def _mla_up_recompute(b: BlockProfile, c: Context) -> float:
+    """Backward re-run under "mla_up": latent attention's up-projection GEMMs (Q, K, V from the
+    latents) with their rotary embedding, and a dense MLP's forward (Megatron-Core's mla_up_proj and
+    mlp recompute modules)."""
+    t = 0.0
+    mla = b.latent_dim > 0
+    for li in b.linears:
+        if (mla and li.role == "attn_qkv") or (b.ffn_hidden and li.role in ("mlp_in", "mlp_out")):
+            rows, n, k, count, _ = gemm_shape(li, c)
+            t += gemm_time(rows, n, k, c.cluster, fp8=is_fp8_linear(li, c), count=li.count, recipe=c.fp8_recipe,
+                           fitted=c.fitted)
+    L = c.layout
+    nbytes = 0.0
+    if mla:    # rotary on the rebuilt Q and K (read and write)
+        nbytes += 2 * K.BF16 * (b.q_dim + b.kv_dim) * c.tokens / L.tp
+    if b.ffn_hidden:    # the activation function (gated: read gate and up, write one)
+        nbytes += (3 if b.gated else 2) * K.BF16 * b.ffn_hidden * c.tokens / L.tp
+    return t + elementwise_time(nbytes, c.cluster)
+
+
+def _ep_overlapped(c: Context, comm: float, compute: float) -> float:
+    """Seconds of an expert all-to-all of `comm` seconds left exposed when it runs beside `compute`
+    seconds of another micro-batch's work: while the transfer runs, compute has the SMs the
+    communication kernels leave it (constants.EP_COMM_SMS), so the pair takes
+    max(comm, compute + share x comm) instead of compute + comm."""
+    if comm <= 0.0:
+        return 0.0
+    sms = K.SM_COUNT.get(gpu_generation(c.cluster.gpu.id), 0)
+    share = K.EP_COMM_SMS / sms if sms else 0.0
+    return max(comm, compute + share * comm) - compute
+
+
+def _ep_pairs_exposed(b: BlockProfile, c: Context, compute_fwd: float, compute_bwd: float,
+                      counts: float) -> float:
+    """Exposed all-to-all seconds of one layer's forward + backward under Megatron-Core's 1F1B
+    all-to-all overlap (Stack.runs_ep_overlap). The merged schedule runs one micro-batch's forward
+    beside another's backward chunk by chunk, each transfer under one chunk of the other's compute
+    (DeepSeek-V3 report §3.2.1, Fig. 4; Megatron-Core's combined_1f1b): the forward dispatch under the
+    experts' backward, the backward's combine under the attention forward, the backward's dispatch
+    under the experts' forward and the forward combine under the attention backward. A transfer
+    longer than its chunk shows the rest."""
+    disp, comb = _ep_comm_parts(b, c)
+    moe_f = _moe_forward(b, c)
+    moe_b = 2 * moe_f                              # dgrad + wgrad GEMMs of the same shapes
+    attn_f, attn_b = max(0.0, compute_fwd - moe_f), max(0.0, compute_bwd - moe_b)
+    return (_ep_overlapped(c, disp + counts, moe_b) + _ep_overlapped(c, comb, attn_f)
+            + _ep_overlapped(c, disp, moe_f) + _ep_overlapped(c, comb, attn_b))
+
+
+def _sac_extra_recompute(b: BlockProfile, c: Context) -> float:
+    """What selective activation checkpointing over every op (Stack.selective_sac) re-runs beyond the
+    attention core: the two norms and the attention output projection's GEMM (its input, the
+    attention output, is not kept; the MLP's down projection lies past the last tensor backward
+    needs, so it does not run again)."""
+    t = 0.0
+    for li in b.linears:
+        if li.role == "attn_out":
+            rows, n, k, count, _ = gemm_shape(li, c)
+            t += gemm_time(rows, n, k, c.cluster, fp8=is_fp8_linear(li, c), count=li.count, recipe=c.fp8_recipe,
+                           fitted=c.fitted)
+    L = c.layout
+    norms = 2 * 2 * K.BF16 * b.hidden * c.tokens / (L.tp if L.sp else 1)    # two norms: read, write
+    return t + elementwise_time(norms, c.cluster)
+
+
 def _op_sac_recompute(b: BlockProfile, c: Context, g_fwd: float, e_fwd: float) -> float:
     """Backward re-run of torchtitan's op-level SAC (see _op_sac_bytes): every second matmul and
     every element-wise op of the forward."""
@@ -386,7 +465,7 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         recompute = compute_fwd + tp_one * (1 - tp_hidden) + ep_fwd + cp_fx
         rc_comm = {"tp": tp_one, "ep": ep_fwd, "cp": cp_f}
     elif policy == "selective":
-        recompute = a_fwd
+        recompute = a_fwd + (_sac_extra_recompute(b, c) if c.stack.selective_sac else 0.0)
         rc_comm = {}
     elif policy == NORM_ACT:
         recompute = elementwise_time(_norm_act_bytes(b, c), c.cluster)
@@ -400,19 +479,27 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     elif policy == OP_SAC:
         recompute = _op_sac_recompute(b, c, g_fwd, e_fwd)
         rc_comm = {}
+    elif policy == MLA_UP:
+        recompute = _mla_up_recompute(b, c)
+        rc_comm = {}
     else:
         recompute = 0.0
         rc_comm = {}
     comm = {"tp": 2 * tp_one + rc_comm.get("tp", 0.0),
             "ep": ep_fwd + ep_one + rc_comm.get("ep", 0.0),
             "cp": cp_f + cp_b + rc_comm.get("cp", 0.0)}
+    rc_compute = recompute - rc_comm.get("ep", 0.0)    # norm_moe's recompute includes its all-to-alls
+    ep_x = 1.0
+    if comm["ep"] and policy != "full" and c.cluster.gpu.comm_overlap and c.stack.runs_ep_overlap(L):
+        # the pairs' exposed share; a recompute's own all-to-alls (norm_moe) have no partner
+        ep_x = _ep_pairs_exposed(b, c, compute_fwd, compute_bwd, ep_fwd - ep_one) / (ep_fwd + ep_one)
     exposed = {"tp": comm["tp"] * (1 - tp_hidden),
-               "ep": comm["ep"],
+               "ep": (ep_fwd + ep_one) * ep_x + rc_comm.get("ep", 0.0),
                "cp": cp_fx + cp_bx + (cp_fx if policy == "full" else 0.0)}
-    fwd = compute_fwd + tp_one * (1 - tp_hidden) + ep_fwd + cp_fx
-    bwd = compute_bwd + tp_one * (1 - tp_hidden) + ep_one + cp_bx
+    fwd = compute_fwd + tp_one * (1 - tp_hidden) + ep_fwd * ep_x + cp_fx
+    bwd = compute_bwd + tp_one * (1 - tp_hidden) + ep_one * ep_x + cp_bx
     return LayerCost(fwd_s=fwd, bwd_s=bwd, recompute_s=recompute, wgrad_s=g_wgrad,
                      comm_s=comm, exposed_s=exposed,
                      compute_s=compute_fwd + compute_bwd + (compute_fwd if policy == "full" else
-                                                            a_fwd if policy == "selective" else
-                                                            recompute - rc_comm.get("ep", 0.0)))
+                                                            recompute if policy == "selective" else
+                                                            rc_compute))

@@ -131,7 +131,8 @@ class LayerTable:
         self.key = (profile.fingerprint, cluster, L.tp, L.cp, L.ep, L.etp, L.mbs, L.sp, L.flash_attention,
                     L.attn_kernel, L.tp_comm_overlap, L.moe_dispatcher, seq_len, unfused,
                     getattr(L, "cp_comm_type", "p2p"), ctx.fp8_recipe,
-                    getattr(L, "moe_capacity_factor", None), ctx.stack, ctx.fitted)
+                    getattr(L, "moe_capacity_factor", None), ctx.stack, ctx.fitted,
+                    ctx.stack.runs_ep_overlap(L))    # pairs micro-batches: depends on pp / vp / recompute
 
     def ctx_of(self, i: int) -> Context:
         """Layer i's context: FP8 for the linears its flag names (layer_fp8_flags)."""

@@ -209,11 +209,11 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
         pc = preset(preset_name)
         if (L and L != pc.layers) or (h and h != pc.hidden):
             return None
-        return _preset_config(pc)
+        return {**_preset_config(pc), **_BRIDGE_PERF_MODEL.get(row.id, {})}
     if L and h and preset_name and preset is not None and fam in ("torchtitan", "megatron-bridge"):
         pc = preset(preset_name)
         if (pc.layers, pc.hidden) == (L, h):
-            return _preset_config(pc)
+            return {**_preset_config(pc), **_BRIDGE_PERF_MODEL.get(row.id, {})}
     cfg: dict[str, Any] = {"layers": L, "hidden": h, "heads": a, "kv_heads": row.num("kv_heads") or a}
     # GPT-OSS is a SwiGLU / RMSNorm MoE (OpenAI gpt-oss model card), not a GPT-3-style model
     gpt_style = fam in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "mtnlg", "mosaic") or \
@@ -250,6 +250,7 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
             return None
     if not cfg.get("ffn_hidden"):
         return None
+    cfg.update(_BRIDGE_PERF_MODEL.get(row.id, {}))
     return cfg
 
 
@@ -339,9 +340,31 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         # forward to avoid per-microbatch all-gathers", parallelize_llama.py of that time)
         lay["reshard_after_forward"] = False
     _add_stack_fields(lay, row, cfg)
+    for k, v in _BRIDGE_PERF_CONFIGS.get(row.id, {}).items():
+        if k == "recompute" and recompute:
+            continue                  # the row's own statement wins
+        lay[k] = v
     if recompute:
         lay["recompute"] = recompute
     return lay
+
+
+# What Megatron-Bridge's performance configs set and its summary rows do not state, for the rows the
+# configs match exactly (GPU, GPU count, global batch, parallel degrees, precision):
+# NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/{deepseek/deepseek,gpt_oss/gpt_oss,qwen/qwen3}_
+# workload_base_configs.py (DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2: DeepEP dispatch, moe_a2a_overlap,
+# recompute_modules [mla_up_proj, mlp]; GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2: recompute_modules
+# [layernorm, moe_act]; QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: HybridEP dispatch). HybridEP, like
+# DeepEP, sends a token once per destination GPU within NVLink and once per destination node across it:
+# the Layout's "deepep" dispatcher prices both.
+# The model the config trains where it differs from the preset: DeepSeek-V3 with its one MTP depth
+# (pp_layout "Et*4|(t*4|)*14tmL": "m" is the MTP layer).
+_BRIDGE_PERF_MODEL: dict[str, dict[str, Any]] = {"mb-2604.01-deepseekv3-b200": dict(mtp_depth=1)}
+_BRIDGE_PERF_CONFIGS: dict[str, dict[str, Any]] = {
+    "mb-2604.01-deepseekv3-b200": dict(moe_dispatcher="deepep", ep_comm_overlap=True, recompute="mla_up"),
+    "mb-2604.01-gptoss-120b-h100": dict(recompute="norm_act"),
+    "mb-2604.01-qwen3-30b-a3b-h100": dict(moe_dispatcher="deepep"),
+}
 
 
 def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> None:
@@ -469,7 +492,10 @@ def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: floa
         return per_seq * B / t / n / (peak_tflops * 1e12) * 100
     if fam == "megatron-bridge" and cfg.get("sliding_window"):
         return _bridge_window_flops(cfg, s, B) / t / n / 1e12
-    causal = fam == "modelzoo"
+    # Megatron-Core's FLOP count halves core attention (causal) in its latent-attention branch and for
+    # the Model Zoo's rows; Bridge's GQA rows count it whole. DeepSeek-V3 on B200: 3328 tokens/s and
+    # 864 TFLOP/s are 259.6 GFLOP/token; the MTP-carrying model counted causal gives 260.0 (whole: 291.2)
+    causal = fam == "modelzoo" or (fam == "megatron-bridge" and cfg.get("attention") == "mla")
     flops = model_flops_per_step(prof, s, B, causal_half=causal)
     tflops = flops / t / n / 1e12
     if metric == "mfu_pct":

@@ -12,11 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshplan.errors import ConfigError
+from meshplan.ir.precision import Precision
+from meshplan.ir.stack import Stack
 from meshplan.export.view import (
     FP8_FORMAT, VERSIONS, Export, megatron_fp8_recipe, _check_precision, _fp8_notes, _uniform_middle, _View, _view,
 )
 
 __all__ = ["megatron_export", "to_megatron_args"]
+
+# the stack Megatron-LM runs a plan on: which EP overlap and FP8 weight storage its flags turn on
+MEGATRON_CORE = Stack.preset("megatron-core")
 
 
 def _megatron_schedule(v: _View, target: str = "Megatron-LM") -> None:
@@ -91,6 +96,12 @@ def _megatron_recompute(v: _View, rc: Any) -> _Recompute:
             raise ConfigError("recompute 'norm_moe' re-runs the MoE layers, and this model has none; re-plan with "
                               "fixed={'recompute': 'norm_act'} or 'selective'")
         return _Recompute(granularity="selective", modules=("layernorm", "moe"))
+    if rc == "mla_up":
+        # Megatron-Core's modules: latent attention's up-projections (mla_up_proj) and the dense MLPs
+        if v.shape is not None and not v.shape.mla:
+            raise ConfigError("recompute 'mla_up' rebuilds latent attention's Q, K and V, and this model has "
+                              "no latent attention; re-plan with fixed={'recompute': 'selective'} or 'norm_act'")
+        return _Recompute(granularity="selective", modules=("mla_up_proj", "mlp"))
     if isinstance(rc, str) and rc != "full":
         # op_sac is torchtitan's op-level checkpointing: Megatron-Core chooses recomputed modules, not ops
         raise ConfigError(f"Megatron-Core has no recompute setting for the plan's {rc!r} policy; re-plan for the "
@@ -225,7 +236,7 @@ def _megatron_mla(s: Any) -> list[str]:
 
 def megatron_export(plan: Any, model: Any = None) -> Export:
     """Megatron-LM `pretrain_gpt.py` flags for the plan, with notes on approximations."""
-    _check_precision(plan, "Megatron-LM", ("bf16", "fp16", "fp8"))
+    _check_precision(plan, "Megatron-LM", (Precision.BF16, Precision.FP16, Precision.FP8))
     v = _view(plan, model)
     lay = v.layout
     _megatron_schedule(v)
@@ -247,14 +258,18 @@ def megatron_export(plan: Any, model: Any = None) -> Export:
         a.append("--sequence-parallel")
     if lay.tp_comm_overlap:
         a.append("--tp-comm-overlap")
+    if MEGATRON_CORE.runs_ep_overlap(lay):
+        a.append("--overlap-moe-expert-parallel-comm")
     a += _megatron_dp(v)
     a += _megatron_recompute(v, lay.recompute).flags()
     a += _megatron_offload(v)
     a += ["--micro-batch-size", str(lay.mbs), "--global-batch-size", str(plan.global_batch),
           "--seq-length", str(plan.seq_len)]
-    a.append("--fp16" if plan.precision == "fp16" else "--bf16")
-    if plan.precision == "fp8":
+    a.append("--fp16" if plan.precision == Precision.FP16 else "--bf16")
+    if plan.precision == Precision.FP8:
         a += ["--fp8-format", FP8_FORMAT, "--fp8-recipe", megatron_fp8_recipe(v.layout, "Megatron-LM")]
+        if getattr(v.layout, "fp8_recipe", "tensorwise") in MEGATRON_CORE.fp8_param_gather:
+            a.append("--fp8-param-gather")      # priced so: the FP8 weights replace the BF16 copies
         lead, tail = _fp8_notes(plan, v, "Megatron-LM")
         if lead or tail:
             a += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(lead),

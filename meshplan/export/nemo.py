@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshplan.errors import ConfigError, UnknownNameError
+from meshplan.ir.precision import Precision
 from meshplan.export.megatron import (
+    MEGATRON_CORE,
     _megatron_offload,
     _megatron_recompute,
     _megatron_schedule,
@@ -104,7 +106,7 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
     if flavor not in ("nemo", "megatron-bridge"):
         raise UnknownNameError("NeMo flavor", flavor, ["nemo", "megatron-bridge"])
     target = "NeMo 2" if flavor == "nemo" else "Megatron-Bridge"
-    _check_precision(plan, target, ("bf16", "fp16", "fp8"))
+    _check_precision(plan, target, (Precision.BF16, Precision.FP16, Precision.FP8))
     v = _view(plan, model)
     lay = v.layout
     _megatron_schedule(v, target)   # the same Megatron-Core schedules underneath
@@ -188,6 +190,9 @@ def nemo_export(plan: Any, model: Any = None, *, flavor: str = "nemo") -> Export
         o[P.tf + "mtp_num_layers"] = v.shape.mtp_depth
         if v.shape.mtp_loss_weight is not None:
             o[P.tf + "mtp_loss_scaling_factor"] = v.shape.mtp_loss_weight
+    if MEGATRON_CORE.runs_ep_overlap(lay):
+        # TransformerConfig.overlap_moe_expert_parallel_comm (Megatron-LM's --overlap-moe-expert-parallel-comm)
+        o[P.tf + "overlap_moe_expert_parallel_comm"] = True
     if lay.tp_comm_overlap:
         if flavor == "nemo":
             v.notes.append("TP communication overlap is a callback in NeMo 2: add "
@@ -208,10 +213,10 @@ def _precision(plan: Any, v: _View, o: dict[str, Any], P: _Paths, flavor: str, t
     a Hydra override can replace but not reach into, and whose settings overwrite the model config's
     (MixedPrecisionConfig.setup), so Bridge gets the name of the recipe with the plan's scaling."""
     recipe = getattr(v.layout, "fp8_recipe", "tensorwise")
-    if plan.precision == "fp16":
+    if plan.precision == Precision.FP16:
         o["trainer.plugins.precision" if flavor == "nemo" else "mixed_precision"] = \
             "16-mixed" if flavor == "nemo" else "fp16_mixed"
-    if plan.precision != "fp8":
+    if plan.precision != Precision.FP8:
         return
     lead, tail = _fp8_notes(plan, v, target)
     if flavor == "nemo":

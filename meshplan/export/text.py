@@ -14,6 +14,7 @@ from meshplan.export.megatron import megatron_export
 from meshplan.export.nemo import nemo_export
 from meshplan.export.torchtitan import torchtitan_constraints, torchtitan_export
 from meshplan.export.view import FORMATS, Export
+from meshplan.ir.precision import Precision
 
 __all__ = ["export_text", "to_toml", "export_constraints"]
 
@@ -110,7 +111,8 @@ def export_text(plan: Any, fmt: str, model: Any = None) -> str:
     raise UnknownNameError("export format", fmt, list(FORMATS))
 
 
-def export_constraints(fmt: str, model: Any, precision: str = "bf16") -> tuple[dict[str, Any], list[str]]:
+def export_constraints(fmt: str, model: Any,
+                       precision: Precision | str = Precision.BF16) -> tuple[dict[str, Any], list[str]]:
     """Layout keys the target fixes for `model` beyond what its stack offers (for torchtitan, e.g.
     cp=1 for models it runs with FlexAttention), with one reason per key; `meshplan plan --export`
     plans with them unless --fix sets them. Empty for targets without such limits."""

@@ -18,6 +18,7 @@ from typing import Any
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.export.shape import ModelShape, model_shape
 from meshplan.export.view import VERSIONS, Export, _check_precision, _fp8_notes, _View, _view
+from meshplan.ir.precision import AUTO, Precision
 from meshplan.ir.stack import STACKS
 
 __all__ = ["torchtitan_export", "to_torchtitan", "torchtitan_constraints", "TITAN_FLAVORS"]
@@ -149,7 +150,8 @@ def _titan_model(plan: Any, v: _View, fl: _Flavor | None) -> dict[str, Any]:
     return {}
 
 
-def torchtitan_constraints(model: Any, precision: str = "bf16") -> tuple[dict[str, Any], list[str]]:
+def torchtitan_constraints(model: Any,
+                           precision: Precision | str = Precision.BF16) -> tuple[dict[str, Any], list[str]]:
     """Layout keys torchtitan fixes for `model` (a meshplan preset name, ModelConfig, ModelProfile
     or ModelShape): `meshplan plan --export torchtitan` plans with them unless --fix sets them.
     Returns (fixed layout keys, one reason per key)."""
@@ -164,7 +166,7 @@ def torchtitan_constraints(model: Any, precision: str = "bf16") -> tuple[dict[st
         fixed["cp"] = 1
         why.append(f"cp=1: torchtitan's {fl.name} {fl.flavor} uses FlexAttention, and torchtitan's context "
                    "parallelism runs SDPA only")
-    if fl is not None and fl.name == "deepseek_v3" and precision in ("fp8", "auto"):
+    if fl is not None and fl.name == "deepseek_v3" and precision in (Precision.FP8, AUTO):
         fixed["fp8_recipe"] = "rowwise"
         why.append("fp8_recipe=rowwise: torchtitan refuses tensorwise FP8 with tensor parallelism for "
                    "deepseek_v3 (NotImplementedError)")
@@ -225,13 +227,15 @@ def _titan_ac(v: _View) -> dict[str, Any]:
     if rc == "op_sac":
         # the plan's policy is torchtitan's own op-level selective checkpointing
         return {"mode": "selective", "selective_ac_option": "op"}
-    if rc in ("norm_act", "norm_moe"):
+    if rc in ("norm_act", "norm_moe", "mla_up"):
         # torchtitan's checkpointing wraps whole layers (full, every k-th, or op-level SAC over the
-        # layer); none of its modes stores everything but the norms' and the experts' outputs
-        what = ("re-runs only the norms and the MoE activation (plan recompute 'norm_act', Megatron-Core's "
-                "--recompute-modules layernorm moe_act)" if rc == "norm_act" else
-                "re-runs only the norms and the MoE layer (plan recompute 'norm_moe', Megatron-Core's "
-                "--recompute-modules layernorm moe)")
+        # layer); none of its modes re-runs just these modules
+        what = {"norm_act": "re-runs only the norms and the MoE activation (plan recompute 'norm_act', "
+                            "Megatron-Core's --recompute-modules layernorm moe_act)",
+                "norm_moe": "re-runs only the norms and the MoE layer (plan recompute 'norm_moe', Megatron-Core's "
+                            "--recompute-modules layernorm moe)",
+                "mla_up": "re-runs only latent attention's up-projections and the dense MLPs (plan recompute "
+                          "'mla_up', Megatron-Core's --recompute-modules mla_up_proj mlp)"}[rc]
         raise ConfigError(
             f"torchtitan has no recompute mode that {what}: its activation checkpointing is 'none', 'full' or "
             "'selective' (op-level SAC, or every k-th layer). Re-plan for the torchtitan stack, or with "
@@ -302,7 +306,7 @@ def _titan_dp(v: _View) -> dict[str, Any]:
 
 def torchtitan_export(plan: Any, model: Any = None) -> Export:
     """A torchtitan v0.2.2 job config (nested dict: TOML sections) for the plan."""
-    _check_precision(plan, "torchtitan", ("bf16", "fp8"))
+    _check_precision(plan, "torchtitan", (Precision.BF16, Precision.FP8))
     v = _view(plan, model)
     lay = v.layout
     ac = _titan_ac(v)
@@ -366,7 +370,7 @@ def torchtitan_export(plan: Any, model: Any = None) -> Export:
     out: dict[str, Any] = {"model": _titan_model(plan, v, fl), "training": training, "parallelism": par,
                            "activation_checkpoint": ac}
     out["compile"] = _titan_compile(plan, v, par["enable_async_tensor_parallel"])
-    if plan.precision == "fp8":
+    if plan.precision == Precision.FP8:
         out["model"]["converters"] = ["quantize.linear.float8"]
         out["quantize"] = {"linear": {"float8": _titan_float8(plan, v, fl, par)}}
     if not out["model"]:

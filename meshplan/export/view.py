@@ -15,6 +15,7 @@ from typing import Any
 from meshplan.errors import ConfigError
 from meshplan.export.shape import ModelShape, model_shape
 from meshplan.ir.layout import Layout
+from meshplan.ir.precision import Precision
 
 __all__ = ["FORMATS", "VERSIONS", "FP8_FORMAT", "FP8_RECIPE", "Export", "megatron_fp8_recipe"]
 
@@ -165,10 +166,10 @@ def _fp8_notes(plan: Any, v: _View, target: str) -> tuple[int, int]:
     return lead, tail
 
 
-def _check_precision(plan: Any, target: str, allowed: tuple[str, ...]) -> None:
+def _check_precision(plan: Any, target: str, allowed: tuple[Precision, ...]) -> None:
     if plan.precision not in allowed:
-        raise ConfigError(f"{target} export: precision {plan.precision!r} is not supported there; "
-                          f"re-plan with precision in {allowed}")
+        raise ConfigError(f"{target} export: precision '{plan.precision}' is not supported there; "
+                          f"re-plan with precision in {tuple(p.value for p in allowed)}")
 
 
 def _model_name(plan: Any, model: Any) -> str:

@@ -35,9 +35,12 @@ SCHEDULES = ("1f1b", "interleaved", "zb", "zbv", "gpipe")
 # activations are the limit; "norm_moe" re-runs the norms and the whole MoE layer, its token
 # dispatch included (--recompute-modules layernorm moe: only the MoE layer's input is kept);
 # "op_sac" is torchtitan's op-level selective checkpointing (it saves the outputs of every other
-# matmul and of attention and re-runs the other matmuls and every other op); "full" keeps only
-# each layer's input. Which of them a stack runs: meshplan.ir.stack.Stack.recompute.
-RECOMPUTE = ("none", "selective", "norm_act", "norm_moe", "op_sac", "full")
+# matmul and of attention and re-runs the other matmuls and every other op); "mla_up" re-runs
+# multi-head latent attention's up-projections and rotary embedding (Q, K, V are rebuilt from the
+# saved latents in backward) and the dense MLP layers (Megatron-Core --recompute-granularity
+# selective --recompute-modules mla_up_proj mlp); "full" keeps only each layer's input. Which of them
+# a stack runs: meshplan.ir.stack.Stack.recompute.
+RECOMPUTE = ("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full")
 # Gradient buffer / reduction dtype: "fp32" is Megatron-LM's default for bf16 training
 # (accumulate_allreduce_grads_in_fp32); "bf16" is Megatron's --grad-reduce-in-bf16 and NeMo 1.x's
 # distributed_fused_adam grad_sync_dtype=bf16. meshplan's runtime reduces in either (FSDP2
@@ -97,10 +100,13 @@ class Layout:
     dp: int = 1
     zero: int = 1            # 0 DDP, 1 distributed optimizer, 2 + sharded grads, 3 FSDP full shard
     mbs: int = 1
-    recompute: str | int = "none"   # RECOMPUTE ("none" | "selective" | "norm_act" | "norm_moe" | "op_sac" | "full") | N = full recompute of N layers per stage
+    recompute: str | int = "none"   # RECOMPUTE ("none" | "selective" | "norm_act" | "norm_moe" | "mla_up" | "op_sac" | "full") | N = full recompute of N layers per stage
     schedule: str | None = None     # None: "interleaved" when vp > 1, else "1f1b"; a named one is kept or refused
     sp: bool | None = None   # sequence parallel; default: on whenever tp > 1
     tp_comm_overlap: bool = False   # Megatron --tp-comm-overlap (userbuffers)
+    # Megatron --overlap-moe-expert-parallel-comm: one micro-batch's expert all-to-all runs while
+    # another's forward/backward computes (ir.stack.Stack.runs_ep_overlap says where it applies)
+    ep_comm_overlap: bool = False
     flash_attention: bool = True    # False: attention scores are materialised (pre-2022 stacks)
     fsdp_shard: int = 0             # zero=3: ranks each parameter is sharded over (0 = all dp*cp: FSDP;
                                     # a divisor of dp*cp: HSDP, shards inside groups, replicas across)
@@ -228,10 +234,7 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Layout":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown layout key(s) {unknown}; known keys: {sorted(known)}")
+        _check_keys(d)
         d = dict(d)
         if d.get("stage_layers") is not None:
             d["stage_layers"] = tuple(d["stage_layers"])
@@ -240,6 +243,18 @@ class Layout:
     @classmethod
     def coerce(cls, layout: "Layout | Mapping[str, Any]") -> "Layout":
         return layout if isinstance(layout, Layout) else cls.from_dict(layout)
+
+    def replace(self, **changes: Any) -> "Layout":
+        """This layout with `changes`, validated as a new one. The defaults it resolved (vp,
+        schedule, sp) are kept as resolved: pass e.g. sp=None with a new tp to derive sp again."""
+        _check_keys(changes)
+        # what __init__ does (set every field, then __post_init__), at a third of its cost: the
+        # search derives a layout per recompute option and micro-batch size of every candidate
+        new = object.__new__(Layout)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        new.__post_init__()
+        return new
 
     def short(self) -> str:
         parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}"]
@@ -264,6 +279,8 @@ class Layout:
             parts.append(self.optimizer)
         if self.moe_dispatcher != "alltoall" and self.ep > 1:
             parts.append(self.moe_dispatcher)
+        if self.ep_comm_overlap and self.ep > 1:
+            parts.append("ep-overlap")
         if self.attn_kernel != "flash" and self.flash_attention:
             parts.append(f"{self.attn_kernel}-attn")
         if self.fp8_recipe != "tensorwise":
@@ -381,3 +398,9 @@ def check_layout(layout: Layout, profile, cluster, *, seq_len: int, global_batch
 @functools.lru_cache(maxsize=None)
 def _field_names() -> tuple[str, ...]:
     return tuple(f.name for f in fields(Layout))
+
+
+def _check_keys(d: Mapping[str, Any]) -> None:
+    unknown = sorted(set(d).difference(_field_names()))
+    if unknown:
+        raise ConfigError(f"unknown layout key(s) {unknown}; known keys: {sorted(_field_names())}")

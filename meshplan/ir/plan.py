@@ -4,7 +4,8 @@ The planner writes it (meshplan.planner.build); the runtime reads it and nothing
 planner. It therefore carries everything the runtime needs, already resolved to the module
 names of the user's (unsplit) model:
 
-- `layout` (a typed `Layout`) and the device `mesh` (axis -> degree, in MESH_AXES order);
+- `layout` (a typed `Layout`; the device `mesh`, axis -> degree in MESH_AXES order, is derived
+  from it and written to JSON for readers only) and the `precision` (a `Precision`);
 - `blocks`: the repeated blocks' FQNs in execution order (FSDP units, recompute, async TP);
 - `placements`: module FQN -> how tensor/expert parallelism treats it (PLACEMENTS);
 - `stages`: per virtual pipeline stage, the module FQNs it holds;
@@ -27,6 +28,7 @@ from typing import Any
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout
+from meshplan.ir.precision import Precision, parse_precision
 
 __all__ = ["Plan", "PlanNotes", "RunnerUp", "FusedKernel", "PLAN_VERSION", "MESH_AXES", "PLACEMENTS", "FUSED_KERNELS"]
 
@@ -144,7 +146,7 @@ class Plan:
     cluster_fingerprint: str
     seq_len: int
     global_batch: int
-    precision: str
+    precision: Precision               # a name ("bf16") is read as its Precision
     layout: Layout
     blocks: tuple[str, ...] = ()       # repeated-block FQNs, execution order
     placements: dict[str, str]         # module FQN -> one of PLACEMENTS
@@ -163,6 +165,8 @@ class Plan:
         for name, typ in (("layout", Layout), ("estimate", Estimate)):
             if not isinstance(getattr(self, name), typ):
                 raise TypeError(f"Plan.{name} must be a {typ.__name__}, not {type(getattr(self, name)).__name__}")
+        object.__setattr__(self, "precision", parse_precision(self.precision, allowed=tuple(Precision),
+                                                              what="plan precision"))
         lay = self.layout
         if len(self.stages) != lay.pp * lay.vp:
             raise ConfigError(f"plan lists {len(self.stages)} pipeline stages; its layout has pp*vp = "
@@ -175,15 +179,11 @@ class Plan:
     @property
     def mesh(self) -> dict[str, int]:
         """The device mesh: axis name -> degree, in MESH_AXES order (pp, dp, cp, tp)."""
-        lay = self.layout
-        return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+        return _mesh_of(self.layout)
 
     @property
     def world_size(self) -> int:
-        n = 1
-        for v in self.mesh.values():
-            n *= v
-        return n
+        return self.layout.world
 
     @property
     def schedule(self) -> str:
@@ -258,8 +258,7 @@ class Plan:
             d["estimate"] = Estimate.from_dict(d["estimate"])
             if saved_mesh is not None:
                 lay = d["layout"]
-                want = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
-                if {a: int(saved_mesh[a]) for a in MESH_AXES} != want:
+                if {a: int(saved_mesh[a]) for a in MESH_AXES} != _mesh_of(lay):
                     raise ConfigError(f"plan mesh {dict(saved_mesh)} disagrees with its layout ({lay.short()}); "
                                       "re-plan")
             d["blocks"] = tuple(d.get("blocks", ()))
@@ -307,3 +306,8 @@ class Plan:
                               f"({self.world_size} GPUs), not {cluster.name!r} ({cluster.num_gpus} GPUs); re-plan")
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(f"this plan needs {self.world_size} processes, but the job has {world_size}")
+
+
+def _mesh_of(layout: Layout) -> dict[str, int]:
+    """Axis name -> degree of `layout`'s device mesh, in MESH_AXES order."""
+    return {axis: getattr(layout, axis) for axis in MESH_AXES}

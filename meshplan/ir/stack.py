@@ -52,7 +52,7 @@ TP_OVERLAPS = ("none", "userbuffers", "async_tp")
 # another's attention/experts compute, under interleaved 1F1B).
 EP_OVERLAPS = ("none", "a2a_1f1b")
 # Every recompute policy some stack offers (meshplan.ir.layout.RECOMPUTE holds those the Layout takes).
-RECOMPUTE_POLICIES = ("none", "selective", "norm_act", "norm_moe", "op_sac", "full")
+RECOMPUTE_POLICIES = ("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,10 @@ class Stack:
     cp_impl: str = "te"                    # CP_IMPLS
     cp_kinds: tuple[str, ...] = ("p2p",)   # cp_comm_type values the stack runs (ir.layout.CP_COMM_TYPES)
     fp8_recipes: tuple[str, ...] = ("tensorwise",)
+    # FP8 recipes under which the stack keeps the parameters themselves in FP8 (no BF16 working copy):
+    # Megatron-Core's --fp8-param-gather, which Megatron-Bridge's MXFP8 precision recipe turns on
+    # (bf16_with_mxfp8_mixed: fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
+    fp8_param_gather: tuple[str, ...] = ()
     recompute: tuple[str, ...] = ("none", "selective", "full")   # policies offered (RECOMPUTE_POLICIES)
     tp_overlap: str = "none"               # TP_OVERLAPS: the mechanism Layout.tp_comm_overlap switches on
     ep_overlap: str = "none"               # EP_OVERLAPS
@@ -72,6 +76,12 @@ class Stack:
     compile: bool = False                  # torch.compile fuses element-wise work (implies fused)
     cuda_graphs: bool = False              # MoE layers captured in CUDA graphs (no per-kernel launch gaps)
     grad_accum_fusion: bool = True         # wgrad GEMM adds into the fp32 gradient buffer (beta = 1)
+    # "selective" as PyTorch selective activation checkpointing over every op of the block, saving
+    # the matmul and reduced-collective outputs (meshplan's runtime/recompute.py): the norms and the
+    # attention core are re-run too, so their outputs are not kept, the MLP's reduced output is, and
+    # the attention output projection's GEMM runs again in backward. False: Korthikanti's selective
+    # (core attention and the activation re-run; Megatron-Core's --recompute-granularity selective).
+    selective_sac: bool = False
     # gradients held from backward to the optimizer step are in the (fp32) parameters' dtype whatever
     # grad_dtype reduces in: FSDP2 casts each reduced shard back to the sharded parameter's dtype, DDP
     # keeps param.grad; Megatron-Core's --grad-reduce-in-bf16 makes the buffer itself bf16 (False)
@@ -122,6 +132,18 @@ class Stack:
             return "fa2"                    # FlashAttention-3 is Hopper-only
         return self.attention
 
+    def runs_ep_overlap(self, layout) -> bool:
+        """Whether `layout`'s expert all-to-all overlaps compute on this stack: the layout asks for it
+        (ep_comm_overlap), the stack has the mechanism, and the schedule lets it pair micro-batches.
+        Megatron-Core's --overlap-moe-expert-parallel-comm merges one micro-batch's forward with another's
+        backward layer by layer (its "combined 1F1B"), so under pipeline parallelism it needs the
+        interleaved schedule, and a fully recomputed layer has no separate forward to pair."""
+        if not getattr(layout, "ep_comm_overlap", False) or self.ep_overlap == "none" or layout.ep == 1:
+            return False
+        if layout.pp > 1 and (layout.vp or 1) == 1:
+            return False
+        return layout.recompute != "full" and not isinstance(layout.recompute, int)
+
     def offers_recompute(self, policy) -> bool:
         """Whether the stack runs recompute `policy` (a layer count means full recompute of N layers)."""
         return isinstance(policy, int) and "full" in self.recompute or policy in self.recompute
@@ -146,7 +168,7 @@ class Stack:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Stack":
         d = dict(d)
-        for k in ("cp_kinds", "fp8_recipes", "recompute", "moe_dispatchers", "schedules", "fsdp_impls"):
+        for k in ("cp_kinds", "fp8_recipes", "fp8_param_gather", "recompute", "moe_dispatchers", "schedules", "fsdp_impls"):
             if k in d:
                 d[k] = tuple(d[k])
         try:
@@ -158,7 +180,7 @@ class Stack:
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack(name="reference", attention="fa2", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
           fp8_recipes=("tensorwise", "rowwise", "blockwise", "mxfp8"),
-          recompute=("none", "selective", "norm_act", "norm_moe", "op_sac", "full"),
+          recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full"),
           tp_overlap="userbuffers", moe_dispatchers=("alltoall", "deepep"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2", "megatron", "deepspeed"),
           activation_offload=True,
@@ -172,7 +194,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "selective", "norm_act", "full"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
-          runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
+          selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
           compile_offloaded=False,
           sources="meshplan/runtime (parallel.py, context_parallel.py, fp8.py, recompute.py, pipeline.py, compile.py, "
                   "offload.py)"),
@@ -192,12 +214,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # Megatron-Core + Transformer Engine (Megatron-LM, NeMo 2, Megatron-Bridge): TE attention (cuDNN
     # fused on Hopper+), CP p2p / all_gather / a2a (--cp-comm-type), TE FP8 (delayed / current
     # tensorwise, blockwise, MXFP8 on Blackwell), --recompute-granularity selective (core attention),
-    # --recompute-modules (layernorm, moe_act, moe, ...), full; --tp-comm-overlap (userbuffers),
+    # --recompute-modules (layernorm, moe_act, moe, mla_up_proj, mlp, ...), full; --tp-comm-overlap (userbuffers),
     # --overlap-moe-expert-parallel-comm, DeepEP dispatch, CUDA graphs (optional), gradient
     # accumulation fusion, distributed optimizer, Megatron-FSDP.
     Stack(name="megatron-core", attention="te", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
-          fp8_recipes=("tensorwise", "blockwise", "mxfp8"),
-          recompute=("none", "selective", "norm_act", "norm_moe", "full"),
+          fp8_recipes=("tensorwise", "blockwise", "mxfp8"), fp8_param_gather=("mxfp8",),
+          recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "full"),
           tp_overlap="userbuffers", ep_overlap="a2a_1f1b", moe_dispatchers=("alltoall", "deepep"),
           schedules=("1f1b", "interleaved"), fsdp_impls=("megatron", "fsdp2"), activation_offload=True,
           offload_composes=False,

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshplan.ir.layout import Layout
+
 __all__ = ["ModelTraits", "runtime_limits", "TP_ROLE_PLACEMENT", "block_placement_limits", "runs_as_ddp",
            "experts_folded"]
 
@@ -70,67 +72,65 @@ class ModelTraits:
     layers: int = 0
     tp_forward: str = ""
     expert_shapes: tuple[tuple[int, int, int], ...] = ()
-    mtp: int = 0    # multi-token-prediction depths (meshplan.models.mtp): the runtime's limits below
+    mtp: int = 0    # multi-token-prediction depths (meshplan.models.mtp): every layout runs them
     attn_window: int = 0      # the widest sliding attention window of any block (0: none)
     attn_sinks: bool = False  # attention sinks: a learned per-head logit (a parameter of `heads` entries)
 
 
-def _get(layout: Mapping[str, Any] | Any, key: str, default: Any) -> Any:
-    if isinstance(layout, Mapping):
-        return layout.get(key, default)
-    return getattr(layout, key, default)
-
-
-def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None = None) -> list[str]:
-    """Reasons the runtime cannot run `layout` (a Layout or its dict) for a model with `traits`;
-    empty when it can. Each reason names the limit in the user's terms and what would work."""
-    g = lambda k, d=1: int(_get(layout, k, d) or d)   # noqa: E731 - a local shorthand
-    tp, cp, ep, etp, pp, vp, dp = (g(k) for k in ("tp", "cp", "ep", "etp", "pp", "vp", "dp"))
-    zero = int(_get(layout, "zero", 1))
+def runtime_limits(layout: Layout | Mapping[str, Any], traits: ModelTraits | None = None) -> list[str]:
+    """Reasons the runtime cannot run `layout` for a model with `traits`; empty when it can. Each
+    reason names the limit in the user's terms and what would work. A dict is read as
+    Layout.from_dict reads it (missing keys take Layout's defaults)."""
+    layout = Layout.coerce(layout)
+    tp, cp, ep, etp, pp, vp, dp = layout.tp, layout.cp, layout.ep, layout.etp, layout.pp, layout.vp, layout.dp
+    zero = layout.zero
     out: list[str] = []
-    recipe, cp_comm = _get(layout, "fp8_recipe", "tensorwise"), _get(layout, "cp_comm_type", "p2p")
+    recipe, cp_comm = layout.fp8_recipe, layout.cp_comm_type
     if recipe not in ("tensorwise", "rowwise"):
         out.append(f"fp8_recipe={recipe!r}: the runtime's FP8 linears (torchao, Transformer Engine) run "
                    "tensorwise or rowwise scaling; use one of those")
-    rc = _get(layout, "recompute", "none")
-    if rc in ("norm_moe", "op_sac"):
-        out.append(f"recompute={rc!r} is a policy of other stacks (Megatron-Core's --recompute-modules moe, "
-                   "torchtitan's op-level selective checkpointing); the runtime recomputes 'none', 'selective', "
-                   "'norm_act', 'full' or a number of fully recomputed layers")
-    if _get(layout, "offload_activations", False) and rc in ("selective", "norm_act"):
+    rc = layout.recompute
+    if rc in ("norm_moe", "mla_up", "op_sac"):
+        out.append(f"recompute={rc!r} is a policy of other stacks (Megatron-Core's --recompute-modules moe or "
+                   "mla_up_proj, torchtitan's op-level selective checkpointing); the runtime recomputes 'none', "
+                   "'selective', 'norm_act', 'full' or a number of fully recomputed layers")
+    if layout.ep_comm_overlap and ep > 1:
+        out.append("ep_comm_overlap: the runtime runs the expert all-to-all in line with compute (Megatron-Core's "
+                   "--overlap-moe-expert-parallel-comm is what overlaps it); use ep_comm_overlap=False")
+    if layout.offload_activations and rc in ("selective", "norm_act"):
         # both keep tensors outside autograd's saved-tensor hooks (selective checkpointing caches the
         # saved matmul outputs itself; norm_act's replay regions hold their inputs), so only part of
         # what the plan prices on the host would leave the GPU (runtime/offload.py)
         out.append(f"offload_activations with recompute={rc!r}: the runtime offloads what autograd saves through "
                    "its saved-tensor hooks, and this policy keeps its tensors outside them; use recompute "
                    "'none', 'full' or a number of fully recomputed layers with offloading, or turn offloading off")
-    if _get(layout, "offload_activations", False) and _get(layout, "tp_comm_overlap", False) and tp > 1:
+    if layout.offload_activations and layout.tp_comm_overlap and tp > 1:
         out.append("offload_activations with tp_comm_overlap: the runtime's TP overlap is torch.compile's async TP, "
                    "and offloaded blocks run eagerly (their saved-tensor hooks are Python); use one of the two")
     # "flash" is the stack's own kernel, which for meshplan is SDPA's FlashAttention-2: "fa2" names it too
-    if _get(layout, "attn_kernel", "flash") not in ("flash", "fa2"):
-        out.append(f"attn_kernel={_get(layout, 'attn_kernel', 'flash')!r}: the runtime calls PyTorch's "
+    if layout.attn_kernel not in ("flash", "fa2"):
+        out.append(f"attn_kernel={layout.attn_kernel!r}: the runtime calls PyTorch's "
                    "scaled_dot_product_attention (FlashAttention-2 on CUDA); use attn_kernel='flash' (or 'fa2', "
                    "the same kernel)")
-    if _get(layout, "moe_capacity_factor", None) is not None:
-        out.append(f"moe_capacity_factor={_get(layout, 'moe_capacity_factor', None)!r}: the runtime routes every "
+    if layout.moe_capacity_factor is not None:
+        out.append(f"moe_capacity_factor={layout.moe_capacity_factor!r}: the runtime routes every "
                    "token to its experts (dropless), with no capacity padding or dropping; leave "
                    "moe_capacity_factor unset (None)")
-    dispatcher = _get(layout, "moe_dispatcher", "alltoall")
+    dispatcher = layout.moe_dispatcher
     if dispatcher != "alltoall":
         out.append(f"moe_dispatcher={dispatcher!r}: the runtime moves MoE tokens by one all-to-all copy per "
                    "(token, chosen expert) (runtime/expert_parallel.py), not DeepEP's per-GPU / per-domain "
                    "forwarding; use moe_dispatcher='alltoall'")
-    impl = _get(layout, "fsdp_impl", "fsdp2")
+    impl = layout.fsdp_impl
     if impl != "fsdp2":
         out.append(f"fsdp_impl={impl!r}: the runtime's ZeRO-3 is PyTorch FSDP2 (fully_shard, one unit per "
                    "block, runtime/fsdp.py); use fsdp_impl='fsdp2'")
-    out += _grad_dtype_limits(_get(layout, "grad_dtype", "fp32"), dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp,
+    out += _grad_dtype_limits(layout.grad_dtype, dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, etp=etp,
                               zero=zero)
     if cp > 1 and cp_comm != "p2p":
         out.append(f"cp_comm_type={cp_comm!r}: the runtime's context parallelism is the ring of K/V blocks "
                    "('p2p'); use cp_comm_type='p2p'")
-    if pp > 1 and tp > 1 and _get(layout, "schedule", None) == "zbv" and _get(layout, "sp", tp > 1):
+    if pp > 1 and tp > 1 and layout.schedule == "zbv" and layout.sp:
         # seen on gloo: the V's second chunk never receives its sequence-sharded activations
         out.append("the ZB-V schedule with tensor and sequence parallelism hangs in the runtime's pipeline "
                    "sends; use sp=False, or schedule 'zb' / '1f1b' / 'interleaved'")
@@ -185,27 +185,6 @@ def runtime_limits(layout: Mapping[str, Any] | Any, traits: ModelTraits | None =
         if traits.layers and pp * vp > traits.layers:
             out.append(f"pp={pp} x vp={vp} = {pp * vp} pipeline stages for {traits.layers} layers: every stage "
                        "needs at least one layer")
-        if traits.mtp:
-            out += _mtp_limits(traits.mtp, tp=tp, cp=cp, ep=ep, etp=etp,
-                               sp=tp > 1 if _get(layout, "sp", None) is None else bool(_get(layout, "sp", None)))
-    return out
-
-
-def _mtp_limits(depth: int, *, tp: int, cp: int, ep: int, etp: int, sp: bool) -> list[str]:
-    """What the runtime's multi-token prediction (mtp_depth > 0) does not run yet: the shift by k
-    tokens crosses context-parallel shards; the MTP block runs whole on every TP rank on whole
-    tokens (its weights replicated), so it takes neither sequence-sharded inputs nor
-    expert-parallel experts. (Pipeline parallelism runs: runtime/pipeline.py.)"""
-    what = f"multi-token prediction (mtp_depth={depth})"
-    out = []
-    if cp > 1:
-        out.append(f"{what} with context parallelism (cp={cp}): the MTP targets shift across the sequence "
-                   "shards; use cp=1")
-    if tp > 1 and sp:
-        out.append(f"{what} with sequence parallelism: the MTP block runs on whole tokens; use sp=False")
-    if ep > 1 or etp > 1:
-        out.append(f"{what} with expert parallelism (ep={ep}, etp={etp}): the MTP block's experts are not "
-                   "sharded; use ep=1 and etp=1")
     return out
 
 

@@ -26,7 +26,7 @@ _WHERE = {
     "swiglu": "activation", "swiglu_packed": "activation",
 }
 
-__all__ = sorted([*_WHERE, "reference", "fusion"])
+__all__ = sorted([*_WHERE, "reference", "fusion", "lean"])
 
 
 def __getattr__(name: str) -> Any:
@@ -34,7 +34,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"meshplan.kernels.{_WHERE[name]}"), name)
         globals()[name] = value
         return value
-    if name in ("reference", "fusion"):
+    if name in ("reference", "fusion", "lean"):
         return importlib.import_module(f"meshplan.kernels.{name}")
     raise AttributeError(f"module 'meshplan.kernels' has no attribute {name!r}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.kernels import reference
+from meshplan.kernels import lean
 from meshplan.kernels._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from meshplan.kernels._common import NAMESPACE, require_triton
 from meshplan.kernels.selection import backend
@@ -131,7 +131,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     check_same_device(gate=gate, up=up)
     if backend() == "triton":
         return swiglu_op(gate, up)
-    return reference.swiglu(gate, up)
+    return lean.swiglu(gate, up)             # the reference math, keeping what the kernel keeps
 
 
 def swiglu_packed(gate_up: Tensor) -> Tensor:
@@ -142,4 +142,4 @@ def swiglu_packed(gate_up: Tensor) -> Tensor:
                           f"shape {tuple(gate_up.shape)}")
     if backend() == "triton":
         return swiglu_packed_op(gate_up)
-    return reference.swiglu_packed(gate_up)
+    return lean.swiglu_packed(gate_up)

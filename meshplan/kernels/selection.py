@@ -6,7 +6,9 @@ The choice is explicit and process-wide (`set_backend`), and never made by catch
   `triton` package and either a CUDA device or the Triton interpreter (TRITON_INTERPRET=1,
   which runs kernels on CPU tensors, slowly; used by the tests). Asking for it when it cannot
   run raises ConfigError saying why.
-- "reference": plain PyTorch ops (meshplan.kernels.reference); autograd differentiates them.
+- "reference": plain PyTorch ops (meshplan.kernels.reference); RMSNorm and SwiGLU run it as
+  autograd Functions that keep only what the Triton kernels keep (meshplan.kernels.lean), the
+  others are differentiated by autograd.
 - "auto" (the default): "triton" when it can run, else "reference".
 
 The environment is read when the backend is resolved (at `set_backend` and at each call under

@@ -83,10 +83,9 @@ PRESETS: dict[str, dict[str, object]] = {
     # norm_topk_prob true): each token's top-8 lie in its 4 best of 8 expert groups (a group
     # scored by its two best biased scores), weights renormalised over the 8 and scaled by 2.5.
     # Multi-token prediction (Sec. 2.2 and 4.2): D = 1 depth, its loss weight lambda 0.3 for the
-    # first 10T tokens, then 0.1: build with mtp_depth=1 (models.build("deepseek-v3", mtp_depth=1)).
-    # Off in the preset: meshplan's runtime runs the MTP block unsharded (no EP / CP / SP), and
-    # DeepSeek-V3's routed-expert MTP block does not fit without EP, so with it on the meshplan
-    # stack could only plan layouts far from DeepSeek's own.
+    # first 10T tokens, then 0.1 (a schedule not modelled: pass mtp_loss_weight=0.1 for that phase;
+    # mtp_depth=0 drops the depth). The depth's block is a MoE block, run and priced as the last
+    # layer (its experts sharded by EP, runtime/mtp_parallel.py).
     # Balancing (Sec. 2.1.2 and 4.2): auxiliary-loss-free, the selection bias moved by
     # gamma = 0.001 per step against each expert's load (meshplan's moe_expert_bias, same sign
     # rule; the paper's gamma = 0 for the last 500B tokens is a schedule not modelled), plus the
@@ -100,7 +99,7 @@ PRESETS: dict[str, dict[str, object]] = {
         moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
         vocab=129280, seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
         moe_expert_bias=True, moe_bias_update_rate=0.001, moe_aux_loss_coeff=0.0001, moe_aux_loss_scope="local",
-        mtp_depth=0, mtp_loss_weight=0.3),
+        mtp_depth=1, mtp_loss_weight=0.3),
     # --- GPT-OSS (OpenAI gpt-oss-120b / gpt-oss-20b model card, 2025; transformers GptOssConfig and
     # openai/gpt-oss-*b config.json): 36 (20b: 24) layers of width 2880, 64 query heads and 8 KV heads
     # of head_dim 64 (q width 4096 != hidden), biases on the attention projections, 128 (20b: 32)

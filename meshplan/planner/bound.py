@@ -7,8 +7,9 @@ forward + backward work (`Device.pipeline_lower_bound`) plus the exposed pipelin
 ranks' work together is at least: each layer's cheapest forward + backward (+ recompute) time under
 the policies on offer, the embedding and the output layer + loss, and the unfused gradient
 accumulation of every weight the pipeline holds. Every other term of the step (data-parallel and
-optimizer time, FP8 casts, overheads) is non-negative. The costs are the estimate's own functions
-on the same numbers (`estimate.layer_table`, cached across the search), so the bound is exact
+optimizer time, FP8 casts, overheads) is non-negative. The costs are the estimate's own numbers,
+read from the cost model's tables (`cost_models.tables`: `layer_table`, cached across the search,
+`edge_costs`, `pipeline_p2p_s`, `pipeline_floor_s`, `grad_accumulation_s`), so the bound is exact
 arithmetic, not a model; tests/planner/test_search_bound.py checks it against every estimate of
 several searches.
 """
@@ -18,11 +19,13 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from meshplan.cost_models.compute import grad_accumulation_time
-from meshplan.cost_models.device import device_of
-from meshplan.cost_models.estimate import _pp_comm, layer_table
-from meshplan.cost_models.memory import grad_store_bytes
-from meshplan.cost_models.ranks import embedding_time, head_times
+from meshplan.cost_models.tables import (
+    edge_costs,
+    grad_accumulation_s,
+    layer_table,
+    pipeline_floor_s,
+    pipeline_p2p_s,
+)
 from meshplan.errors import MeshplanError
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
@@ -47,18 +50,19 @@ def policies_of(recompute_options: Iterable) -> tuple[str, ...]:
 
 
 class MeshBound:
-    """`bound(cand, mbss)`: the least step time any estimate of candidate `cand` (a layout dict
-    without mbs / recompute) can have over the micro-batch sizes `mbss`, this search's precisions
-    and recompute policies."""
+    """`bound(cand, mbss)`: the least step time any estimate of candidate `cand` (a Layout or a
+    layout dict; its mbs and recompute are ignored) can have over the micro-batch sizes `mbss`, this
+    search's precisions and recompute policies."""
 
     def __init__(self, profile: ModelProfile, cluster, *, seq_len: int, global_batch: int,
                  precisions: tuple[str, ...], policies: tuple[str, ...], fp8_modules: frozenset | None, stack):
         self.profile, self.cluster, self.seq_len, self.global_batch = profile, cluster, seq_len, global_batch
         self.precisions, self.policies, self.fp8_modules, self.stack = precisions, policies, fp8_modules, stack
-        self.device = device_of(cluster)
         self._sums: dict[tuple, float] = {}
 
-    def __call__(self, cand: Mapping[str, Any], mbss: list[int]) -> float:
+    def __call__(self, cand: Layout | Mapping[str, Any], mbss: list[int]) -> float:
+        if isinstance(cand, Layout):
+            cand = cand.to_dict()
         try:
             lay = Layout.from_dict(dict(cand, mbs=1, recompute="none"))
             key = tuple(sorted((k, v) for k, v in cand.items() if k not in _PIPELINE_FIELDS
@@ -67,16 +71,15 @@ class MeshBound:
             if lay.zero < 3 and not (lay.grad_accum_fusion and self.stack.grad_accum_fusion):
                 # every micro-batch adds each weight gradient into the buffer (ranks.rank_work); the
                 # pass is linear in the weights, so the ranks' passes add up to one over all of them
-                acc = grad_accumulation_time(self._layer_params(lay), grad_store_bytes(lay, self.stack),
-                                             self.cluster)
+                acc = grad_accumulation_s(self._layer_params(lay), lay, self.stack, self.cluster)
             best = math.inf
             for precision in self.precisions:
                 for mbs in mbss:
                     total, tokens = self._layer_sum(key, cand, mbs, precision)
                     m = self.global_batch // (lay.dp * mbs)
-                    pp_exposed = _pp_comm(self.profile, self.cluster, lay, m, tokens)[0] + \
-                        self.device.pp_host_time(lay, self.cluster, m)
-                    best = min(best, self.device.pipeline_lower_bound(lay, m, total + acc) + pp_exposed)
+                    # the exposed pipeline p2p, its host work included
+                    pp_exposed = pipeline_p2p_s(self.profile, self.cluster, lay, m, tokens)[0]
+                    best = min(best, pipeline_floor_s(self.cluster, lay, m, total + acc) + pp_exposed)
             return best
         except MeshplanError:
             return 0.0      # the estimate will say what is wrong; never prune on it
@@ -107,11 +110,9 @@ class MeshBound:
             for layers in count.values():
                 costs = [table.cost(layers[0], pol) for pol in self.policies]
                 total += len(layers) * min(c.fwd_s + c.bwd_s + c.recompute_s for c in costs)
-            ctx = table.ctx
-            tokens = ctx.tokens
-            # ranks.rank_work's edges: embedding forward e + backward 2e on the first rank, output
-            # layer + loss forward g + ce and backward 2g + ce on the last
-            e = embedding_time(self.profile, self.cluster, tokens, ctx.layout.tp if ctx.layout.sp else 1)
-            g, ce = head_times(self.profile, self.cluster, tokens, ctx.layout.tp, ctx.fitted)
-            hit = self._sums[k] = (total + 3 * e + 3 * g + 2 * ce, tokens)
+            # the edges: embedding forward e + backward 2e on the first rank, output layer + loss
+            # forward g + ce and backward 2g + ce on the last
+            edge = edge_costs(self.profile, table)
+            hit = self._sums[k] = (total + 3 * edge.embedding_fwd_s + 3 * edge.head_gemm_fwd_s + 2 * edge.loss_s,
+                                   table.ctx.tokens)
         return hit

@@ -11,6 +11,7 @@ from meshplan.errors import DoesNotFitError, LayoutError, MeshplanError
 from meshplan.ir.estimate import GB, Estimate
 from meshplan.ir.layout import Layout, check_layout, divisors
 from meshplan.ir.plan import FusedKernel, Plan, PlanNotes, RunnerUp
+from meshplan.ir.precision import Precision
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.support import block_placement_limits
 from meshplan.planner.explain import why_lost
@@ -193,9 +194,9 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
     taken from it counted the cache twice, and the ILP then dropped most linears for want of room:
     GPT-3 20B at tp2 dp32 kept 13 of 264 linears in FP8, 26% slower than estimate() of the layout.)"""
     base = best
-    if best.precision == "fp8":
+    if best.precision == Precision.FP8:
         base = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
-                                precision="fp8", fp8_modules=frozenset(), stack=stack)
+                                precision=Precision.FP8, fp8_modules=frozenset(), stack=stack)
     cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
     # (offloaded activations are in host memory: no GPU budget taken)
     budget = [base.capacity_gb - sum(v for k, v in s.items() if k not in ("fp8_cache", "host_offload"))
@@ -269,12 +270,12 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     placement_notes: list[str] = []
     placements = placements_for(profile, lay, cluster, seq_len=seq_len, notes=placement_notes)
     fp8_modules: tuple[str, ...] = ()
-    if best.precision == "fp8":
+    if best.precision == Precision.FP8:
         fp8_modules = _fp8_modules(profile, cluster, lay, best, seq_len, global_batch, fp8_force_in, fp8_force_out,
                                    stack)
         # the plan's prediction costs exactly the FP8 set it will run
         best = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
-                                precision="fp8", fp8_modules=frozenset(fp8_modules), stack=stack)
+                                precision=Precision.FP8, fp8_modules=frozenset(fp8_modules), stack=stack)
     return Plan(model=profile.name, model_fingerprint=profile.fingerprint, stack=stack.name, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint(), seq_len=seq_len, global_batch=global_batch,
                 precision=best.precision, layout=lay, blocks=block_instances(profile),

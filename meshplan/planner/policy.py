@@ -1,9 +1,9 @@
 """What the planner searches for a model and how it finishes the answer: the policy between a
 user's request and the search.
 
-- `resolve_precision`: the precisions a precision name stands for on a cluster, and the one the
-  plan records where it differs from the priced one (fp32 planned at BF16 costs; FP8 emulated on
-  CPU).
+- `resolve_precision`: the precisions (`meshplan.ir.precision.Precision`) a precision name stands
+  for on a cluster, and the one the plan records where it differs from the priced one (fp32
+  planned at BF16 costs; FP8 emulated on CPU).
 - `plan_profile`: the search and the Plan's construction for one profile. It prices FP8 with the
   module set the FP8 placement will run (the linears the runtime's FP8 backends can swap), falls
   back to bf16 Adam moments only when nothing fits with fp32 ones, and gives a device without FP8
@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from meshplan.errors import ConfigError, DoesNotFitError
 from meshplan.ir.plan import Plan
-from meshplan.ir.precision import PLAN_CHOICES
+from meshplan.ir.precision import AUTO, PLAN_CHOICES, Precision, parse_precision
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack
 from meshplan.planner.build import _fp8_modules, block_instances, build_plan
@@ -30,50 +30,50 @@ from meshplan.planner.ilp.fp8 import fp8_layer_modules
 from meshplan.planner.search import search
 from meshplan.profiling.traits import model_traits
 
-__all__ = ["PRECISIONS", "Precision", "resolve_precision", "plan_profile"]
+__all__ = ["PRECISIONS", "ResolvedPrecision", "resolve_precision", "plan_profile"]
 
 # precision names plan() and `meshplan train --precision` share (one declaration: ir/precision.py)
 PRECISIONS = PLAN_CHOICES
 
 
 @dataclass(frozen=True)
-class Precision:
+class ResolvedPrecision:
     """A precision name resolved on a cluster: what the search prices (`search`), and what the
     plan records where that differs from the priced precision (`run_as`, else None)."""
-    search: tuple[str, ...]
-    run_as: str | None = None
+    search: tuple[Precision, ...]
+    run_as: Precision | None = None
 
 
-def resolve_precision(precision: str, cluster) -> Precision:
+def resolve_precision(precision: Precision | str, cluster) -> ResolvedPrecision:
     """The precisions `precision` (one of PRECISIONS) stands for on `cluster`: raises on a name
     the planner does not know or FP8 on a GPU without FP8 units, and warns where the plan is
     priced in another precision than it runs in."""
-    if precision == "auto":
-        return Precision(("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",))
-    if precision in ("bf16", "fp16"):
-        return Precision((precision,))
+    precision = parse_precision(precision)
+    bf16, fp8 = Precision.BF16, Precision.FP8
+    if precision == AUTO:
+        return ResolvedPrecision((bf16, fp8) if cluster.gpu.fp8_tflops else (bf16,))
+    if precision in (bf16, Precision.FP16):
+        return ResolvedPrecision((precision,))
     # stacklevel 3: the warning names the caller of meshplan.api.plan, the user's code
-    if precision == "fp32":
+    if precision is Precision.FP32:
         # the cost model has BF16/FP16/FP8 tables only: the layout is searched at BF16 costs and the
         # runtime runs fp32 (twice the weight and activation bytes; step times of the fp32 rate)
         warnings.warn("precision='fp32': the layout is planned with BF16 costs (the cost model prices "
                       "bf16/fp16/fp8); the runtime trains in fp32, so memory and step time exceed the "
                       "prediction", stacklevel=3)
-        return Precision(("bf16",), "fp32")
-    if precision == "fp8":
-        if cluster.gpu.fp8_tflops:
-            return Precision(("fp8",))
-        if cluster.gpu.id != "cpu":
-            raise ConfigError(f"{cluster.gpu.name} has no FP8 matrix units; use precision='bf16' (FP8 is "
-                              "emulated on CPU processes only: cluster 'local-cpu')")
-        warnings.warn(f"{cluster.gpu.name} has no FP8 matrix units: FP8 is emulated (torchao on CPU: the same "
-                      "quantisation, no speed-up). The layout is priced in BF16 and the FP8 modules are "
-                      "those the placement ILP would choose on an FP8 GPU with this BF16 rate", stacklevel=3)
-        return Precision(("bf16",), "fp8")
-    raise ConfigError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+        return ResolvedPrecision((bf16,), Precision.FP32)
+    if cluster.gpu.fp8_tflops:          # precision is FP8 from here on
+        return ResolvedPrecision((fp8,))
+    if cluster.gpu.id != "cpu":
+        raise ConfigError(f"{cluster.gpu.name} has no FP8 matrix units; use precision='bf16' (FP8 is "
+                          "emulated on CPU processes only: cluster 'local-cpu')")
+    warnings.warn(f"{cluster.gpu.name} has no FP8 matrix units: FP8 is emulated (torchao on CPU: the same "
+                  "quantisation, no speed-up). The layout is priced in BF16 and the FP8 modules are "
+                  "those the placement ILP would choose on an FP8 GPU with this BF16 rate", stacklevel=3)
+    return ResolvedPrecision((bf16,), fp8)
 
 
-def plan_profile(prof: ModelProfile, cluster, *, seq_len: int, global_batch: int, precision: Precision,
+def plan_profile(prof: ModelProfile, cluster, *, seq_len: int, global_batch: int, precision: ResolvedPrecision,
                  stack: Stack, fixed: Mapping[str, Any] | None = None, top_k: int = 5,
                  allow_cross_domain: bool = False, fused_kernels: bool = True, fp8_force_in: Sequence[str] = (),
                  fp8_force_out: Sequence[str] = (), module=None) -> Plan:
@@ -115,7 +115,7 @@ def plan_profile(prof: ModelProfile, cluster, *, seq_len: int, global_batch: int
         out = dataclasses.replace(out, notes=out.notes.replace(optimizer_note=(
             "Adam moments in bf16 (fp32 master weights): no layout fits with fp32 moments; "
             "pass fixed={'optimizer_dtype': 'fp32'} to refuse")))
-    if precision.run_as == "fp8":
+    if precision.run_as is Precision.FP8:
         out = _emulated_fp8_plan(prof, cluster, out, seq_len=seq_len, global_batch=global_batch, **forces)
     elif precision.run_as and precision.run_as != out.precision:
         out = dataclasses.replace(out, precision=precision.run_as)
@@ -147,5 +147,5 @@ def _emulated_fp8_plan(prof, cl, plan, *, seq_len: int, global_batch: int, fp8_f
     gpu = dataclasses.replace(cl.gpu, fp8_tflops=2 * cl.gpu.bf16_tflops, fp8_gemm_efficiency=cl.gpu.gemm_efficiency)
     emu = dataclasses.replace(cl, gpu=gpu)
     mods = _fp8_modules(prof, emu, plan.layout, plan.estimate, seq_len, global_batch, fp8_force_in, fp8_force_out)
-    return dataclasses.replace(plan, precision="fp8", fp8_modules=mods,
+    return dataclasses.replace(plan, precision=Precision.FP8, fp8_modules=mods,
                                notes=plan.notes.replace(fp8_emulated=True))

@@ -14,6 +14,7 @@ Every surviving candidate is scored with the same `estimate_profile` users call.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -27,6 +28,7 @@ from meshplan.cost_models.uncertainty import PREFER_SIMPLER_WINDOW
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
+from meshplan.ir.precision import Precision
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 from meshplan.ir.support import runs_as_ddp, runtime_limits
@@ -44,13 +46,13 @@ __all__ = ["SearchResult", "search", "FIXABLE"]
 # (offload_activations: fixed True offloads every candidate; left free, the search offloads a mesh only
 # where nothing fits on it without: _cost_mesh)
 PASSED_THROUGH = tuple(k for k in (
-    "sp", "tp_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
+    "sp", "tp_comm_overlap", "ep_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
     "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "optimizer", "moe_capacity_factor",
     "offload_activations")
     if k in {f.name for f in fields(Layout)})
 FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
            "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
-RECOMPUTE_ORDER = ("none", "norm_act", "norm_moe", "selective", "op_sac", "full")
+RECOMPUTE_ORDER = ("none", "norm_act", "norm_moe", "mla_up", "selective", "op_sac", "full")
 # "norm_act" (re-run the norms and the routed experts' activation: element-wise work only) is offered
 # where its memory saving is large or selective's recompute is dear: on MoE models (it drops the
 # experts' activation outputs, topk x moe_ffn_hidden per token, usually the largest MoE activation) and
@@ -149,31 +151,44 @@ def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
     return list(values)
 
 
+def _check_fixed_values(f: Mapping[str, Any]) -> None:
+    """Each fixed value as Layout checks it (a known recompute policy, dtype, schedule, ...): a
+    misspelt one is refused here, in Layout's words, rather than leaving the search no candidate.
+    Choices Layout checks against another are checked beside a value that admits them."""
+    for k, v in f.items():
+        if k == "stage_layers":
+            continue        # its length is checked against each candidate's pp * vp
+        context = {"zero": 3} if k in ("fsdp_impl", "fsdp_shard", "reshard_after_forward") else \
+            {"vp": 2} if k == "schedule" and v == "interleaved" else {}
+        try:
+            Layout(**{**context, k: v})
+        except ConfigError as e:
+            raise ConfigError(f"fixed {k}: {e}") from None
+
+
 def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
-                          zero: int, grad_dtype: str = "fp32", optimizer_dtype: str = "fp32",
-                          optimizer: str = "adamw") -> float:
+                          zero: int, dtypes: Layout) -> float:
     """Weights + grads + optimizer of the most loaded pipeline rank, no activations (the
-    bytes per parameter of cost_models.memory, for the gradient dtype the search prices)."""
+    bytes per parameter of cost_models.memory, for the gradient and optimizer dtypes of `dtypes`)."""
     dense = sum((b.params - b.expert_params) * b.count for b in profile.blocks)
     expert = sum(b.expert_params * b.count for b in profile.blocks)
     dense_gpu = (dense / pp + profile.embedding_params) / tp
     expert_gpu = expert / pp / ep
 
-    lay = Layout(grad_dtype=grad_dtype, optimizer_dtype=optimizer_dtype, optimizer=optimizer)
-
     def per_param(d: int) -> float:
-        return sum(state_bytes(1.0, d, zero, grad_bytes=grad_bytes(lay), optimizer_bytes=optimizer_bytes(lay)).values())
+        return sum(state_bytes(1.0, d, zero, grad_bytes=grad_bytes(dtypes),
+                               optimizer_bytes=optimizer_bytes(dtypes)).values())
 
     return (dense_gpu * per_param(dp_shard) + expert_gpu * per_param(edp)) / 2 ** 30
 
 
-def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[str, ...],
+def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, precisions: tuple[Precision, ...],
            fixed: Mapping[str, Any] | None = None, allow_cross_domain: bool = False,
            keep: int = 256, stack: Stack | str | None = None, traits=None,
            fp8_modules: frozenset | None = None, bound: bool = True) -> SearchResult:
     """Rank every candidate layout (see the module docstring) that `stack` runs (meshplan.ir.stack;
     default meshplan's runtime, whose limits meshplan.ir.support declares), priced as it runs them.
-    fp8_modules: the module set precision "fp8" candidates are priced with (planner.ilp.fp8.
+    fp8_modules: the module set Precision.FP8 candidates are priced with (planner.ilp.fp8.
     fp8_layer_modules: what the plan's FP8 placement will run); None prices every linear in FP8.
     bound: cost candidates cheapest lower bound first and skip those that cannot reach the
     planner's window (planner.bound; `_cost_in_bound_order`); False costs every candidate."""
@@ -182,12 +197,13 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     runtime = stack.runtime_checks
     n = cluster.num_gpus
     f = _check_fixed(fixed or {}, n)
+    _check_fixed_values(f)
     if f.get("offload_activations") and not stack.activation_offload:
         raise ConfigError(f"fixed offload_activations=True: the {stack.name} stack does not offload activations "
                           "to host memory; plan for stack 'meshplan' or 'megatron-core', or leave it unset")
     if f.get("offload_activations") and runtime and "recompute" in f and \
             not _offload_recompute([f["recompute"]], stack):
-        raise ConfigError(runtime_limits({"offload_activations": True, "recompute": f["recompute"]})[0])
+        raise ConfigError(runtime_limits(Layout(offload_activations=True, recompute=f["recompute"]))[0])
     blocks = profile.layer_blocks()
     L = profile.num_layers
     attn = [b for b in blocks if b.heads]
@@ -213,7 +229,9 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     unsupported: list[Estimate] = []
     unsupported_why: list[str] = []
     ustats = dict.fromkeys(stats, 0)
-    todo: list[tuple[dict, int, str | None]] = []     # (candidate, dp, why the runtime cannot run it)
+    todo: list[tuple[Layout, str | None]] = []     # (candidate, why the runtime cannot run it)
+    # the gradient and optimizer dtypes every candidate has (the memory bound prices them)
+    dtypes = Layout(**{k: f[k] for k in ("grad_dtype", "optimizer_dtype", "optimizer") if k in f})
     for tp in _opts("tp", f, (t for t in divisors(n) if t <= 64)):
         if not tp_ok(tp):
             stats["pruned_divisibility"] += 1
@@ -254,33 +272,42 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/etp
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
-                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero,
-                                                f.get("grad_dtype", "fp32"), f.get("optimizer_dtype", "fp32"),
-                                                f.get("optimizer", "adamw")) > \
+                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero, dtypes) > \
                                 cluster.usable_memory_gb:
                             stats["pruned_memory"] += 1
                             continue
                         stage_layers = f.get("stage_layers")
                         if stage_layers is None and L % (pp * vp):
                             stage_layers = split_layers(L, pp * vp)
-                        base = dict(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
-                                    schedule=schedule, stage_layers=stage_layers)
+                        choices: dict[str, Any] = {}
                         if not stack.grad_accum_fusion:
                             # the layout says what runs: PyTorch accumulates each micro-batch's weight
                             # gradients by a separate add (AccumulateGrad), not in the wgrad GEMM
-                            base["grad_accum_fusion"] = False
-                        base.update({k: f[k] for k in PASSED_THROUGH if k in f})
+                            choices["grad_accum_fusion"] = False
+                        if ep > 1 and stack.ep_overlap != "none":
+                            # the stack overlaps the expert all-to-all where the schedule lets it
+                            # (Stack.runs_ep_overlap; the cost model prices it only there)
+                            choices["ep_comm_overlap"] = True
+                        choices.update({k: f[k] for k in PASSED_THROUGH if k in f})
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
-                            cand = dict(base, **variant)
+                            try:
+                                cand = Layout(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
+                                              schedule=schedule, stage_layers=stage_layers, **{**choices, **variant})
+                            except ConfigError:
+                                # a fixed choice this mesh cannot take (fsdp_impl on a zero < 3 mesh,
+                                # stage_layers of another pp * vp)
+                                stats["pruned_divisibility"] += 1
+                                continue
                             limits = runtime_limits(cand, traits) if runtime else []
-                            if limits and tp > 1 and "sp" not in f and \
-                                    not runtime_limits(dict(cand, sp=False), traits):
+                            if limits and tp > 1 and "sp" not in f:
                                 # sequence parallelism is the default with TP, not a requirement:
                                 # where only SP stands in the runtime's way, run TP without it
-                                cand, limits = dict(cand, sp=False), []
+                                no_sp = cand.replace(sp=False)
+                                if not runtime_limits(no_sp, traits):
+                                    cand, limits = no_sp, []
                             if limits:
                                 stats["runtime_excluded"] += 1
-                            todo.append((cand, dp, limits[0] if limits else None))
+                            todo.append((cand, limits[0] if limits else None))
     _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, precisions, fp8_modules, stack,
                          stats, ustats, ranked, rejected, unsupported, unsupported_why,
                          bound=bound and not _unbalanced_experts(profile))
@@ -305,7 +332,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         rejected_fast=fastest, stats=stats, unsupported=excluded)
 
 
-def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) -> list[dict]:
+def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) -> list[dict[str, Any]]:
     """ZeRO-3 flavours: FSDP (shard over all of dp*cp, reshard after forward), keep the gathered
     weights until backward (ZeRO-2-like), and HSDP (shard inside a node, replicate across)."""
     if zero != 3:
@@ -327,7 +354,9 @@ def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0, stack: 
     moe = any(b.is_moe for b in profile.layer_blocks())
     norm_act = ["norm_act"] if moe or seq_len >= NORM_ACT_MIN_SEQ else []
     norm_moe = ["norm_moe"] if moe else []
-    out = ["none", *norm_act, *norm_moe, "selective", "op_sac", *partial, "full"]
+    # mla_up (Megatron's mla_up_proj + mlp modules) exists for latent attention only
+    mla_up = ["mla_up"] if any(b.latent_dim for b in profile.layer_blocks()) else []
+    out = ["none", *norm_act, *norm_moe, *mla_up, "selective", "op_sac", *partial, "full"]
     return [r for r in out if stack.offers_recompute(r)]
 
 
@@ -352,27 +381,27 @@ def _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, preci
     if bound and todo:
         # the per-layer policies of every recompute option a candidate tries (they differ by pp only
         # in the partial counts, all "full" + "none")
-        pps = dict.fromkeys(cand["pp"] for cand, _, _ in todo)
+        pps = dict.fromkeys(cand.pp for cand, _ in todo)
         policies = policies_of(rc for pp in pps for rc in _opts("recompute", f, _recompute_options(
             profile, pp, seq_len, stack)))
         lower = MeshBound(profile, cluster, seq_len=seq_len, global_batch=global_batch, precisions=precisions,
                           policies=policies, fp8_modules=fp8_modules, stack=stack)
-        lbs = [lower(cand, _mbs_options(cand, global_batch // dp, f, stack)) for cand, dp, _ in todo]
+        lbs = [lower(cand, _mbs_options(cand, global_batch // cand.dp, f, stack)) for cand, _ in todo]
         order = sorted(order, key=lambda i: (lbs[i], i))
     window: list[float] = []        # the fastest fitting steps found (a max-heap, negated)
     for n, i in enumerate(order):
         if bound and len(window) >= PLANNER_WINDOW and lbs[i] > -window[0]:
             stats["pruned_bound"] = len(todo) - n
             break
-        cand, dp, why = todo[i]
+        cand, why = todo[i]
         fit: list = []
         over: list = []
         excluded: list = []
         if why is not None:
-            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp, excluded, [], ustats,
+            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, excluded, [], ustats,
                        fp8_modules, stack)
         else:
-            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, dp, fit, over, stats,
+            _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, fit, over, stats,
                        fp8_modules, stack)
             for e in fit:
                 if len(window) < PLANNER_WINDOW:
@@ -385,52 +414,53 @@ def _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, preci
             ranked.extend(res[0])
             rejected.extend(res[1])
             unsupported.extend(res[2])
-            unsupported_why.extend([todo[i][2]] * len(res[2]))
+            unsupported_why.extend([todo[i][1]] * len(res[2]))
 
 
-def _mbs_options(base: Mapping[str, Any], per_dp: int, f: Mapping[str, Any], stack: Stack) -> list[int]:
+def _mbs_options(base: Layout, per_dp: int, f: Mapping[str, Any], stack: Stack) -> list[int]:
     """The micro-batch sizes a mesh tries: divisors of its per-rank batch up to MAX_MBS (or the
     fixed one). torch.distributed.pipelining (meshplan's runtime, torchtitan) needs at least pp
     micro-batches per step; the cost model itself prices fewer (Megatron's 1F1B allows it), so a
     user may still fix mbs, and a plan for a stack without that limit may choose it."""
     mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
-            (base["pp"] == 1 or per_dp // m >= base["pp"] or not stack.pp_min_microbatches)]
+            (base.pp == 1 or per_dp // m >= base.pp or not stack.pp_min_microbatches)]
     return _opts("mbs", f, mbss)
 
 
-def _cost_mesh(profile, cluster, base, f, seq_len, global_batch, precisions, dp, ranked, rejected, stats,
+def _cost_mesh(profile, cluster, base: Layout, f, seq_len, global_batch, precisions, ranked, rejected, stats,
                fp8_modules: frozenset | None = None, stack: Stack | None = None) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps; where nothing
     fits and the stack offloads activations, the same with the saved activations in host memory."""
     stack = stack or resolve_stack(None)
-    mbss = _mbs_options(base, global_batch // dp, f, stack)
-    rcs = _recompute_options(profile, base["pp"], seq_len, stack)
-    if base.get("offload_activations"):
-        rcs = _offload_recompute(rcs, stack, base["pp"])
+    mbss = _mbs_options(base, global_batch // base.dp, f, stack)
+    rcs = _recompute_options(profile, base.pp, seq_len, stack)
+    if base.offload_activations:
+        rcs = _offload_recompute(rcs, stack, base.pp)
     for precision in precisions:
         fitting = len(ranked)
         for rc in _opts("recompute", f, rcs):
-            best_here = _grow_mbs(profile, cluster, dict(base, recompute=rc), mbss, seq_len, global_batch, precision,
+            best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc), mbss, seq_len, global_batch, precision,
                                   ranked, rejected, stats, fp8_modules, stack)
-            if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe"):
+            if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe", "mla_up"):
                 break                          # cheapest recompute that fits found; more recompute only adds work
-            # (not after "norm_act": selective saves more and re-runs attention instead of element-wise
-            # work, which at short sequences can be the cheaper recompute; both are ranked)
+            # (not after the module policies ("norm_act", ...): selective saves more and re-runs attention
+            # instead, which at short sequences can be the cheaper recompute; both are ranked)
         if len(ranked) > fitting or "offload_activations" in f or not stack.activation_offload or \
                 not frees_device_memory(cluster):
             continue
         # nothing fits on this mesh: offload the saved activations to host memory (cost_models/
         # offload.py), with the least recompute that then fits. Only here: a mesh that fits without it is
         # costed as before, and one too small for its activations gains a candidate
-        ladder = _opts("recompute", f, _offload_recompute(rcs, stack, base["pp"]))
+        ladder = _opts("recompute", f, _offload_recompute(rcs, stack, base.pp))
         # the leanest first, at the smallest micro-batch: where even it does not fit (most such meshes:
         # their weights, the embedding and the head do not shrink), one estimate settles the mesh
-        if not ladder or not mbss or _grow_mbs(profile, cluster, dict(base, recompute=ladder[-1], offload_activations=True),
+        if not ladder or not mbss or _grow_mbs(profile, cluster, base,
+                                               dict(recompute=ladder[-1], offload_activations=True),
                                                mbss[:1], seq_len, global_batch, precision, [], rejected, stats,
                                                fp8_modules, stack) is None:
             continue
         for rc in ladder:
-            best_here = _grow_mbs(profile, cluster, dict(base, recompute=rc, offload_activations=True), mbss,
+            best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc, offload_activations=True), mbss,
                                   seq_len, global_batch, precision, ranked, rejected, stats, fp8_modules, stack)
             if best_here is not None and "recompute" not in f:
                 break
@@ -444,20 +474,28 @@ def _offload_recompute(rcs: list, stack: Stack, pp: int = 1) -> list:
         return [rc for rc in rcs if rc == "none"] if pp == 1 else []
     if not stack.runtime_checks:
         return list(rcs)
-    return [rc for rc in rcs if not runtime_limits({"offload_activations": True, "recompute": rc})]
+    return [rc for rc in rcs if _offloads_with(rc)]
 
 
-def _grow_mbs(profile, cluster, lay_base: dict, mbss: list[int], seq_len: int, global_batch: int, precision: str,
-              ranked: list, rejected: list, stats: dict, fp8_modules: frozenset | None, stack: Stack) -> float | None:
-    """Estimate `lay_base` for each micro-batch size while it fits and the step keeps falling;
-    returns the fastest fitting step (None: none fits)."""
+@functools.lru_cache(maxsize=None)
+def _offloads_with(recompute: str | int) -> bool:
+    """Whether the runtime offloads activations under `recompute` (meshplan.ir.support); asked for
+    every recompute option of every mesh where nothing fits, so answered once per option."""
+    return not runtime_limits(Layout(offload_activations=True, recompute=recompute))
+
+
+def _grow_mbs(profile, cluster, base: Layout, changes: dict[str, Any], mbss: list[int], seq_len: int,
+              global_batch: int, precision: Precision, ranked: list, rejected: list, stats: dict,
+              fp8_modules: frozenset | None, stack: Stack) -> float | None:
+    """Estimate `base` with `changes` (its recompute, offloading) for each micro-batch size while it
+    fits and the step keeps falling; returns the fastest fitting step (None: none fits). Each
+    estimate's layout is one `base.replace` (the search's most frequent Layout construction)."""
     best_here = None
     for mbs in mbss:
-        lay = dict(lay_base, mbs=mbs)
         try:
-            est = estimate_profile(profile, cluster, Layout.from_dict(lay), seq_len=seq_len,
+            est = estimate_profile(profile, cluster, base.replace(mbs=mbs, **changes), seq_len=seq_len,
                                    global_batch=global_batch, precision=precision,
-                                   fp8_modules=fp8_modules if precision == "fp8" else None, stack=stack)
+                                   fp8_modules=fp8_modules if precision == Precision.FP8 else None, stack=stack)
         except MeshplanError:
             stats["pruned_divisibility"] += 1
             continue

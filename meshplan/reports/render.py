@@ -7,6 +7,8 @@ import json
 import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from meshplan.ir.precision import AUTO
+
 if TYPE_CHECKING:  # pragma: no cover
     from meshplan.reports.whatif import PriceSource, WhatIf, WhatIfRow
 
@@ -89,7 +91,7 @@ def _cells(w: WhatIf, r: WhatIfRow) -> list[str]:
     if not r.ok:
         return [r.gpu, str(r.num_gpus), r.status, "", "", "", "", "", "", "", ""]
     limiter = r.limiter if r.limiter == "compute" else f"{r.limiter} {r.limiter_share * 100:.0f}%"
-    layout = compact_layout(r.layout) + (f" {r.precision}" if w.precision == "auto" else "")
+    layout = compact_layout(r.layout) + (f" {r.precision}" if w.precision == AUTO else "")
     return [r.gpu, str(r.num_gpus), layout, fmt_si(r.tokens_per_s),
             fmt_pct(r.mfu), f"{r.days:.1f}", fmt_si(r.gpu_hours), fmt_money(r.cost_usd),
             f"{r.headroom_gb:.1f} GB", limiter, _marks(w, r)]

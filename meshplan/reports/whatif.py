@@ -44,7 +44,7 @@ from typing import Any, Mapping, Sequence, TextIO
 
 import meshplan.api as api
 from meshplan.errors import ConfigError, DoesNotFitError, MeshplanError
-from meshplan.ir.precision import AUTO, PRICED, parse_precision
+from meshplan.ir.precision import AUTO, PRICED, Precision, parse_precision
 from meshplan.ir.rampup import BatchRampup
 from meshplan.reports.html import whatif_html
 from meshplan.reports.render import to_markdown, to_table, verdicts
@@ -406,7 +406,7 @@ def _sweep(prof, points: list, args: dict, jobs: int, bar: "_Progress") -> list[
 
 def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
            gpus: Any = DEFAULT_GPUS, counts: Any = DEFAULT_COUNTS, deadline_days: str | float | None = None,
-           budget_usd: str | float | None = None, prices: Any = None, precision: str = "bf16",
+           budget_usd: str | float | None = None, prices: Any = None, precision: Precision | str = Precision.BF16,
            progress: bool | TextIO = True, rampup: tuple[int, int, int] | None = None,
            jobs: int | None = None) -> WhatIf:
     """Plan `model` on every (GPU type, count) and compare time to train `tokens`, cost and limits.
@@ -434,7 +434,7 @@ def whatif(model: Any, *, tokens: str | float, seq_len: int, global_batch: int,
         BatchRampup(*rampup, final=global_batch)            # refuse a bad ramp before planning
     options = _options(gpus)
     count_list = parse_counts(counts)
-    if precision == "fp8":
+    if precision == Precision.FP8:
         no_fp8 = [o.label for o in options if not o.spec.fp8_tflops]
         if no_fp8:
             raise ConfigError(f"{no_fp8} have no FP8 matrix units; use precision 'bf16' or 'auto'")

@@ -41,6 +41,11 @@ How a model uses it without changes (`apply_context_parallel`):
   Supported models: meshplan's Transformer and Hugging Face models using the "sdpa" attention
   implementation with rotary position embeddings; others are refused (their positions or
   attention could silently be wrong).
+- multi-token prediction (meshplan.models.mtp): depth k looks up token i + k at position i, which
+  at the end of a chunk lies in the next chunk, held by another CP rank. `mtp_shifted_ids` has
+  the shifted lookups read the ids gathered over the CP group (B x T int64, forward only: ids have
+  no gradient), shifted whole and cut to this rank's chunks; the labels are shifted before the
+  split (runtime/model.py). The MTP blocks run the ring like the main blocks.
 """
 
 from __future__ import annotations
@@ -57,10 +62,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from meshplan.errors import ConfigError, LayoutError
+from meshplan.models.mtp import mtp_input_ids
 from meshplan.models.transformer import Transformer
+from meshplan.runtime.mtp_parallel import mtp_depth
 
-__all__ = ["load_balanced_positions", "shard_sequence", "ring_attention", "RingAttentionMode",
-           "apply_context_parallel", "check_sequence_length"]
+__all__ = ["load_balanced_positions", "shard_sequence", "unshard_sequence", "ring_attention",
+           "RingAttentionMode", "apply_context_parallel", "check_sequence_length", "mtp_shifted_ids"]
 
 _REPLAN = "re-plan with cp=1"
 _KV_TAG, _DKV_TAG = 0, 1        # two messages can be in flight between the same peers in backward
@@ -98,6 +105,15 @@ def shard_sequence(x: Tensor, cp: int, rank: int, *, dim: int = 1) -> Tensor:
     check_sequence_length(S, cp)
     c = S // (2 * cp)
     return torch.cat([x.narrow(dim, i * c, c) for i in _chunks_of(rank, cp)], dim=dim)
+
+
+def unshard_sequence(parts: list[Tensor], *, dim: int = 1) -> Tensor:
+    """The whole sequence from every CP rank's part (`shard_sequence` of rank 0, 1, ...)."""
+    cp = len(parts)
+    if cp == 1:
+        return parts[0]
+    halves = [p.chunk(2, dim=dim) for p in parts]        # rank r: chunks r and 2*cp-1-r
+    return torch.cat([halves[i][0] for i in range(cp)] + [halves[i][1] for i in reversed(range(cp))], dim=dim)
 
 
 # ---- ring communication -----------------------------------------------------------------------
@@ -481,4 +497,54 @@ def apply_context_parallel(stage: nn.Module, *, group, seq_len: int, blocks: lis
         block.forward = _under_mode(block.forward, mode)
     # the instance attribute shadows the class's forward (as pipeline.py and recompute.py do)
     stage.forward = _checked_stage_forward(_under_mode(stage.forward, mode), mode, bool(blocks))
-    return {"buffers": buffers, "rotary": sorted(rotary), "blocks": len(blocks)}
+    shifted = mtp_shifted_ids(stage, group) if kind == "meshplan" else False
+    return {"buffers": buffers, "rotary": sorted(rotary), "blocks": len(blocks), "mtp_ids": shifted}
+
+
+# ---- multi-token prediction's shifted lookups ------------------------------------------------------
+class _ShiftedIds:
+    """Forward pre-hooks serving the model's MTP lookups under CP. Transformer.forward looks the
+    tokens up first, then the tokens shifted by 1 .. D: the stage's pre-hook marks the start of a
+    forward, the embedding's sees the lookups in that order."""
+
+    def __init__(self, group, depth: int):
+        self.group, self.depth = group, depth
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.lookups = 0
+        self.shifted: list[Tensor] = []
+
+    def start(self, module, args, kwargs):
+        self.lookups, self.shifted = 0, []
+
+    def lookup(self, module, args):
+        i, self.lookups = self.lookups, self.lookups + 1
+        if i == 0:
+            if module.training:
+                ids = args[0].contiguous()
+                parts = [torch.empty_like(ids) for _ in range(self.cp)]
+                dist.all_gather(parts, ids, group=self.group)
+                whole = unshard_sequence(parts, dim=1)
+                self.shifted = [shard_sequence(mtp_input_ids(whole, k), self.cp, self.rank, dim=1)
+                                for k in range(1, self.depth + 1)]
+            return None
+        if i > len(self.shifted):
+            raise LayoutError(f"the model looked its token embedding up {i + 1} times in one forward; with "
+                              f"mtp_depth={self.depth} the runtime expects the tokens, then the tokens shifted by "
+                              "1 .. mtp_depth (models/transformer.py), and cannot shift others across the "
+                              f"context-parallel chunks; {_REPLAN}")
+        return (self.shifted[i - 1],) + tuple(args[1:])
+
+
+def mtp_shifted_ids(stage: nn.Module, group) -> bool:
+    """Under CP, make the MTP lookups of `stage` (a meshplan model, or the pipeline stage of one
+    that holds the embedding) read the ids shifted over the whole sequence (module docstring).
+    Returns whether it did (a stage without the embedding, or a model without MTP, needs nothing).
+    The hooks run before tensor parallelism's own on the embedding, which then sees these ids."""
+    depth = mtp_depth(stage)
+    emb = getattr(stage, "tok_embeddings", None)
+    if not depth or not isinstance(emb, nn.Embedding):
+        return False
+    hooks = _ShiftedIds(group, depth)
+    stage.register_forward_pre_hook(hooks.start, with_kwargs=True, prepend=True)
+    emb.register_forward_pre_hook(hooks.lookup, prepend=True)
+    return True

@@ -1,5 +1,6 @@
 """Data parallelism without FSDP: plain DDP for zero=0 (`ddp_runs`), and autocast for mixed
-precision where no FSDP wrapper casts (`autocast_forward`). `data_parallel_mode` says which of
+precision where no FSDP wrapper casts (`autocast_forward`, with the residual stream in the compute
+dtype from the embeddings on: `cast_embeddings`). `data_parallel_mode` says which of
 FSDP2 (fsdp.py), DDP or nothing a plan runs.
 """
 
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshplan.errors import ConfigError
 from meshplan.ir.support import runs_as_ddp
 
-__all__ = ["ddp_runs", "data_parallel_mode", "wrap_ddp", "autocast_forward"]
+__all__ = ["ddp_runs", "data_parallel_mode", "wrap_ddp", "autocast_forward", "cast_embeddings"]
 
 
 def ddp_runs(layout) -> bool:
@@ -92,3 +93,27 @@ def autocast_forward(stage: nn.Module, dtype: torch.dtype, device_type: str) -> 
         with torch.autocast(device_type, dtype=dtype):
             return inner(*args, **kwargs)
     stage.forward = forward
+
+
+def _cast_output(dtype: torch.dtype, _module: nn.Module, _args, out):
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != dtype:
+        return out.to(dtype)
+    return None
+
+
+def cast_embeddings(stage: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Under autocast, the embeddings' outputs in the compute dtype, so the residual stream starts
+    (and crosses pipeline stages) in `dtype`, as it does under FSDP2's bf16 parameters. Autocast
+    casts only at the matmuls: with fp32 master weights and nothing else, the embedding's output,
+    the residual stream, the inputs of recomputed blocks and the tensors sent between stages
+    would be fp32, twice the bf16 bytes the plan charges for each. The residual adds then run in
+    `dtype` (Megatron's default; its fp32_residual_connection is off by default). Registered
+    after TP's hooks, so a vocabulary-parallel embedding's partial sums are reduced in fp32 first.
+    Returns the FQNs of the embeddings cast."""
+    cast = functools.partial(_cast_output, dtype)
+    names = []
+    for fqn, m in stage.named_modules():
+        if isinstance(m, nn.Embedding):
+            m.register_forward_hook(cast)
+            names.append(fqn)
+    return names

@@ -39,6 +39,8 @@ too, which route their own tokens under folding.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -95,7 +97,16 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
         blocks = []
     for fqn in blocks:
         block = stage.get_submodule(fqn)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp32 if fqn in fp32_set else mp)
+        policy = mp32 if fqn in fp32_set else mp
+        if param_dtype is not None:
+            # FSDP2 would cast every floating input of the block to param_dtype: the rotary tables
+            # too, a bf16 copy of cos and sin per block that the block's rotary keeps for backward
+            # (tp-independent, 256 bytes a token a layer at head dim 128) and rounds the angles
+            # to bf16. Only the hidden state is cast; the tables stay the model's fp32 buffers.
+            policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype,
+                                          cast_forward_inputs=False)
+            block.register_forward_pre_hook(functools.partial(_cast_hidden, param_dtype), with_kwargs=True)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
         units.append(block)
     # the root's parameters are used again first thing in backward (head): keep them gathered
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
@@ -114,6 +125,18 @@ def apply_fsdp(stage: nn.Module, blocks: list[str], dp_mesh, *, zero: int, resha
     # expert units stay out of the explicit prefetch chain: they are nested in the block units,
     # whose pre-forward comes first, and FSDP2's implicit prefetch handles them
     return expert_units + units
+
+
+def _cast_hidden(dtype: torch.dtype, _module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a block unit: its hidden state (the first positional argument, or
+    transformers' `hidden_states`) in the compute dtype, as FSDP2 would cast it."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+    if args:
+        return (cast(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": cast(kwargs["hidden_states"])}
+    return None
 
 
 def _expert_shard_dim(n: int):

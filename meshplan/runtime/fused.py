@@ -10,6 +10,11 @@ children stay as they are, so TP styles, FSDP and checkpoints see the same modul
   `kernels.fused_linear_cross_entropy(hidden, head.weight, labels)`, so the (tokens x vocab)
   logits never exist at once (ParallelModel applies it; `FusedHead`).
 
+Where a kernel is not swapped in (its backend is slower here, or fused kernels are off), the
+plan's rms_norm and swiglu modules, and every `nn.RMSNorm`, still run its reference math as an
+autograd Function keeping only what the kernel keeps for backward (`apply_lean_elementwise`,
+meshplan.kernels.lean): the activation memory the cost model charges, on every device.
+
 Before a module is swapped, both forwards run on a small random input and must agree (tolerance
 by dtype): a module the plan names that computes something else stops the run with an error that
 names it, instead of training on a wrong number.
@@ -32,11 +37,11 @@ from torch import nn
 
 from meshplan.errors import ConfigError
 from meshplan.ir.plan import FusedKernel
-from meshplan.kernels import backend, fused_linear_cross_entropy, rms_norm, swiglu
+from meshplan.kernels import backend, fused_linear_cross_entropy, lean, rms_norm, swiglu
 from meshplan.models.moe import kernel_route
 from meshplan.runtime.pipeline import _PassThrough, _ZeroEmbedding
 
-__all__ = ["apply_fused_kernels", "apply_router_kernel", "FusedHead", "Swapped", "choose_kernels", "FASTER_THAN_EAGER"]
+__all__ = ["apply_fused_kernels", "apply_lean_elementwise", "apply_router_kernel", "FusedHead", "Swapped", "choose_kernels", "FASTER_THAN_EAGER"]
 
 # Which kernels beat the eager modules they replace, by (device type, kernel backend): the
 # runtime swaps a kernel in for training only where it is faster.
@@ -54,6 +59,10 @@ FASTER_THAN_EAGER: dict[tuple[str, str], frozenset[str]] = {
 _TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-6, 1e-8)}
 _LOW_PRECISION_TOLERANCE = (2e-2, 2e-2)     # bf16 / fp16: a few units in the last place
 _SAMPLE_TOKENS = 6
+
+# the element-wise kernels whose reference math runs as an input-saving autograd Function where
+# the kernel itself does not run (apply_lean_elementwise)
+_LEAN = {"rms_norm": lean.rms_norm, "swiglu": lean.swiglu}
 
 
 @dataclass
@@ -103,18 +112,21 @@ def _on_local(fn, *tensors):
 
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     eps, w = self._meshplan_eps, getattr(self, self._meshplan_weight)
+    if eps is None:     # nn.RMSNorm(eps=None): the machine epsilon of the dtype it computes in
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
     if _is_dtensor(w):
         from torch.distributed.tensor import Partial
         # rows on other ranks contribute to this weight's gradient: declare it partial
         sharded = _is_dtensor(x) and any(p.is_shard() for p in x.placements)
         w = w.to_local(grad_placements=[Partial()] * len(w.placements)) if sharded else w.to_local()
-    return _on_local(lambda xl: rms_norm(xl, w, eps), x)
+    norm = self.__dict__.get("_meshplan_norm_fn", rms_norm)
+    return _on_local(lambda xl: norm(xl, w, eps), x)
 
 
 def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up, down = self._meshplan_swiglu
     g, u = getattr(self, gate)(x), getattr(self, up)(x)
-    return getattr(self, down)(_on_local(swiglu, g, u))
+    return getattr(self, down)(_on_local(self.__dict__.get("_meshplan_swiglu_fn", swiglu), g, u))
 
 
 def _identity_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -179,26 +191,8 @@ def apply_fused_kernels(stage: nn.Module, entries: Iterable[FusedKernel], *, fus
         fqn, m = f.module, _module(stage, f.module)
         if m is None or f.kernel == "moe_router":
             continue
-        if f.kernel == "rms_norm":
-            name = f.option.get("weight", "weight")
-            w = getattr(m, name, None)
-            if not isinstance(w, torch.Tensor) or w.dim() != 1:
-                raise ConfigError(f"{fqn}: the fused rms_norm needs a 1-D parameter {name!r}; "
-                                  "re-run meshplan plan")
-            m._meshplan_eps = float(f.option.get("eps", "1e-6"))
-            m._meshplan_weight = name
-            _swap(fqn, m, _rms_norm_forward, w.shape[0], f.kernel)
-            out.modules.append(fqn)
-        elif f.kernel == "swiglu":
-            names = tuple(f.option.get(k, "") for k in ("gate", "up", "down"))
-            if not all(isinstance(getattr(m, n, None), nn.Module) for n in names):
-                raise ConfigError(f"{fqn}: the fused swiglu needs children {names}; re-run meshplan plan")
-            m._meshplan_swiglu = names
-            gate = getattr(m, names[0])
-            width = gate.weight.shape[1] if isinstance(getattr(gate, "weight", None), torch.Tensor) else 0
-            if not width:
-                raise ConfigError(f"{fqn}.{names[0]}: expected a linear layer with a 2-D weight")
-            _swap(fqn, m, _swiglu_forward, width, f.kernel)
+        if f.kernel in ("rms_norm", "swiglu"):
+            _swap_elementwise(fqn, m, f)
             out.modules.append(fqn)
         elif f.kernel == "linear_cross_entropy" and fuse_loss:
             if not isinstance(getattr(m, "weight", None), torch.Tensor) or getattr(m, "bias", None) is not None:
@@ -214,6 +208,68 @@ def apply_fused_kernels(stage: nn.Module, entries: Iterable[FusedKernel], *, fus
     return out
 
 
+def _swap_elementwise(fqn: str, m: nn.Module, f: FusedKernel, *, lean_fn=None) -> None:
+    """`m` (the plan's rms_norm or swiglu module `fqn`) runs the kernel `f` names; with `lean_fn`,
+    that kernel's reference math as an input-saving autograd Function instead (kernels.lean)."""
+    if f.kernel == "rms_norm":
+        name = f.option.get("weight", "weight")
+        w = getattr(m, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 1:
+            raise ConfigError(f"{fqn}: the fused rms_norm needs a 1-D parameter {name!r}; "
+                              "re-run meshplan plan")
+        m._meshplan_eps = float(f.option.get("eps", "1e-6"))
+        m._meshplan_weight = name
+        if lean_fn is not None:
+            m._meshplan_norm_fn = lean_fn
+        _swap(fqn, m, _rms_norm_forward, w.shape[0], f.kernel)
+        return
+    names = tuple(f.option.get(k, "") for k in ("gate", "up", "down"))
+    if not all(isinstance(getattr(m, n, None), nn.Module) for n in names):
+        raise ConfigError(f"{fqn}: the fused swiglu needs children {names}; re-run meshplan plan")
+    m._meshplan_swiglu = names
+    if lean_fn is not None:
+        m._meshplan_swiglu_fn = lean_fn
+    gate = getattr(m, names[0])
+    width = gate.weight.shape[1] if isinstance(getattr(gate, "weight", None), torch.Tensor) else 0
+    if not width:
+        raise ConfigError(f"{fqn}.{names[0]}: expected a linear layer with a 2-D weight")
+    _swap(fqn, m, _swiglu_forward, width, f.kernel)
+
+
+def apply_lean_elementwise(stage: nn.Module, entries: Iterable[FusedKernel], swapped: Iterable[str] = (), *,
+                           device_type: str = "cpu", mode="auto") -> list[str]:
+    """Where no fused kernel runs, the eager norms and SwiGLU still keep only what the kernel keeps
+    for backward (its inputs; cost_models/layer.py charges that): the plan's rms_norm and swiglu
+    modules not in `swapped` (the FQNs apply_fused_kernels swapped) and every `nn.RMSNorm` of
+    `stage` run the kernels' reference math as input-saving autograd Functions (kernels.lean).
+    `nn.RMSNorm` as aten runs it on CPU keeps an fp32 upcast of its input, the rstd and the fp32
+    normalised tensor; eager SwiGLU keeps silu's output next to gate and up. An `nn.RMSNorm` runs
+    the Triton kernel itself where `choose_kernels` would swap it in (`device_type`, `mode`: the
+    fused_kernels option). Returns the FQNs."""
+    done = set(swapped)
+    out: list[str] = []
+    entries = list(entries)
+    probe = [FusedKernel(kernel="rms_norm", module="norm")]      # choose_kernels decides for an rms_norm entry
+    norm = rms_norm if mode is not False and choose_kernels(probe, device_type, mode)[0] else lean.rms_norm
+    for f in entries:
+        m = _module(stage, f.module) if f.kernel in _LEAN and f.module not in done else None
+        if m is not None:
+            _swap_elementwise(f.module, m, f, lean_fn=_LEAN[f.kernel])
+            done.add(f.module)
+            out.append(f.module)
+    for fqn, m in stage.named_modules():
+        # torch's own class only: a subclass may compute something else
+        if (type(m) is not nn.RMSNorm or fqn in done or "forward" in m.__dict__ or m.weight is None
+                or len(m.normalized_shape) != 1):
+            continue
+        m._meshplan_eps = m.eps         # None: the dtype's epsilon, as nn.RMSNorm does
+        m._meshplan_weight = "weight"
+        m._meshplan_norm_fn = norm
+        _swap(fqn, m, _rms_norm_forward, m.weight.shape[0], "rms_norm")
+        out.append(fqn)
+    return out
+
+
 def choose_kernels(entries: Iterable[FusedKernel], device_type: str, mode) -> tuple[list[FusedKernel], dict[str, str]]:
     """The plan's fused-kernel entries to swap in on this device, and per kernel what runs and why.
 
@@ -222,8 +278,9 @@ def choose_kernels(entries: Iterable[FusedKernel], device_type: str, mode) -> tu
     """
     entries = list(entries)
     kinds = list(dict.fromkeys(e.kernel for e in entries))
+    lean_note = "; inputs kept for backward, as the kernel keeps them: kernels.lean"
     if mode is False or not entries:
-        return [], {k: "eager (fused kernels off)" for k in kinds}
+        return [], {k: "eager (fused kernels off" + (lean_note if k in _LEAN else "") + ")" for k in kinds}
     be = backend()
     if mode is True:
         return list(entries), {k: f"fused ({be} on {device_type}, forced)" for k in kinds}
@@ -232,7 +289,8 @@ def choose_kernels(entries: Iterable[FusedKernel], device_type: str, mode) -> tu
     faster = FASTER_THAN_EAGER.get((device_type, be), frozenset())
     keep = [e for e in entries if e.kernel in faster]
     return keep, {k: (f"fused ({be} on {device_type})" if k in faster else
-                      f"eager ({be} on {device_type} is slower than the module it replaces)") for k in kinds}
+                      f"eager ({be} on {device_type} is slower than the module it replaces"
+                      + (lean_note if k in _LEAN else "") + ")") for k in kinds}
 
 
 def apply_router_kernel(stage: nn.Module, modules: Iterable[str] | None = None) -> list[str]:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from meshplan.errors import ConfigError
-from meshplan.models.mtp import mtp_targets, split_logits
+from meshplan.models.mtp import split_logits
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.loss_parallel import VocabShard, vocab_parallel_cross_entropy
@@ -25,6 +25,7 @@ from meshplan.runtime.dims import ParallelDims
 from meshplan.runtime.mesh import Meshes
 from meshplan.runtime.packed_projections import from_tp_order, tp_order_params
 from meshplan.runtime.moe_folding import reduce_expert_grads
+from meshplan.runtime.mtp_parallel import split_targets, stacked_targets
 
 __all__ = ["ParallelModel", "squared_norm", "IGNORE_INDEX"]
 
@@ -45,6 +46,7 @@ class ParallelModel:
     fused_head: object = None               # fused.FusedHead when the loss runs fused with the output layer
     vocab_shard: VocabShard | None = None   # this rank's vocab slice: the default loss runs vocab-parallel
     fused_modules: list[str] = field(default_factory=list)   # modules running meshplan's fused kernels here
+    lean_modules: list[str] = field(default_factory=list)    # norms / SwiGLU on input-saving Functions (fused.py)
     kernels: dict[str, str] = field(default_factory=dict)    # plan's fused kernel -> what runs here and why
     data_parallel: str = "none"             # "fsdp" | "ddp" | "none" (see ddp.data_parallel_mode)
     ddp: list = field(default_factory=list)  # DistributedDataParallel wrappers of `stages` (data_parallel "ddp")
@@ -153,6 +155,9 @@ class ParallelModel:
                               f"seq_len={self.plan.seq_len}; re-plan for longer sequences")
         r, n = self._rank("dp"), B // self.dp
         x, y = input_ids[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]
+        if self.mtp[0]:
+            # each depth's targets shifted while the sequence is whole (before any CP split)
+            y = stacked_targets(y, self.mtp[0])
         cp = self.plan.mesh.get("cp", 1)
         if cp > 1:
             # the position tables were reordered for sequences of exactly seq_len tokens
@@ -160,7 +165,9 @@ class ParallelModel:
                 raise ConfigError(f"with context parallelism (cp={cp}) every batch must hold sequences of "
                                   f"exactly the plan's seq_len={self.plan.seq_len} tokens, got "
                                   f"{input_ids.shape[1]}; pad them (labels -100 are skipped by the loss)")
-            x, y = (_cp.shard_sequence(t, cp, self._rank("cp"), dim=1) for t in (x, y))
+            x = _cp.shard_sequence(x, cp, self._rank("cp"), dim=1)
+            y = torch.cat([_cp.shard_sequence(t, cp, self._rank("cp"), dim=1)
+                           for t in split_targets(y, self.mtp[0])], dim=1)
         return x.to(self.device), y.to(self.device)
 
     def _local_documents(self, document_ids: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -265,14 +272,16 @@ class ParallelModel:
         weight over the depths times each depth's summed cross entropy over its own global count,
         so the step's loss is the single-device objective (models.mtp.mtp_causal_lm_loss) of the
         global batch. Every depth's loss runs through the same path as the main one
-        (`_summed_loss`: fused head, vocabulary-parallel, or the user's loss_fn)."""
+        (`_summed_loss`: fused head, vocabulary-parallel, or the user's loss_fn). With MTP `target`
+        is `_local_batch`'s stacked targets: the labels, then each depth's (mtp_parallel.py)."""
         depth, weight = self.mtp
         if not depth:
             return self._summed_loss(logits, target) / denoms[0]
-        parts = split_logits(logits, depth, target.shape[-1])
-        loss = self._summed_loss(parts[0], target) / denoms[0]
+        targets = split_targets(target, depth)
+        parts = split_logits(logits, depth, targets[0].shape[-1])
+        loss = self._summed_loss(parts[0], targets[0]) / denoms[0]
         for k, z in enumerate(parts[1:], 1):
-            loss = loss + weight / depth * (self._summed_loss(z, mtp_targets(target, k, IGNORE_INDEX)) / denoms[k])
+            loss = loss + weight / depth * (self._summed_loss(z, targets[k]) / denoms[k])
         return loss
 
     def _summed_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ from meshplan.runtime import steps
 from meshplan.runtime.ddp import ddp_runs
 from meshplan.runtime.dims import ParallelDims
 from meshplan.runtime.model import IGNORE_INDEX, ParallelModel, router_aux_loss_note
+from meshplan.runtime.mtp_parallel import with_mtp_blocks
 from meshplan.runtime.options import ParallelOptions
 
 __all__ = ["parallelize", "ParallelModel", "ParallelOptions", "ParallelDims", "IGNORE_INDEX", "ddp_runs"]
@@ -135,6 +136,7 @@ def parallelize(model: nn.Module, plan, options: ParallelOptions | None = None, 
         raise ConfigError("parallelize() needs an initialised process group: launch with torchrun "
                           "(meshplan launch) and call torch.distributed.init_process_group first")
     _check(model, plan, dist.get_world_size())
+    plan = with_mtp_blocks(model, plan)     # the MTP depths' blocks run as the last layer (mtp_parallel.py)
     note = router_aux_loss_note(model, plan.layout)
     if note and dist.get_rank() == 0:
         warnings.warn("meshplan: " + note, stacklevel=2)
@@ -176,6 +178,7 @@ def _assemble(parts: list[steps.Part], dims: ParallelDims, job: steps.Job) -> Pa
         tied_shapes=tied_shapes,
         fused_head=_last(parts, "fused_head"), vocab_shard=_last(parts, "vocab_shard"),
         fused_modules=[m for p in parts for m in p.fused_modules], kernels=job.kernels,
+        lean_modules=[m for p in parts for m in p.lean_modules],
         data_parallel=job.data_parallel, ddp=[p.ddp for p in parts if p.ddp is not None],
         autocast_dtype=None if job.data_parallel == "fsdp" else job.compute_dtype,
         async_tp=any(p.async_tp for p in parts), compiled=[b for p in parts for b in p.compiled],

@@ -165,10 +165,12 @@ def build_stage_module(model: nn.Module, spec: StageSpec, *, seq_len: int, copy_
             _replace(stage, fqn, _PassThrough())
     if depth:
         # the token embedding (real on the first stage, a stub elsewhere) hands the shifted
-        # tokens' embeddings from the first stage to the last (module docstring)
+        # tokens' embeddings from the first stage to the last (module docstring); its hook is
+        # registered at the first forward (_stage_forward), after the ones tensor parallelism adds,
+        # so that it carries the lookups as the model sees them (all-reduced, or sequence shards)
         emb = stage.get_submodule("tok_embeddings")
         emb.__dict__["_meshplan_root"] = stage
-        emb.register_forward_hook(_carry_mtp_embeddings)
+        stage.__dict__["_meshplan_carry"] = emb      # not setattr: that would register a child
     if not spec.is_first:
         if first_block is None:
             raise LayoutError(f"pipeline stage {spec.index} owns no block ({list(spec.owned)}); every "
@@ -237,6 +239,9 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *carried: torch.Tensor, **k
     # tokens' embeddings of multi-token prediction, from the stage before (module docstring)
     spec: StageSpec = self._meshplan_stage
     self._meshplan_mtp_in, self._meshplan_mtp_out, self._meshplan_lookups = list(carried), [], 0
+    emb = self.__dict__.pop("_meshplan_carry", None)
+    if emb is not None:
+        emb.register_forward_hook(_carry_mtp_embeddings)
     if spec.is_first:
         ids = x
     else:
@@ -251,8 +256,10 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *carried: torch.Tensor, **k
     # activations cross stages as plain local tensors (p2p sends tensors); see _inject_received
     out = out.to_local() if hasattr(out, "to_local") else out
     if self._meshplan_mtp and not spec.is_last:
-        # in eval mode the model looks up no shifted tokens: zeros keep the stages' message shapes
-        sent = self._meshplan_mtp_out[:self._meshplan_mtp]
+        # in eval mode the model looks up no shifted tokens: zeros keep the stages' message shapes;
+        # under SP the lookups are sequence-sharded DTensors, sent as their local shards (the
+        # receiving stage's MTP norms take a plain tensor as this rank's shard)
+        sent = [t.to_local() if hasattr(t, "to_local") else t for t in self._meshplan_mtp_out[:self._meshplan_mtp]]
         sent += [torch.zeros_like(out) for _ in range(self._meshplan_mtp - len(sent))]
         return (out, *sent)
     return out

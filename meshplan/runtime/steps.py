@@ -24,12 +24,13 @@ from meshplan.runtime import fp32_grads as _f32
 from meshplan.runtime import fsdp as _fsdp
 from meshplan.runtime import materialize as _mat
 from meshplan.runtime import moe_folding as _fold
+from meshplan.runtime import mtp_parallel as _mtp
 from meshplan.runtime import offload as _offload
 from meshplan.runtime import pipeline as _pp
 from meshplan.runtime.compile import compile_blocks, compile_wanted
-from meshplan.runtime.ddp import autocast_forward, data_parallel_mode, wrap_ddp
+from meshplan.runtime.ddp import autocast_forward, cast_embeddings, data_parallel_mode, wrap_ddp
 from meshplan.runtime.dims import ParallelDims
-from meshplan.runtime.fused import apply_fused_kernels, choose_kernels
+from meshplan.runtime.fused import apply_fused_kernels, apply_lean_elementwise, choose_kernels
 from meshplan.runtime.options import ParallelOptions
 from meshplan.runtime.recompute import apply_recompute
 from meshplan.runtime.tensor_parallel import apply_tensor_parallel, enable_async_tp
@@ -118,6 +119,7 @@ class Part:
     layers_before: int = 0                  # layers of this pipeline rank in earlier virtual stages
     fused_head: object = None
     fused_modules: list[str] = field(default_factory=list)
+    lean_modules: list[str] = field(default_factory=list)   # norms / SwiGLU on input-saving Functions (fused.py)
     vocab_shard: object = None              # set when the output layer stays vocabulary-sharded
     experts: list[str] = field(default_factory=list)    # folded experts modules
     fp8: object = None                      # fp8.Fp8Swap
@@ -145,18 +147,21 @@ def split_pipeline(model: nn.Module, dims: ParallelDims, job: Job) -> list[Part]
             _mat.materialize_buffers(stage, job.device)
         else:
             stage.to(job.device)
-        blocks = [m for m in spec.owned if m in plan.blocks]
+        # the MTP depths' blocks are inside the module "mtp", which the last stage owns (mtp_parallel.py)
+        blocks = [m for m in spec.owned if m in plan.blocks] + _mtp.owned_mtp_blocks(plan.blocks, spec.owned)
         parts.append(Part(module=stage, spec=spec, blocks=blocks, layers_before=layers))
-        layers += len(blocks)          # recompute counts layers per pipeline rank
+        layers += len(_mtp.main_blocks(blocks))     # recompute counts layers per pipeline rank
     return parts
 
 
 # ---- 2. fused kernels ----------------------------------------------------------------------------
 def fuse_kernels(part: Part, dims: ParallelDims, job: Job) -> None:
-    if not job.kernels_to_run:
-        return
-    swapped = apply_fused_kernels(part.module, job.kernels_to_run, fuse_loss=job.fuse_loss)
-    part.fused_head, part.fused_modules = swapped.head, list(swapped.modules)
+    if job.kernels_to_run:
+        swapped = apply_fused_kernels(part.module, job.kernels_to_run, fuse_loss=job.fuse_loss)
+        part.fused_head, part.fused_modules = swapped.head, list(swapped.modules)
+    # the norms and SwiGLU no kernel replaced keep only their inputs for backward, as the kernels do
+    part.lean_modules = apply_lean_elementwise(part.module, job.plan.fused_kernels, part.fused_modules,
+                                               device_type=job.device.type, mode=job.options.fused_kernels)
 
 
 # ---- 3. TP / SP ----------------------------------------------------------------------------------
@@ -200,10 +205,12 @@ def float8(part: Part, dims: ParallelDims, job: Job) -> None:
 # ---- 7. recompute and activation offload ---------------------------------------------------------
 def recompute(part: Part, dims: ParallelDims, job: Job) -> None:
     lay = job.plan.layout
-    apply_recompute(part.module, part.blocks, lay, first_index=part.layers_before)
+    # the main stack's blocks: the MTP depths' run as priced, without recompute (mtp_parallel.py)
+    blocks = _mtp.main_blocks(part.blocks)
+    apply_recompute(part.module, blocks, lay, first_index=part.layers_before)
     if lay.offload_activations:
         # around the recompute wrapper: what the policy keeps is what moves to host memory
-        part.offloader = _offload.apply_offload(part.module, part.blocks, job.device)
+        part.offloader = _offload.apply_offload(part.module, blocks, job.device)
 
 
 # ---- 8. async TP and torch.compile ---------------------------------------------------------------
@@ -230,6 +237,7 @@ def data_parallel(part: Part, dims: ParallelDims, job: Job) -> None:
             reduce_dtype=torch.bfloat16 if lay.grad_dtype == "bf16" else None, fp32_modules=part.fp32_modules)
     elif job.compute_dtype is not None:
         autocast_forward(part.module, job.compute_dtype, job.device.type)
+        cast_embeddings(part.module, job.compute_dtype)
         if part.fused_head is not None:
             part.fused_head.compute_dtype = job.compute_dtype
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.plan import Plan
+from meshplan.ir.precision import AUTO, Precision
 from meshplan.train.job import JobConfig
 
 __all__ = ["run_worker", "parallel_options", "run_precision", "FAILURE_PREFIX", "SETUP_TIMEOUT_S"]
@@ -27,16 +28,16 @@ SETUP_TIMEOUT_S = 300.0
 FAILURE_PREFIX = "failure-rank"             # out/failure-rank<N>.txt: why a worker stopped the job
 
 
-def run_precision(plan, requested: str | None) -> dict:
+def run_precision(plan, requested: Precision | str | None) -> dict:
     """parallelize() keywords for running `plan` at `requested` precision (None: the plan's own).
     A precision other than the plan's is the explicit override (logged by parallelize/train)."""
     import torch
-    if requested in (None, "auto", plan.precision):
+    if requested in (None, AUTO, plan.precision):
         return {"compute_dtype": "plan", "fp8": True}
-    if requested == "fp8":
+    if requested == Precision.FP8:
         raise ConfigError(f"this plan was made for {plan.precision}, not fp8: re-plan with --precision fp8 "
                           "(the planner chooses which modules run in FP8)")
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
+    dtype = {Precision.FP32: None, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[requested]
     return {"compute_dtype": dtype, "fp8": False}
 
 

@@ -191,6 +191,10 @@ def test_every_policy_and_schedule_a_stack_offers_exports(tt, mc):
         offer = STACKS[stack]
         base = tt["70b_pp4"] if stack == "torchtitan" else mc["moe"]      # norm_moe needs a MoE model
         for rc in offer.recompute:
+            if rc == "mla_up":     # offered for latent attention only (search._recompute_options)
+                with pytest.raises(ConfigError, match="no latent attention"):
+                    ex.export_text(_with(base, recompute=rc), fmt)
+                continue
             ex.export_text(_with(base, recompute=rc), fmt)
         for sched in offer.schedules:
             vp = 2 if sched in ("interleaved", "zbv") else 1
@@ -376,7 +380,7 @@ def test_bridge_provider_recipes_and_layout(mc, top):
     assert not any(k.startswith("model.transformer.") for k in kv)
     f = {k[len("model."):]: v for k, v in kv.items() if k.startswith("model.")}
     _megatron_split_ok(f)
-    assert kv["model.mtp_num_layers"] == "null"          # the preset trains without MTP (the recipe's layer is noted)
+    assert kv["model.mtp_num_layers"] == "1"             # the preset trains with DeepSeek-V3's one MTP depth
     # every split setting written, whether even or not (recipes set their own)
     for pl in (mc["70b_layout"], mc["moe"]):
         f = ex.to_nemo(pl, flavor="megatron-bridge")
@@ -415,19 +419,25 @@ def test_nemo_expresses_an_uneven_split_it_used_to_flatten(top, mc):
     """61 layers over pp=32 cannot be an even split; NeMo 2's MegatronStrategy (8cfedd7) takes
     pipeline_model_parallel_layout and re-runs the model config's __post_init__, which parses it."""
     ds = top[("deepseek-v3", "megatron-core", False)]
-    exp = ex.nemo_export(ds)
-    o = exp.data
     s = "trainer.strategy."
-    assert o[s + "pipeline_model_parallel_size"] == ds.layout.pp
+    # the planner's split as it comes (first / last stage sizes around an even middle, or a layout),
+    # and a split with an uneven middle, which only a layout expresses
+    sl = ds.layout.stage_layers
+    uneven = _with(ds, stage_layers=(sl[0] - 1, sl[1] + 1) + tuple(sl[2:]))
+    for pl in (ds, uneven):
+        exp = ex.nemo_export(pl)
+        o = exp.data
+        assert o[s + "pipeline_model_parallel_size"] == pl.layout.pp
+        assert not any("even split" in n for n in exp.notes)
+        _megatron_split_ok({k[len(s):]: v for k, v in o.items() if k.startswith(s)})
+        # the preset trains with DeepSeek-V3's MTP depth (models/presets.py), on the last stage
+        assert (o["model.config.mtp_num_layers"], o["model.config.mtp_loss_scaling_factor"]) == (1, 0.3)
     layout = o[s + "pipeline_model_parallel_layout"]
     stages = layout.split("|")
-    assert len(stages) == ds.layout.pp * ds.layout.vp and stages[0].startswith("E") and stages[-1].endswith("L")
+    assert len(stages) == uneven.layout.pp * uneven.layout.vp and stages[0].startswith("E") and stages[-1].endswith("mL")
     count = sum(int(m.group(1) or 1) for st in stages for m in re.finditer(r"t(?:\*(\d+))?", st))
     assert count == 61
-    assert not any("even split" in n for n in exp.notes)
-    _megatron_split_ok({k[len(s):]: v for k, v in o.items() if k.startswith(s)})
-    assert o["model.config.mtp_num_layers"] is None    # the preset trains without MTP (models/presets.py)
-    text = ex.export_text(ds, "nemo")
+    text = ex.export_text(uneven, "nemo")
     assert "written for recipe deepseek_v3" in text and "pipeline_model_parallel_layout=\"Et" in text
     # first/last sizes override the recipe's (deepseek_v3 sets 3 and 2), with account_for_* off
     u = ex.to_nemo(mc["70b_uneven"])

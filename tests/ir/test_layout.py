@@ -165,6 +165,23 @@ def test_layout_defaults_and_normalisation():
     assert Layout(tp=2, dp=4, ep=4).edp == 2
 
 
+def test_replace_validates_and_keeps_what_was_resolved():
+    a = Layout(tp=2, pp=4, vp=2, dp=8, zero=3)
+    b = a.replace(mbs=2, recompute="full")
+    fresh = Layout(tp=2, pp=4, vp=2, dp=8, zero=3, mbs=2, recompute="full")
+    assert b == fresh and hash(b) == hash(fresh) and b.to_dict() == fresh.to_dict()
+    assert (a.mbs, a.recompute) == (1, "none")                    # the original is untouched
+    assert a.replace(tp=1).sp is True                             # resolved defaults are kept...
+    assert a.replace(tp=1, sp=None).sp is False                   # ...and derived again when asked
+    assert a.replace(stage_layers=[4] * 8).stage_layers == (4,) * 8
+    with pytest.raises(ConfigError, match="needs zero=3, not zero=1"):
+        a.replace(zero=1, fsdp_impl="megatron")
+    with pytest.raises(ConfigError, match="vp=3"):
+        Layout(pp=2, schedule="zb").replace(vp=3)
+    with pytest.raises(ConfigError, match=r"unknown layout key\(s\) \['mbz'\]"):
+        a.replace(mbz=2)
+
+
 def test_split_layers_even_and_remainder_in_middle():
     assert split_layers(32, 4) == (8, 8, 8, 8)
     s = split_layers(30, 4)

@@ -9,6 +9,7 @@ import pytest
 import meshplan as mp
 from meshplan.errors import ConfigError
 from meshplan.ir.plan import MESH_AXES, Plan
+from meshplan.ir.precision import Precision
 
 
 @pytest.fixture(scope="module")
@@ -33,4 +34,14 @@ def test_saved_plan_keeps_the_mesh_for_readers_and_refuses_a_hand_edited_one(pla
     assert Plan.from_dict(d).mesh == plan.mesh
     d["mesh"] = {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
     with pytest.raises(ConfigError, match="disagrees with its layout"):
+        Plan.from_dict(d)
+
+
+def test_precision_is_a_precision_on_both_sides_of_a_file(plan):
+    assert type(plan.precision) is Precision and plan.precision is Precision.BF16
+    d = json.loads(plan.to_json())
+    assert d["precision"] == "bf16"                     # the file keeps the plain name
+    assert Plan.from_dict(d).precision is Precision.BF16
+    d["precision"] = "int4"
+    with pytest.raises(ConfigError, match="plan precision 'int4': use one of fp32, bf16, fp16, fp8"):
         Plan.from_dict(d)

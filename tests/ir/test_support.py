@@ -123,6 +123,20 @@ def test_stack_choices_the_runtime_does_not_run_are_refused():
     assert runtime_limits(Layout(tp=2, pp=2, schedule="zb")) == []
 
 
+def test_runtime_limits_read_a_dict_as_the_layout_it_describes():
+    """A dict (tests, external callers) is read as Layout.from_dict reads it: the same reasons as
+    the Layout, missing keys at Layout's defaults, a key Layout does not know refused by name."""
+    from meshplan.errors import ConfigError
+    from meshplan.ir.layout import Layout
+    dicts = [{"tp": 2, "pp": 2, "schedule": "zbv"}, {"dp": 4, "zero": 3, "fsdp_impl": "megatron"},
+             {"cp": 2, "cp_comm_type": "a2a", "fp8_recipe": "mxfp8"}, {"tp": 2, "dp": 2}, {}]
+    reasons = [runtime_limits(d) for d in dicts]
+    assert reasons == [runtime_limits(Layout.from_dict(d)) for d in dicts]
+    assert [len(r) for r in reasons] == [1, 1, 2, 0, 0]
+    with pytest.raises(ConfigError, match=r"unknown layout key\(s\) \['tensor_parallel'\]"):
+        runtime_limits({"tensor_parallel": 2})
+
+
 def test_planner_drops_sequence_parallelism_where_only_it_is_refused():
     """ZB-V with TP runs without SP: a fixed zbv schedule with tp=2 plans sp=False instead of
     failing; fixing sp=True explicitly is refused with the runtime's reason."""

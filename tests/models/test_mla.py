@@ -174,11 +174,13 @@ def test_deepseek_v3_preset_is_deepseek_v3():
     # (its own copies of embedding and head included) brings it to the 685B of the model card
     assert c.num_params() == pytest.approx(671e9, rel=0.01)
     assert c.num_active_params() == pytest.approx(37e9, rel=0.02)
-    mtp = c.replace(mtp_depth=1).num_mtp_params() + 2 * c.vocab * c.hidden
+    # (the preset trains with that one depth: models/presets.py)
+    assert c.mtp_depth == 1
+    mtp = c.num_mtp_params() + 2 * c.vocab * c.hidden
     assert c.num_params() + mtp == pytest.approx(685e9, rel=0.01)
     with torch.device("meta"):
         model = Transformer(c)
-    assert sum(p.numel() for p in model.parameters()) == c.num_params()
+    assert sum(p.numel() for p in model.parameters()) == c.num_params() + c.num_mtp_params()
 
 
 def test_fused_router_skips_group_limited_layers_and_scales_its_weights():

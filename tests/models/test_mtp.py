@@ -8,7 +8,7 @@ One process throughout (the sharded runs are in tests/runtime/test_mtp_parallel.
 - mtp_depth=0 (every preset's default; deepseek-v3 takes mtp_depth=1) leaves the logits bit for bit as they were, and
   the main logits of a model with MTP are those of the same model without it;
 - the cost model prices the MTP depth on the last pipeline stage only, Megatron-LM's FLOPs count
-  it, and the runtime's limits name what it does not run;
+  it, the runtime's limits refuse no layout for it, and DeepSeek-V3 (one depth) plans with EP;
 - the Megatron-LM and Megatron-Bridge exports carry the depth and the loss weight.
 """
 
@@ -82,8 +82,11 @@ def test_mtp_loss_and_gradients_match_a_reference_built_from_the_parts():
 def test_without_mtp_the_logits_are_unchanged_and_eval_drops_the_depths():
     for name in mm.presets():
         cfg = mm.config(name)
-        assert cfg.mtp_depth == 0 and cfg.num_mtp_params() == 0, name        # opt-in (models/presets.py)
-    assert mm.config("deepseek-v3", mtp_depth=1).num_mtp_params() > 0
+        if name == "deepseek-v3":       # trains with one depth (arXiv 2412.19437 Sec. 2.2)
+            assert cfg.mtp_depth == 1 and cfg.num_mtp_params() > 0
+            assert mm.config(name, mtp_depth=0).num_mtp_params() == 0
+        else:
+            assert cfg.mtp_depth == 0 and cfg.num_mtp_params() == 0, name
     x, _ = _batch()
     plain, explicit, with_mtp = _model(), _model(mtp_depth=0), _model(mtp_depth=2)
     assert plain.mtp is None and explicit.mtp is None
@@ -135,14 +138,30 @@ def test_cost_model_prices_the_mtp_depth_on_the_last_stage_only():
     assert extra == pytest.approx(per_layer + 3 * 2048 * (4 * 1024 * 1024 + 2 * 1024 * 32000))
 
 
-def test_runtime_limits_name_what_mtp_does_not_run():
+def test_runtime_runs_mtp_under_every_layout_and_deepseek_v3_plans_with_ep():
+    """The runtime's limits refuse no layout for MTP (tests/runtime/test_mtp_parallel.py runs them),
+    and planning the DeepSeek-V3 preset, whose MTP block is a MoE block, keeps expert parallelism."""
+    from meshplan.cluster import Cluster
     from meshplan.ir.support import ModelTraits, runtime_limits
+    from meshplan.profiling.analytic import profile_from_config
     traits = ModelTraits(mtp=1)
-    assert runtime_limits(dict(tp=2, sp=False, dp=2, pp=2), traits) == []
-    text = " ".join(runtime_limits(dict(tp=2, sp=True, pp=2, cp=2, ep=2), traits))
-    assert "pipeline" not in text
-    for what in ("context parallelism (cp=2)", "sequence parallelism", "expert parallelism (ep=2"):
-        assert what in text, text
+    for layout in (dict(tp=2, sp=False, dp=2, pp=2), dict(tp=2, sp=True, pp=2, cp=2, ep=2),
+                   dict(tp=2, sp=True, etp=2, ep=4, cp=2)):
+        assert runtime_limits(layout, traits) == [], layout
+    cfg = mm.config("deepseek-v3")
+    assert cfg.mtp_depth == 1
+    cluster = Cluster.preset("dgx-h100", nodes=32)
+    # tp and pp fixed to keep the search short; ep, cp, dp, recompute, ... are the planner's
+    plan = mp.plan(profile_from_config(cfg, seq_len=4096), cluster, seq_len=4096, global_batch=512,
+                   fixed=dict(tp=8, pp=16))
+    assert plan.layout.ep > 1, plan.layout
+    # the cost model charges the depth on the last stage: the same layout without it is cheaper
+    plain = mp.plan(profile_from_config(cfg.replace(mtp_depth=0), seq_len=4096), cluster, seq_len=4096,
+                    global_batch=512, fixed=plan.layout.to_dict())
+    assert plain.estimate.step_time_s < plan.estimate.step_time_s
+    last, last_plain = plan.estimate.memory_by_stage[-1], plain.estimate.memory_by_stage[-1]
+    assert last["weights"] > last_plain["weights"]
+    assert plan.estimate.memory_by_stage[0] == plain.estimate.memory_by_stage[0]
 
 
 def test_exports_carry_the_mtp_depth_and_loss_weight():

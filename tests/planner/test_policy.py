@@ -11,7 +11,8 @@ import meshplan as mp
 from meshplan.errors import ConfigError
 from meshplan.ir.stack import resolve_stack
 from meshplan.models.presets import config
-from meshplan.planner.policy import Precision, plan_profile, resolve_precision
+from meshplan.ir.precision import Precision
+from meshplan.planner.policy import ResolvedPrecision as Resolved, plan_profile, resolve_precision
 from meshplan.profiling.analytic import profile_from_config
 
 H100 = mp.Cluster.preset("dgx-h100", nodes=1)
@@ -25,14 +26,18 @@ def _profile(name: str, seq_len: int):
 
 
 def test_precision_names():
-    assert resolve_precision("auto", H100) == Precision(("bf16", "fp8"))
-    assert resolve_precision("auto", A100) == Precision(("bf16",))
-    assert resolve_precision("fp16", A100) == Precision(("fp16",))
-    assert resolve_precision("fp8", H100) == Precision(("fp8",))
+    P = Precision
+    assert resolve_precision("auto", H100) == Resolved((P.BF16, P.FP8))
+    assert resolve_precision("auto", A100) == Resolved((P.BF16,))
+    assert resolve_precision("fp16", A100) == Resolved((P.FP16,))
+    assert resolve_precision(P.FP8, H100) == Resolved((P.FP8,))
     with pytest.warns(UserWarning, match="planned with BF16 costs"):
-        assert resolve_precision("fp32", H100) == Precision(("bf16",), "fp32")
+        assert resolve_precision("fp32", H100) == Resolved((P.BF16,), P.FP32)
     with pytest.warns(UserWarning, match="FP8 is emulated"):
-        assert resolve_precision("fp8", CPU) == Precision(("bf16",), "fp8")
+        assert resolve_precision("fp8", CPU) == Resolved((P.BF16,), P.FP8)
+    # the names resolve to the Precision type, not strings that merely compare equal
+    res = resolve_precision("auto", H100)
+    assert all(type(p) is P for p in res.search)
     with pytest.raises(ConfigError, match=r"no FP8 matrix units; use precision='bf16'"):
         resolve_precision("fp8", A100)
     with pytest.raises(ConfigError, match=r"precision 'int4': use one of fp32, bf16, fp16, fp8, auto"):

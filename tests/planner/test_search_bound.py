@@ -34,17 +34,17 @@ def test_bound_is_below_every_estimate_and_the_bounded_search_plans_as_the_full_
     bounds: dict[int, MeshBound] = {}
     real = S._cost_mesh
 
-    def spy(profile, cluster, base, f, seq_len, global_batch, precs, dp, ranked, rejected, stats, fp8_modules=None,
+    def spy(profile, cluster, base, f, seq_len, global_batch, precs, ranked, rejected, stats, fp8_modules=None,
             stack=None):
         n0, r0 = len(ranked), len(rejected)
-        real(profile, cluster, base, f, seq_len, global_batch, precs, dp, ranked, rejected, stats, fp8_modules, stack)
-        bound = bounds.get(base["pp"])
+        real(profile, cluster, base, f, seq_len, global_batch, precs, ranked, rejected, stats, fp8_modules, stack)
+        bound = bounds.get(base.pp)
         if bound is None:
-            bound = bounds[base["pp"]] = MeshBound(
+            bound = bounds[base.pp] = MeshBound(
                 profile, cluster, seq_len=seq_len, global_batch=global_batch, precisions=precs,
-                policies=policies_of(S._recompute_options(profile, base["pp"], seq_len, stack)),
+                policies=policies_of(S._recompute_options(profile, base.pp, seq_len, stack)),
                 fp8_modules=fp8_modules, stack=stack)
-        lb = bound(base, S._mbs_options(base, global_batch // dp, f, stack))
+        lb = bound(base, S._mbs_options(base, global_batch // base.dp, f, stack))
         for e in ranked[n0:] + rejected[r0:]:
             checked.append((lb, e.step_time_s, base))
 

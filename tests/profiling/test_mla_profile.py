@@ -61,7 +61,8 @@ def test_deepseek_v3_profile_counts_mla():
     cfg = mp.models.config("deepseek-v3")
     p = profile_from_config(cfg, seq_len=4096)
     dense, moe = p.blocks
-    assert p.total_params == pytest.approx(671.03e9, rel=1e-4)
+    # 671B of the main model (arXiv 2412.19437), plus the preset's MTP depth
+    assert p.total_params - cfg.num_mtp_params() == pytest.approx(671.03e9, rel=1e-4)
     # wq_a 11.0 M, wq_b 37.7 M, wkv_a 4.1 M, wkv_b 16.8 M, wo 117.4 M
     assert sum(li.params for li in moe.linears if li.name.startswith("attention.")) == 187_105_280
     # attention core per token: QK^T over 128 heads x 192, PV over 128 x 128, causal half

@@ -197,6 +197,8 @@ def run_cases(rank: int, world: int, cases: dict) -> dict:
         if kind == "deferred":          # deferred initialisation of case["model"] (deferred_workers.py)
             import deferred_workers
             return deferred_workers.deferred_run(rank, world, {**case, "kind": case["model"]})
+        if kind == "dense":             # a dense model's case (numerics.py) in the same group
+            return numerics.equivalence(rank, world, case)
         return equivalence(rank, world, case)
     return each_case(rank, cases, one)
 

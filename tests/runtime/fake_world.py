@@ -197,8 +197,8 @@ if __name__ == "__main__":      # the full matrix, one JSON line per case and a 
 #   tensors: its autograd Function (the runtime's own) runs with bare receive buffers;
 # - FSDP2 gathers through its device's streams into buffers on its mesh's device (the CPU): its
 #   buffers are put on meta and its streams are the CPU's (_fsdp_on_meta).
-# It measures the eager runtime: where the runtime compiles blocks (CUDA), inductor chooses what
-# a block saves (fused element-wise work keeps fewer intermediates than eager norms and SwiGLU).
+# It measures the eager runtime: where the runtime compiles blocks (CUDA), inductor's partitioner
+# chooses what a block saves.
 
 def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
@@ -334,11 +334,14 @@ def kept_for_backward(pm, plan) -> dict:
     rec = _Recorder(param_keys)
     stand_ins = _MetaStandIns(pm.autocast_dtype)
     hooks = []
+    buffer_keys: set[int] = set()     # the model's state (rotary tables), not activations
     for st in pm.stages:
         for mod in st.modules():        # derived tables (rotary) are built on the host: meta here
             for k, b in mod._buffers.items():
                 if b is not None and b.device.type != "meta":
                     mod._buffers[k] = b.to("meta")
+                if mod._buffers[k] is not None:
+                    buffer_keys.add(_local(mod._buffers[k]).untyped_storage()._cdata)
         blocks = st.layers.named_children() if isinstance(getattr(st, "layers", None), torch.nn.Module) else ()
         for name, mod in blocks:
             hooks.append(mod.register_forward_pre_hook(functools.partial(_enter, rec, f"layers.{name}")))
@@ -350,10 +353,10 @@ def kept_for_backward(pm, plan) -> dict:
                 if spec.is_first:
                     x = torch.zeros(L.mbs, tokens, dtype=torch.long, device="meta")
                 else:
-                    # the residual stream crosses stages in the dtype the embedding gives it (fp32
-                    # under autocast, whose casts stop at the matmuls)
+                    # the residual stream crosses stages in the compute dtype (FSDP2's parameters,
+                    # or autocast's with the embeddings cast: ddp.cast_embeddings)
                     rows = tokens // (L.tp if plan.sequence_parallel and L.tp > 1 else 1)
-                    dtype = next(p for p in st.parameters() if p.is_floating_point()).dtype
+                    dtype = _stream_dtype(pm, st)
                     x = torch.zeros(L.mbs, rows, _hidden(st), dtype=dtype, device="meta", requires_grad=True)
                 rec.where = "stage"
                 with stand_ins:
@@ -370,11 +373,11 @@ def kept_for_backward(pm, plan) -> dict:
                 y = torch.zeros(L.mbs, tokens, dtype=torch.long, device="meta")
                 loss = pm._summed_loss(out, y)
         logits_key = _local(out).untyped_storage()._cdata if out is not None else None
-        exclude = param_keys | rec.copies
+        exclude = param_keys | rec.copies | buffer_keys
         exclude |= {_local(p).untyped_storage()._cdata for st in pm.stages for p in st.parameters()}
         held = rec.alive(exclude | ({logits_key} if logits_key is not None else set()))
         logits = (_local(out).untyped_storage().nbytes() + held.pop("loss", 0)) if out is not None else 0
-        weights = sum(rec.alive(set()).values()) - sum(held.values()) - logits
+        weights = sum(rec.alive(buffer_keys).values()) - sum(held.values()) - logits
         in_blocks = [v for k, v in rec.largest.items() if k not in ("stage", "loss")]
         result = {"activations": sum(held.values()), "logits": logits, "by_block": held,
                   "largest_op": max(rec.largest.values()), "largest_in_blocks": max(in_blocks, default=0),
@@ -385,6 +388,19 @@ def kept_for_backward(pm, plan) -> dict:
             h.remove()
         rec.release()
     return result
+
+
+def _stream_dtype(pm, stage) -> torch.dtype:
+    """The dtype of the hidden state a stage receives: autocast's, FSDP2's parameter dtype, or the
+    parameters' own."""
+    if pm.autocast_dtype is not None:
+        return pm.autocast_dtype
+    for mod in stage.modules():
+        state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
+        policy = getattr(state, "_mp_policy", None)
+        if policy is not None and policy.param_dtype is not None:
+            return policy.param_dtype
+    return next(p for p in stage.parameters() if p.is_floating_point()).dtype
 
 
 def forward_kept(model, input_ids, dtype) -> int:

@@ -7,9 +7,11 @@ AdamW step and compares loss, every full gradient, the norm and every parameter 
 single-device model (ep_workers.equivalence; tolerances: numerics.py). Cases that share a world
 size run in one spawned process group (starting ranks costs seconds): 2 ranks (`world2`: the
 folded layouts on 2 ranks, global load balancing over folded ranks, DCP reshards between folded
-layouts, deferred initialisation with folded experts), 4 ranks (`world4`) and 8 ranks (`world8`:
-only the layouts that need 8 - EP x TP x PP with data parallelism, fewer local experts than
-expert-data-parallel ranks, and everything folded at once).
+layouts, deferred initialisation with folded experts) and 4 ranks (`world4`). The layouts that
+need 8 ranks (CASES_8: EP x TP x PP with data parallelism, fewer local experts than
+expert-data-parallel ranks, and everything folded at once) run in the suite's one group of 8
+ranks, with the dense 8-rank case: test_parallel_numerics.py's `world8` and
+`test_eight_ranks_moe_folding`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ CASES_4 = {
     "ep2_etp2_tp2_dp2_sp_zero1": ("moe", dict(ep=2, etp=2, tp=2, sp=True, dp=2, cp=1, pp=1, zero=1, mbs=2)),
 }
 
+# run by test_parallel_numerics.py (test_eight_ranks_moe_folding), in its group of 8 ranks
 CASES_8 = {
     # EP x TP x PP: each pipeline stage folds its own dp x tp ranks (SP residual across stages);
     # 2 micro-batches a data-parallel rank run every phase of 1F1B on the first stage
@@ -145,16 +148,6 @@ def test_two_ranks(world2, name):
 def test_checkpoint_reshards_between_folded_layouts(world2):
     for name in ("reshard_ep2_tp2_to_etp2_dp2", "reshard_etp2_tp2_to_ep2_cp2"):
         _ok(world2[name])
-
-
-@pytest.fixture(scope="module")
-def world8():
-    return _run(8, _cases(CASES_8, 8))
-
-
-@pytest.mark.parametrize("name", sorted(CASES_8))
-def test_eight_ranks(world8, name):
-    _agreed(world8[name])
 
 
 @pytest.mark.parametrize("name", sorted(BALANCE_2))

@@ -1,13 +1,14 @@
 """FP8 placement: which linear layers run their GEMMs in FP8.
 
 FP8 GEMMs run at up to twice the BF16 rate but pay for quantising their inputs and for scaling
-bookkeeping (both in `meshplan.cost_models.compute.gemm_time`), so small GEMMs gain nothing. FP8
-also moves memory: Transformer Engine keeps an FP8 copy of each weight for the whole step (+1 byte
-per parameter, constants.FP8_WEIGHT_CACHE_BYTES), while a GEMM input saved for backward in FP8
-takes 1 byte per element instead of 2 (cost_models.layer.activation_bytes). By default the first
-and last blocks, the output layer and MoE routers stay in BF16 (the numerically sensitive ends of
-the network, as in NVIDIA's and torchtitan's FP8 recipes), as do GEMMs whose dimensions FP8
-kernels cannot take or that are not faster in FP8. Users can force modules in or out.
+bookkeeping (the cost model prices both: `cost_models.tables.LinearCostTable`), so small GEMMs
+gain nothing. FP8 also moves memory: Transformer Engine keeps an FP8 copy of each weight for the
+whole step (+1 byte per parameter, LinearCosts.weight_cache_bytes), while a GEMM input saved for
+backward in FP8 takes 1 byte per element instead of 2 (LinearCostTable.stored_input, as
+cost_models.layer.activation_bytes keeps them). By default the first and last blocks, the output
+layer and MoE routers stay in BF16 (the numerically sensitive ends of the network, as in NVIDIA's
+and torchtitan's FP8 recipes), as do GEMMs whose dimensions FP8 kernels cannot take or that are
+not faster in FP8. Users can force modules in or out.
 
 The ILP
 -------
@@ -54,12 +55,9 @@ from typing import Sequence
 
 import pulp
 
-from meshplan.cost_models import constants as K
-from meshplan.cost_models.compute import fp8_weight_cast_time, gemm_time
+from meshplan.cost_models.tables import GEMMS_PER_PASS, LinearCostTable
 from meshplan.ir.estimate import GB
-from meshplan.cost_models.layer import NORM_ACT, Context, gemm_shape, unfused_of
 from meshplan.ir.layout import Layout, split_layers
-from meshplan.cost_models.pipeline import in_flight
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.ilp.solver import has_solution, proved_optimal, resolve_solver, solve
 from meshplan.profiling.traits import packing
@@ -71,9 +69,6 @@ DEFAULT_EXCLUSIONS = ("router", "output layer", "first block", "last block", "di
 # FP8 GEMM kernels need both GEMM dimensions of the weight to be multiples of 16 (Transformer
 # Engine's assert_dim_for_fp8_exec; cuBLASLt FP8 layout rules; torchao float8 checks the same).
 FP8_DIM_MULTIPLE = 16
-# Per micro-batch, each linear runs its GEMM three times: forward, input gradient, weight
-# gradient (cost_models.layer: backward = 2 x forward GEMMs); full recompute adds the forward again.
-_GEMMS_PER_PASS = 3
 # Two time gains closer than this are equal (float noise in sums of per-GEMM seconds).
 _GAIN_EPS = 1e-15
 
@@ -138,38 +133,6 @@ def _policy(layout: Layout, index_in_rank: int) -> str:
     return "full" if index_in_rank < rc else "none"
 
 
-def _stored_input(role: str, b, c: Context, policy: str) -> tuple[str, float]:
-    """(input group suffix or "", bytes per token of the BF16 input saved for backward on one GPU).
-
-    Mirrors cost_models.layer.activation_bytes: full recompute keeps only the layer input;
-    selective recompute drops the attention output and the MLP activation output; "norm_act" drops
-    the norm outputs (the QKV / MLP / router inputs) and the experts' activation output."""
-    L = c.layout
-    sp_div = L.tp if L.sp else 1
-    if policy == "full":
-        return ("", 0.0)
-    if policy == NORM_ACT and role in ("attn_qkv", "mlp_in", "router", "shared_in", "expert_out"):
-        return ("", 0.0)
-    h = b.hidden
-    if role == "attn_qkv":
-        return ("attn_in", K.BF16 * h / sp_div)
-    if role == "attn_out":
-        return ("", 0.0 if policy == "selective" else K.BF16 * b.q_dim / L.tp)
-    if role == "mlp_in":
-        return ("mlp_in", K.BF16 * h / sp_div)
-    if role == "mlp_out":
-        return ("", 0.0 if policy == "selective" else K.BF16 * b.ffn_hidden / L.tp)
-    if role in ("router", "shared_in"):     # both read the MoE block's normed input
-        return ("moe_in", K.BF16 * h / sp_div)
-    if role == "shared_out":
-        return ("", K.BF16 * b.shared_ffn_hidden / L.tp)
-    if role == "expert_in":
-        return ("expert_in", b.topk * K.BF16 * h / sp_div)
-    if role == "expert_out":
-        return ("", 0.0 if policy == "selective" else b.topk * K.BF16 * b.moe_ffn_hidden / L.etp / sp_div)
-    return ("", 0.0)   # "other": its saved input is unknown, count no saving
-
-
 def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int | None = None) -> list[Fp8Candidate]:
     """One candidate per linear of every layer instance, plus the output layer.
 
@@ -208,31 +171,26 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
             seen[s % L.pp] += 1
         start += n
 
-    c = Context.build(cluster, L, seq_len, fp8=False, unfused=unfused_of(profile))
-    flight = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
+    # the cost model's prices of every linear in BF16 and FP8 (one table, memoised per block)
+    table = LinearCostTable(profile, cluster, L, seq_len=seq_len)
+    flight = table.in_flight(m)
     occurrence: dict[int, int] = {}
-    timing: dict[tuple[int, str], tuple[float, float, float, bool]] = {}
     out: list[Fp8Candidate] = []
     for i, bi in enumerate(profile.layers):
         b = profile.blocks[bi]
         inst = b.instances[occurrence.get(bi, 0)]
         occurrence[bi] = occurrence.get(bi, 0) + 1
         r, policy = rank_of[i], _policy(L, index_in_rank[i])
-        passes = m * (_GEMMS_PER_PASS + (1 if policy == "full" else 0))
+        passes = m * (GEMMS_PER_PASS + (1 if policy == "full" else 0))
         groups: dict[str, list[int]] = {}
         for li in b.linears:
-            key = (bi, li.name)
-            if key not in timing:
-                rows, n, k, count, params = gemm_shape(li, c)
-                tb = gemm_time(rows, n, k, cluster, fp8=False, count=count)
-                tf = gemm_time(rows, n, k, cluster, fp8=True, count=count)
-                ok_dims = (n % FP8_DIM_MULTIPLE == 0 and k % FP8_DIM_MULTIPLE == 0)
-                timing[key] = (tb, tf, params, ok_dims)
-            tb, tf, params, ok_dims = timing[key]
+            lc = table.linear(bi, li)
+            tb, tf = lc.bf16_s, lc.fp8_s
+            ok_dims = (lc.n % FP8_DIM_MULTIPLE == 0 and lc.k % FP8_DIM_MULTIPLE == 0)
             # Transformer Engine casts each weight to FP8 once per step (then reuses the cache)
-            cast = fp8_weight_cast_time(params, cluster)
-            group, per_token = _stored_input(li.role, b, c, policy)
-            saved_gb = 0.5 * per_token * c.tokens * flight[r] / GB    # FP8 stores 1 byte instead of 2
+            cast = lc.weight_cast_s
+            group, per_token = table.stored_input(li.role, b, policy)
+            saved_gb = 0.5 * per_token * table.tokens * flight[r] / GB    # FP8 stores 1 byte instead of 2
             # a packed QKV / gate-up projection under TP runs its own per-part forward
             # (runtime/packed_projections.py), which an FP8 linear would replace
             reason = ("router" if li.role == "router" else
@@ -241,7 +199,7 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
                       "last block" if i == nl - 1 else "dims not multiples of 16" if not ok_dims else
                       "too small to gain" if tf * passes + cast >= tb * passes else None)
             out.append(Fp8Candidate(module=f"{inst}.{li.name}", bf16_time_s=tb * passes, fp8_time_s=tf * passes + cast,
-                                    memory_delta_gb=K.FP8_WEIGHT_CACHE_BYTES * params / GB - saved_gb,
+                                    memory_delta_gb=lc.weight_cache_bytes / GB - saved_gb,
                                     default_excluded=reason, stage=r,
                                     input_group=f"{inst}:{group}" if group else "",
                                     activation_saved_gb=saved_gb))
@@ -256,21 +214,19 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
                                       memory_delta_gb=cand.weight_cache_gb - share,
                                       default_excluded=cand.default_excluded, stage=cand.stage,
                                       input_group=cand.input_group, activation_saved_gb=share)
-    out.append(_head_candidate(profile, cluster, L, c, m, flight))
+    out.append(_head_candidate(profile, table, m, flight))
     return out
 
 
-def _head_candidate(profile, cluster, L: Layout, c: Context, m: int, flight: list[float]) -> Fp8Candidate:
-    T = c.tokens
-    n, k = profile.vocab / L.tp, profile.hidden
-    tb = gemm_time(T, n, k, cluster, fp8=False) * _GEMMS_PER_PASS * m
-    tf = gemm_time(T, n, k, cluster, fp8=True) * _GEMMS_PER_PASS * m
-    params = (profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)) / L.tp
+def _head_candidate(profile, table: LinearCostTable, m: int, flight: list[float]) -> Fp8Candidate:
+    L, head = table.layout, table.head()
+    tb = head.bf16_s * GEMMS_PER_PASS * m
+    tf = head.fp8_s * GEMMS_PER_PASS * m
     # its input (the final norm's output, gathered over SP) is saved for backward
-    saved = 0.5 * K.BF16 * profile.hidden * T * flight[L.pp - 1] / GB
+    saved = 0.5 * table.head_input_bytes_per_token * table.tokens * flight[L.pp - 1] / GB
     return Fp8Candidate(module=profile.head_fqn or "output", bf16_time_s=tb,
-                        fp8_time_s=tf + fp8_weight_cast_time(params, cluster),
-                        memory_delta_gb=K.FP8_WEIGHT_CACHE_BYTES * params / GB - saved,
+                        fp8_time_s=tf + head.weight_cast_s,
+                        memory_delta_gb=head.weight_cache_bytes / GB - saved,
                         default_excluded="output layer", stage=L.pp - 1, activation_saved_gb=saved)
 
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshplan.cost_models import constants as K
-from meshplan.cost_models.comm import collective_time, group
-from meshplan.cost_models.compute import attention_time, elementwise_time, gemm_time, matmul_rate
+from meshplan.cost_models.tables import STATE_BYTES_PER_PARAM, OpCostTable
 from meshplan.errors import TraceError
 from meshplan.ir.profile import BlockProfile, OpInfo
 from meshplan.profiling.aten_ops import (
@@ -49,8 +47,8 @@ from meshplan.planner.ilp.sharding_results import LAYOUT_LABELS
 
 __all__ = ["BlockAnalysis", "Strategy", "ShardOp", "STATE_BYTES_PER_PARAM"]
 
-# Training state per parameter: bf16 weight + fp32 gradient + Adam master, m, v (constants.py).
-STATE_BYTES_PER_PARAM = K.PARAM_BYTES + K.GRAD_BYTES + K.OPTIMIZER_BYTES
+# STATE_BYTES_PER_PARAM (cost_models.tables): training state per parameter, bf16 weight + fp32
+# gradient + Adam master, m, v.
 # A memory-bound op's backward reads the output gradient and the saved inputs and writes the
 # input gradients: about twice its forward traffic (derived).
 ELEMENTWISE_BWD_RATIO = 2.0
@@ -117,7 +115,9 @@ class BlockAnalysis:
                  sp_allowed: bool, microbatches: int):
         self.block, self.cluster, self.tp, self.tokens = block, cluster, tp, tokens
         self.sp_allowed, self.microbatches = sp_allowed, microbatches
-        self.group = group(cluster, tp, 1)      # TP is the innermost mesh axis: adjacent ranks
+        # the cost model's prices of ops and reshardings on the TP group (TP is the innermost mesh
+        # axis: adjacent ranks)
+        self.costs = OpCostTable(cluster, tp=tp, microbatches=microbatches)
         ops = list(block.ops)
         self.by_name = {o.name: o for o in ops}
         self.prefix = next((i for i in block.instances
@@ -181,17 +181,15 @@ class BlockAnalysis:
 
     def _pointwise_time(self, o: OpInfo) -> float:
         bwd = ELEMENTWISE_BWD_RATIO if is_float(o.dtype) else 0.0
-        return elementwise_time(o.bytes * self.scale, self.cluster) * (1.0 + bwd)
+        return self.costs.elementwise_s(o.bytes * self.scale) * (1.0 + bwd)
 
     def _flop_time(self, o: OpInfo, share: float) -> float:
         """Matmul-like ops without a clean (m, n, k): roofline on the traced FLOPs."""
         kernels = 1 + (2 if o.bwd_flops > 0 else 0)
-        return ((o.fwd_flops + o.bwd_flops) * self.scale * share / matmul_rate(self.cluster, False)
-                + kernels * K.GEMM_FIXED_S)
+        return self.costs.roofline_s((o.fwd_flops + o.bwd_flops) * self.scale * share, kernels)
 
     def _sync(self, params_per_gpu: float) -> float:
-        return collective_time("all_reduce", params_per_gpu * K.GRAD_BYTES, self.group,
-                               self.cluster) / self.microbatches
+        return self.costs.grad_sync_s(params_per_gpu)
 
     def allowed(self, t: _Tensor, layout: str) -> bool:
         if layout in ("S", "F") and t.stream and not self.sp_allowed:
@@ -236,7 +234,7 @@ class BlockAnalysis:
             self._mapped(o, act, base, pshapes)
 
     def _linear(self, o: OpInfo, x_name: str, pshapes: list[tuple[int, ...]]) -> None:
-        x, tp, c = self.tensors[x_name], self.tp, self.cluster
+        x, tp = self.tensors[x_name], self.tp
         k, n = x.shape[-1], o.output_shapes[0][-1]
         m = math.prod(x.shape) / k * self.scale
         tok = x.tok if x.tok is not None and x.tok < len(x.shape) - 1 else None
@@ -246,8 +244,8 @@ class BlockAnalysis:
 
         def strat(label: str, read: str, produce: str, mm: float, nn: float, kk: float,
                   per_gpu: float) -> Strategy:   # forward, data gradient, weight gradient GEMMs
-            t = gemm_time(mm, nn, kk, c) + gemm_time(mm, kk, nn, c) + gemm_time(nn, kk, mm, c)
-            return Strategy(label, (read,), produce, t, per_gpu * STATE_BYTES_PER_PARAM, self._sync(per_gpu))
+            return Strategy(label, (read,), produce, self.costs.linear_s(mm, nn, kk),
+                            per_gpu * STATE_BYTES_PER_PARAM, self._sync(per_gpu))
 
         strats = [strat("replicate", "R", "R", m, n, k, total)]
         if tok is not None and self.allowed(x, "S") and self.allowed(out, "S"):
@@ -262,8 +260,7 @@ class BlockAnalysis:
         q, k, v = (self.tensors[a] for a in act[:3])
         out = self._tensor(o, q.tok, q.feat)
         flops = o.fwd_flops * self.attn_scale
-        full = (attention_time(flops, self.cluster, backward=False)
-                + attention_time(flops, self.cluster, backward=True))
+        full = self.costs.attention_s(flops)
         rest = ("R",) * (len(act) - 3)     # masks and biases computed inside the block
         strats = [Strategy("replicate", ("R",) * len(act), "R", full)]
         if all(t.feat == len(t.shape) - 3 and self.allowed(t, "F") for t in (q, k, v)) \

@@ -16,7 +16,7 @@ sharded (a column-parallel linear's input), R when it reads P, else l. need(p) =
 
 Objective (seconds per micro-batch of `tokens` tokens, forward + backward)
     min  sum x[o,s] (c(o,s) + u(o,s)) + sum y[t,p,l] C(p -> l, t) + sum z[t,p,l] C(l -> need(p), t)
-C is the collective on the TP group (meshplan.cost_models.comm): R -> S/F/P free (local slice);
+C is the collective on the TP group (tables.OpCostTable.reshard_s): R -> S/F/P free (local slice);
 S, F -> R all-gather; S <-> F all-to-all; P -> R all-reduce; P -> S/F reduce-scatter; S, F -> P
 impossible. u(o,s) is the all-reduce time of the per-GPU weight gradient divided by
 `microbatches`: every replica of a weight reduces its gradient once a step (over DP, and over
@@ -47,7 +47,6 @@ from typing import Mapping
 
 import pulp
 
-from meshplan.cost_models.comm import collective_time
 from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.ilp.sharding_graph import BlockAnalysis, ShardOp, Strategy
 from meshplan.planner.ilp.sharding_results import LAYOUT_LABELS, PLACEMENTS, BlockSharding, OpChoice, Reshard
@@ -77,7 +76,7 @@ def conversion_time(src: str, dst: str, nbytes: float, a: BlockAnalysis) -> floa
     if not kind:
         return kind if kind is None else 0.0
     # an all-to-all's size is each rank's send buffer: its 1/tp share of the tensor
-    return collective_time(kind, nbytes / a.tp if kind == "all_to_all" else nbytes, a.group, a.cluster)
+    return a.costs.reshard_s(kind, nbytes / a.tp if kind == "all_to_all" else nbytes)
 
 
 # ---- the problem -------------------------------------------------------------------------------

@@ -9,22 +9,13 @@ memory cap. The new split is kept only if the full estimate agrees it is faster.
 
 from __future__ import annotations
 
-from meshplan.cost_models import constants as K
-from meshplan.cost_models.estimate import (
-    GB,
-    Estimate,
-    embedding_time,
-    estimate_profile,
-    head_activation_bytes,
-    head_times,
-    layer_table,
-)
-from meshplan.ir.layout import Layout
-from meshplan.cost_models.memory import optimizer_bytes, state_bytes
-from meshplan.cost_models.pipeline import in_flight
+from meshplan.cost_models.estimate import estimate_profile
+from meshplan.cost_models.tables import edge_costs, edge_state_bytes, in_flight_by_rank, layer_state_bytes, layer_table
 from meshplan.errors import MeshplanError
-from meshplan.planner.ilp.stages import assign_stages
+from meshplan.ir.estimate import GB, Estimate
+from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
+from meshplan.planner.ilp.stages import assign_stages
 
 __all__ = ["refine_stages"]
 
@@ -36,26 +27,18 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
                         fp8_modules=fp8_modules, stack=stack)
     policy = L.recompute
     blocks = profile.layer_blocks()
-    T, sp_div = table.ctx.tokens, (L.tp if L.sp else 1)
     m = global_batch // (L.dp * L.mbs)
-    times, acts, static = [], [], []
-    for i, b in enumerate(blocks):
+    times, acts = [], []
+    for i in range(len(blocks)):
         c = table.cost(i, policy)
         times.append(c.fwd_s + c.bwd_s + c.recompute_s)
         acts.append(table.act(i, policy) / GB)
-        ob = optimizer_bytes(L)
-        sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob)
-        se = state_bytes(b.expert_params / (L.ep * L.etp), L.edp, L.zero, optimizer_bytes=ob)
-        static.append((sum(sd.values()) + sum(se.values())) / GB)
-    ob = optimizer_bytes(L)
-    emb_state = sum(state_bytes(profile.embedding_params / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob).values()) / GB
-    head_params = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
-    head_state = sum(state_bytes(head_params / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob).values()) / GB
-    e = embedding_time(profile, cluster, T, sp_div)
-    g, ce = head_times(profile, cluster, T, L.tp, table.ctx.fitted)
-    flights = [in_flight(L.schedule, m, L.pp, L.vp, r) for r in range(L.pp)]
+    static = [nbytes / GB for nbytes in layer_state_bytes(profile, L)]
+    edge = edge_costs(profile, table)
+    emb_state, head_state = edge_state_bytes(profile, L)
+    flights = in_flight_by_rank(L, m)
     # multi-token prediction: one more layer of the last layer's kind per depth on the last stage
-    # (ranks._add_mtp; its output layer and loss are in head_times)
+    # (its output layer and loss are in the edge costs)
     mtp_t = mtp_act = mtp_state = 0.0
     if profile.mtp_depth and blocks:
         c, last = table.cost(len(blocks) - 1, "none"), len(blocks) - 1
@@ -63,9 +46,9 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
         mtp_act = profile.mtp_depth * table.act(last, "none") / GB
         mtp_state = profile.mtp_depth * static[last]
     return dict(layer_time_s=times, layer_memory_gb=acts, static_memory_gb=static, in_flight=flights,
-                first_extra_time_s=3 * e, last_extra_time_s=3 * g + 2 * ce + mtp_t,
-                first_extra_memory_gb=emb_state + K.BF16 * profile.hidden * T / sp_div * flights[0] / GB,
-                last_extra_memory_gb=head_state + head_activation_bytes(profile, T, L.tp) / GB + mtp_act + mtp_state)
+                first_extra_time_s=edge.first_s, last_extra_time_s=edge.last_s + mtp_t,
+                first_extra_memory_gb=emb_state / GB + edge.embedding_act_bytes * flights[0] / GB,
+                last_extra_memory_gb=head_state / GB + edge.head_act_bytes / GB + mtp_act + mtp_state)
 
 
 def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int, global_batch: int,
