@@ -62,3 +62,26 @@ def one_process_group():
         pytest.skip("a process group is already initialised in this process")
     yield
     dist.destroy_process_group()
+
+
+# The README's command runs the suite on two xdist workers, one module at a time each
+# (--dist loadscope), handing out modules in collection order. Collected alphabetically, the
+# longest modules (spawned multi-process worlds, training runs) come last, and the run ends with
+# one worker finishing a long module while the other idles. These go first, longest first (their
+# wall times on 2 quiet cores, roughly 40-150 s each), so the short ones fill in at the end.
+_LONGEST_FIRST = (
+    "tests/runtime/test_parallel_numerics.py", "tests/runtime/test_plan_contract.py", "tests/train/test_train.py",
+    "tests/runtime/test_mtp_parallel.py", "tests/runtime/test_plan_matrix.py", "tests/runtime/test_fp8_one_rank.py",
+    "tests/runtime/test_context_parallel.py", "tests/runtime/test_ep_folding.py", "tests/train/test_muon.py",
+    "tests/train/test_multinode.py", "tests/runtime/test_deferred_init.py", "tests/runtime/test_fp8.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    root = str(config.rootpath)
+
+    def key(item):
+        path = os.path.relpath(str(item.path), root)
+        return rank.get(path, len(rank))
+    items.sort(key=key)     # stable: the rest keep their order

@@ -67,32 +67,8 @@ def _imports(path: Path):
     return _imports_in(path.read_text(), _module(path), path.name == "__init__.py")
 
 
-def _imports_in(source: str, module: str, is_pkg: bool):
-    tree = ast.parse(source)
-    here = module.split(".")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.split(".")[0] == "meshplan":
-                    yield node.lineno, a.name
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here if is_pkg else here[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target.split(".")[0] != "meshplan":
-                continue
-            if target == "meshplan":    # `from meshplan import cluster` names submodules
-                for a in node.names:
-                    yield node.lineno, f"meshplan.{a.name}"
-            else:
-                yield node.lineno, target
-
-
-def _imported_names(source: str, module: str, is_pkg: bool):
-    """(line, meshplan module, name or None for a whole-module import) for every import."""
+def _import_nodes(source: str, module: str, is_pkg: bool):
+    """(line, meshplan module, the names it imports or None for `import x`) for every import of meshplan."""
     tree = ast.parse(source)
     here = module.split(".")
     for node in ast.walk(tree):
@@ -107,16 +83,33 @@ def _imported_names(source: str, module: str, is_pkg: bool):
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "meshplan":
-                continue
-            for a in node.names:
-                sub = f"{target}.{a.name}"
-                # `from meshplan.cost_models import tables` names a submodule
-                if (ROOT.parent / sub.replace(".", "/")).with_suffix(".py").exists() or \
-                        (ROOT.parent / sub.replace(".", "/")).is_dir():
-                    yield node.lineno, sub, None
-                else:
-                    yield node.lineno, target, a.name
+            if target.split(".")[0] == "meshplan":
+                yield node.lineno, target, [a.name for a in node.names]
+
+
+def _imports_in(source: str, module: str, is_pkg: bool):
+    for line, target, names in _import_nodes(source, module, is_pkg):
+        if names is not None and target == "meshplan":    # `from meshplan import cluster` names submodules
+            for n in names:
+                yield line, f"meshplan.{n}"
+        else:
+            yield line, target
+
+
+def _imported_names(source: str, module: str, is_pkg: bool):
+    """(line, meshplan module, name or None for a whole-module import) for every import."""
+    for line, target, names in _import_nodes(source, module, is_pkg):
+        if names is None:
+            yield line, target, None
+            continue
+        for n in names:
+            sub = f"{target}.{n}"
+            # `from meshplan.cost_models import tables` names a submodule
+            if (ROOT.parent / sub.replace(".", "/")).with_suffix(".py").exists() or \
+                    (ROOT.parent / sub.replace(".", "/")).is_dir():
+                yield line, sub, None
+            else:
+                yield line, target, n
 
 
 def _public_names(module: str) -> frozenset[str]:

@@ -94,11 +94,11 @@ E_PAIR = E_DENSE / 2                                                        # de
 # none of them fitted the constants. A plan in a regime with fewer than REGIME_MIN_ROWS rows
 # extrapolates: its band is at least that regime's held-out error (measured).
 REGIME_MIN_ROWS = 5
-REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (48, 0.155),
+REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (48, 0.156),
                "stack torchtitan": (18, 0.063), "stack llm-foundry": (36, 0.073),
-               "gpu ampere": (30, 0.083), "gpu hopper": (98, 0.122), "gpu blackwell": (2, 0.384),
-               "fp8 tensorwise": (36, 0.157), "fp8 block/row/mx recipes": (2, 0.363),
-               "ep across nodes": (4, 0.189), "context >= 64k": (12, 0.161), "moe": (20, 0.211)}
+               "gpu ampere": (30, 0.083), "gpu hopper": (98, 0.128), "gpu blackwell": (2, 0.134),
+               "fp8 tensorwise": (36, 0.174), "fp8 block/row/mx recipes": (2, 0.112),
+               "ep across nodes": (4, 0.199), "context >= 64k": (12, 0.143), "moe": (20, 0.212)}
 # A regime with no published row takes a regime it resembles: meshplan's runtime is PyTorch-native
 # like torchtitan (FSDP2, DTensor, SDPA, torchao FP8); the stack-neutral reference is Megatron-Core's
 # baseline. Otherwise the mean held-out error over the regimes (derived).

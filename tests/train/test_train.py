@@ -77,13 +77,18 @@ def _run(dp2_runs, name: str) -> list[dict]:
     return runs[name]
 
 
+def _assert_continues(first, second, full, *, rtol=1e-6, atol=1e-6):
+    """Steps 1-3 of `first` and 4-STEPS of `second` have the uninterrupted run's losses."""
+    for step in range(1, STEPS + 1):
+        got = (first if step <= 3 else second)["losses"][step]
+        torch.testing.assert_close(got, full["losses"][step], rtol=rtol, atol=atol)
+
+
 def test_exact_resume_same_plan(dp2_runs):
     full, first, second = (_run(dp2_runs, n)[0] for n in ("full", "stop3", "resume"))
     assert sorted(first["losses"]) == [1, 2, 3] and first["checkpoint"].endswith("step_000003")
     assert second["start"] == 3 and sorted(second["losses"]) == [4, 5, 6]
-    for step in range(1, STEPS + 1):
-        got = (first if step <= 3 else second)["losses"][step]
-        torch.testing.assert_close(got, full["losses"][step], rtol=1e-6, atol=1e-6)
+    _assert_continues(first, second, full)
     for n, t in full["params"].items():
         torch.testing.assert_close(second["params"][n], t, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
@@ -102,9 +107,7 @@ def test_async_checkpoints_resume_exactly(dp2_runs):
     assert second["complete"] == ["step_000005", "step_000006"] and second["other"] == []
     meta = json.loads((dp2_runs[1] / "async" / "checkpoints" / "step_000006" / "meta.json").read_text())
     assert meta["step"] == 6 and meta["config"]["async_checkpoint"] is True
-    for step in range(1, STEPS + 1):
-        got = (first[0] if step <= 3 else second)["losses"][step]
-        torch.testing.assert_close(got, full["losses"][step], rtol=1e-6, atol=1e-6)
+    _assert_continues(first[0], second, full)
     for n, t in full["params"].items():
         torch.testing.assert_close(second["params"][n], t, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
@@ -117,9 +120,7 @@ def test_resume_under_another_plan(dp2_runs):
     full, first, resumed = (_run(dp2_runs, n)[0] for n in ("full", "tp2_stop3", "pp2_resume"))
     assert sorted(first["losses"]) == [1, 2, 3] and first["checkpoint"].endswith("step_000003")
     assert resumed["start"] == 3 and sorted(resumed["losses"]) == [4, 5, 6]
-    for step in range(1, STEPS + 1):
-        got = (first if step <= 3 else resumed)["losses"][step]
-        torch.testing.assert_close(got, full["losses"][step], rtol=1e-4, atol=1e-5)
+    _assert_continues(first, resumed, full, rtol=1e-4, atol=1e-5)
 
 
 def _cli(*args, what: str, cwd, timeout=300, start_only=False):
