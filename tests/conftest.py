@@ -70,10 +70,11 @@ def one_process_group():
 # one worker finishing a long module while the other idles. These go first, longest first (their
 # wall times on 2 quiet cores, roughly 40-150 s each), so the short ones fill in at the end.
 _LONGEST_FIRST = (
-    "tests/runtime/test_parallel_numerics.py", "tests/runtime/test_plan_contract.py", "tests/train/test_train.py",
-    "tests/runtime/test_mtp_parallel.py", "tests/runtime/test_plan_matrix.py", "tests/runtime/test_fp8_one_rank.py",
-    "tests/runtime/test_context_parallel.py", "tests/runtime/test_ep_folding.py", "tests/train/test_muon.py",
-    "tests/train/test_multinode.py", "tests/runtime/test_deferred_init.py", "tests/runtime/test_fp8.py",
+    "tests/runtime/test_parallel_numerics.py", "tests/runtime/test_ep_folding.py", "tests/train/test_train.py",
+    "tests/runtime/test_plan_contract.py", "tests/train/test_multinode.py", "tests/runtime/test_parallel_numerics_8.py",
+    "tests/runtime/test_plan_matrix.py", "tests/runtime/test_mtp_parallel.py", "tests/runtime/test_fp8_one_rank.py",
+    "tests/runtime/test_context_parallel.py", "tests/train/test_muon.py", "tests/runtime/test_tp_fused_projections.py",
+    "tests/runtime/test_deferred_init.py", "tests/runtime/test_fp8.py",
 )
 
 

@@ -50,6 +50,7 @@ from meshplan.cost_models.uncertainty import extrapolation, imbalance_risk, plan
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
 from meshplan.ir.layout import Layout, check_layout
+from meshplan.ir.precision import Precision
 from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 
@@ -253,7 +254,7 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
 def _check_precision(precision: str, cluster) -> bool:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r}: use one of {PRECISIONS}")
-    fp8 = precision == "fp8"
+    fp8 = precision == Precision.FP8
     if fp8 and not cluster.gpu.fp8_tflops:
         raise ConfigError(f"{cluster.gpu.name} has no FP8 matrix units; use precision='bf16'")
     return fp8
@@ -263,7 +264,7 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
            fp8_modules: frozenset | None, grad_accum_fusion: bool, recipe: str,
            stack: Stack, fitted: K.Fitted) -> tuple[list[RankWork], Context]:
     """Every pipeline rank's work for one micro-batch."""
-    table = layer_table(profile, cluster, L, seq_len=seq_len, precision="fp8" if fp8 else "bf16",
+    table = layer_table(profile, cluster, L, seq_len=seq_len, precision=Precision.FP8 if fp8 else Precision.BF16,
                         fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack, fitted=fitted)
     ctx = table.ctx
     layers = rank_layers(stage_layers, L.pp)
@@ -287,7 +288,7 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
 
 
 def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, global_batch: int,
-                     precision: str = "bf16", fp8_modules: frozenset | None = None,
+                     precision: str = Precision.BF16, fp8_modules: frozenset | None = None,
                      grad_accum_fusion: bool | None = None, fp8_recipe: str | None = None,
                      stack: Stack | str | None = None, fitted: K.Fitted | None = None) -> Estimate:
     """Score one layout. Pure: (profile, cluster, layout, stack, shapes) -> Estimate.
@@ -317,7 +318,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     ranks, ctx = _ranks(profile, cluster, L, stage_layers, seq_len, fp8, fp8_modules, grad_accum_fusion, recipe,
                         stack, fitted or K.FITTED)
     # activation offloading (cost_models/offload.py) adds its exposed copies to each rank's passes
-    off = offload_ranks(ranks, layer_table(profile, cluster, L, seq_len=seq_len, precision="fp8" if fp8 else "bf16",
+    off = offload_ranks(ranks, layer_table(profile, cluster, L, seq_len=seq_len, precision=Precision.FP8 if fp8 else Precision.BF16,
                                            fp8_modules=fp8_modules, fp8_recipe=recipe, stack=stack,
                                            fitted=fitted or K.FITTED), L, cluster, m) \
         if L.offload_activations else None
@@ -384,7 +385,7 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
     regime = regime_of(L.to_dict(), seq_len=seq_len, precision=precision, ep_cross_domain=ep_cross)
     band, band_s = step_uncertainty(time_s, regime)
     # a router nothing balances: priced balanced, its worst case widens the band's upper side
-    high, worst = imbalance_risk(profile, cluster, L, seq_len=seq_len, fp8=precision == "fp8", microbatches=m,
+    high, worst = imbalance_risk(profile, cluster, L, seq_len=seq_len, fp8=precision == Precision.FP8, microbatches=m,
                                  ep_s=time_s["ep"], step=step)
     if high:
         regime["moe_unbalanced"] = True

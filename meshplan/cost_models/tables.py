@@ -54,6 +54,7 @@ from meshplan.cost_models.ranks import (
     layer_fp8_flags,
 )
 from meshplan.ir.layout import Layout
+from meshplan.ir.precision import Precision
 from meshplan.ir.profile import BlockProfile, ModelProfile
 from meshplan.ir.stack import Stack, resolve_stack
 
@@ -82,7 +83,7 @@ def stack_unfused(profile: ModelProfile, cluster, stack: Stack) -> frozenset:
     return frozenset(LAYER_FUSIONS)
 
 
-def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, precision: str = "bf16",
+def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int, precision: str = Precision.BF16,
                 fp8_modules: frozenset | None = None, fp8_recipe: str | None = None,
                 stack: Stack | str | None = None, fitted: K.Fitted = K.FITTED) -> LayerTable:
     """The per-layer costs (`LayerTable.cost(i, policy)`: a `LayerCost`) and activation bytes
@@ -92,7 +93,7 @@ def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_le
     `LayerTable.ctx.tokens` is the GEMM rows of one micro-batch on one GPU."""
     L = Layout.coerce(layout)
     stack = resolve_stack(stack, default="reference")
-    fp8 = precision == "fp8"
+    fp8 = precision == Precision.FP8
     unfused = stack_unfused(profile, cluster, stack)
     ctx = Context.build(cluster, routing_layout(L, profile.moe_balance), seq_len, fp8, unfused,
                         fp8_recipe=fp8_recipe or L.fp8_recipe, stack=stack, fitted=fitted)

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 from meshplan.cost_models.attention import gpu_generation
 from meshplan.ir.layout import Layout
+from meshplan.ir.precision import Precision
 
 __all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
            "worst_ep_load", "routed_expert_s", "imbalance_risk", "upper_risk", "worst_case_gain", "risk_clause",
@@ -111,7 +112,7 @@ COMPONENT_ERROR = {"compute": E_DENSE, "optimizer": E_DENSE, "overhead": E_DENSE
 
 def regime_of(layout: Mapping[str, Any], *, seq_len: int, precision: str, ep_cross_domain: bool) -> dict[str, bool]:
     """Flags for the regimes whose error differs from the validated default."""
-    return {"fp8": precision == "fp8",
+    return {"fp8": precision == Precision.FP8,
             "cp_long": layout.get("cp", 1) > 1 and (seq_len > CP_VALIDATED_MAX_SEQ or
                                                    seq_len // layout.get("cp", 1) < CP_VALIDATED_MIN_TOKENS),
             "zb": layout.get("schedule") == "zb",
@@ -131,7 +132,7 @@ def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep
     """The REGIME_LORO regimes an estimate falls in (names as benchmarks/validate_published.py's
     REGIMES)."""
     out = [f"stack {stack}", f"gpu {regime_generation(gpu_id)}"]
-    if precision == "fp8":
+    if precision == Precision.FP8:
         out.append("fp8 tensorwise" if fp8_recipe == "tensorwise" else "fp8 block/row/mx recipes")
     if ep_cross:
         out.append("ep across nodes")

@@ -57,6 +57,7 @@ from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.errors import MeshplanError
 from meshplan.ir.stack import Stack
 from meshplan.ir.layout import Layout, split_layers
+from meshplan.ir.precision import Precision
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
@@ -533,7 +534,7 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
         res.skipped = lay
         return res
     prec_txt = row.get("precision").lower()
-    precision = "fp8" if "fp8" in prec_txt or "float8" in prec_txt else "bf16"
+    precision = Precision.FP8 if "fp8" in prec_txt or "float8" in prec_txt else Precision.BF16
     stack = stack_of(row)
     key = repr(sorted(cfg.items()))
     profiles = profiles if profiles is not None else {}

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from meshplan.errors import ConfigError, quiet_imports
+from meshplan.ir.precision import Precision
 
 __all__ = ["BACKENDS", "RECIPES", "backend_available", "resolve_backend", "apply_fp8", "module_precisions",
            "precision_summary", "log_precisions", "merge", "Fp8Swap"]
@@ -269,7 +270,7 @@ def log_precisions(precisions: dict[str, str], plan) -> None:
     log = logging.getLogger("meshplan.runtime")
     for line in precision_summary(precisions):
         log.info("precision %s", line)
-    if plan.precision == "fp8" and set(plan.fp8_modules) & set(precisions) and \
+    if plan.precision == Precision.FP8 and set(plan.fp8_modules) & set(precisions) and \
             not any(v.startswith("fp8") for v in precisions.values()):
         warnings.warn(f"the plan runs {len(plan.fp8_modules)} modules in FP8 but they run in "
                       f"{precisions[next(m for m in plan.fp8_modules if m in precisions)]} here "

@@ -50,6 +50,7 @@ from torch import nn
 
 from meshplan.errors import ConfigError, LayoutError
 from meshplan.ir.fingerprint import fingerprint
+from meshplan.ir.precision import Precision
 from meshplan.ir.support import ModelTraits, runtime_limits
 from meshplan.runtime import fp8 as _fp8
 from meshplan.runtime import pipeline as _pp
@@ -97,7 +98,7 @@ def _check(model: nn.Module, plan, world_size: int) -> None:
     if limits:
         raise LayoutError("the runtime cannot run this plan: " + "; ".join(limits)
                           + "; re-plan (meshplan.plan never returns such a layout)")
-    if plan.precision == "fp8":
+    if plan.precision == Precision.FP8:
         # the FP8 backends swap nn.Linear modules; anything else named would silently stay bf16
         # (a parameter of stacked experts) or fail on some rank later (a transposed Conv1D)
         modules = dict(model.named_modules())

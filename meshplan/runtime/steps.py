@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshplan.errors import LayoutError
+from meshplan.ir.precision import Precision
 from meshplan.runtime import context_parallel as _cp
 from meshplan.runtime import expert_parallel as _ep
 from meshplan.runtime import fp8 as _fp8
@@ -40,7 +41,8 @@ __all__ = ["Job", "Part", "split_pipeline", "fuse_kernels", "tensor_parallel", "
            "replicate", "tied_local_shapes"]
 
 # "fp8": the plan's fp8_modules run FP8 GEMMs (runtime/fp8.py), every other module bf16
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp32": None}
+_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP8: torch.bfloat16,
+           Precision.FP32: None}
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class Job:
             dtype = _DTYPES.get(plan.precision, torch.bfloat16)
         if dtype == torch.float32:
             dtype = None
-        run_fp8 = options.fp8 and plan.precision == "fp8" and bool(plan.fp8_modules)
+        run_fp8 = options.fp8 and plan.precision == Precision.FP8 and bool(plan.fp8_modules)
         recipe = options.fp8_recipe or lay.fp8_recipe
         if run_fp8:     # a missing package fails before any collective, naming what to install
             _fp8.resolve_backend(options.fp8_backend, device, tp=lay.tp, recipe=recipe)

@@ -10,7 +10,7 @@ folded layouts on 2 ranks, global load balancing over folded ranks, DCP reshards
 layouts, deferred initialisation with folded experts) and 4 ranks (`world4`). The layouts that
 need 8 ranks (CASES_8: EP x TP x PP with data parallelism, fewer local experts than
 expert-data-parallel ranks, and everything folded at once) run in the suite's one group of 8
-ranks, with the dense 8-rank case: test_parallel_numerics.py's `world8` and
+ranks, with the dense 8-rank case: test_parallel_numerics_8.py's `world8` and
 `test_eight_ranks_moe_folding`.
 """
 
@@ -65,7 +65,7 @@ CASES_4 = {
     "ep2_etp2_tp2_dp2_sp_zero1": ("moe", dict(ep=2, etp=2, tp=2, sp=True, dp=2, cp=1, pp=1, zero=1, mbs=2)),
 }
 
-# run by test_parallel_numerics.py (test_eight_ranks_moe_folding), in its group of 8 ranks
+# run by test_parallel_numerics_8.py (test_eight_ranks_moe_folding), in its group of 8 ranks
 CASES_8 = {
     # EP x TP x PP: each pipeline stage folds its own dp x tp ranks (SP residual across stages);
     # 2 micro-batches a data-parallel rank run every phase of 1F1B on the first stage

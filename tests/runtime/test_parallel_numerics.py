@@ -7,10 +7,9 @@ Cases that share a world size run in one spawned process group, because starting
 seconds each: 2 ranks (`world2`: TP, SP, DP as DDP and FSDP ZeRO-1/2/3 with accumulation, PP
 1F1B / interleaved / zero-bubble V, recompute, tied embeddings, transformers Llama, a bf16
 training run, and the refusals of a mismatched plan), 4 ranks (`world4`: TP x DP, TP x PP,
-HSDP, and the planner's own choice trained a few steps) and 8 ranks (`world8`: the one dense case
-that needs 8, PP x FSDP x TP, and test_ep_folding.py's MoE folding layouts that need 8: eight
-ranks on two cores start slowly, so the suite starts them once). Each test reads its cases'
-results.
+HSDP, and the planner's own choice trained a few steps); the 8-rank cases are in
+test_parallel_numerics_8.py (a module of their own, so the two test workers can share the
+numerics worlds). Each test reads its cases' results.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import pytest
 
 import numerics
-import test_ep_folding
 
 SEQ, BATCH = 32, 8
 
@@ -154,30 +152,6 @@ def test_fused_kernels_swapped_in(world2):
 @pytest.mark.parametrize("name", sorted(CASES_4))
 def test_four_ranks(world4, name):
     _check(world4[name])
-
-
-@pytest.fixture(scope="module")
-def world8():
-    """Every 8-rank case of the suite in one spawned group: CASES_8 (numerics.equivalence) and
-    test_ep_folding.CASES_8 (ep_workers.equivalence: MoE folding)."""
-    import ep_workers
-    from test_expert_parallel import _cases as moe_cases
-
-    from meshplan.train.spawn import run_ranks
-    cases = {name: dict(case, kind="dense") for name, case in _cases(CASES_8, 8).items()}
-    cases |= moe_cases(test_ep_folding.CASES_8, 8)
-    results = run_ranks(8, ep_workers.run_cases, cases, timeout_s=300)
-    return {name: [r[name] for r in results] for name in cases}
-
-
-def test_eight_ranks_pp_fsdp_tp(world8):
-    _check(world8["pp2_fsdp2_tp2"])
-
-
-@pytest.mark.parametrize("name", sorted(test_ep_folding.CASES_8))
-def test_eight_ranks_moe_folding(world8, name):
-    """MoE parallel folding at 8 ranks (the layouts and what they check: test_ep_folding.py)."""
-    test_ep_folding._agreed(world8[name])
 
 
 def test_plan_for_other_world_size_is_refused(world2):
