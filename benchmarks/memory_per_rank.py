@@ -31,10 +31,10 @@ def tp_table(lines: list[str]) -> None:
     from meshplan.cost_models.memory import grad_store_bytes, optimizer_bytes
     from meshplan.ir.stack import resolve_stack
     cluster = mp.Cluster.preset("dgx-h100", nodes=1)
-    r = fake_world.measure("llama3-8b", cluster, seq_len=131072, global_batch=8, fixed={"dp": 1}, rank=0)
+    r = fake_world.measure("llama3-8b", cluster, seq_len=131072, global_batch=8, fixed={"dp": 1, "tp": 8}, rank=0)
     mem, kept, charged = r["memory"], r["kept"], r["charged"]
     plan_layout = mp.plan(mp.models.build("llama3-8b", device="meta", seq_len=131072), cluster, seq_len=131072,
-                          global_batch=8, fixed={"dp": 1}).layout
+                          global_batch=8, fixed={"dp": 1, "tp": 8}).layout
     n = r["params"]
     # fp32 parameters under autocast (the master copy) + their bf16 compute copies the forward keeps
     runtime = {
@@ -68,7 +68,7 @@ def tp_table(lines: list[str]) -> None:
 # the contract test's plans (tests/runtime/test_plan_contract.py MEMORY_CASES): model, nodes of
 # dgx-h100, seq_len, global batch, fixed layout keys, rank
 PLANS = [
-    ("llama3-8b", 1, 131072, 8, {"dp": 1}, 0),
+    ("llama3-8b", 1, 131072, 8, {"dp": 1, "tp": 8}, 0),
     ("llama3-70b", 8, 8192, 512, {"tp": 8, "pp": 4, "recompute": "selective"}, -1),
     ("llama3-8b", 2, 131072, 16, {"cp": 2, "tp": 8}, 0),
     ("llama3-8b", 1, 8192, 64, {"tp": 2, "pp": 1, "zero": 3}, 0),

@@ -34,7 +34,7 @@ CASES = [
 # CPU build runs eagerly.
 MEMORY_CASES = [
     # TP8 + SP at 128k, one data-parallel rank (mixed precision by autocast), 16 layers recomputed
-    ("memory", "llama3-8b", 1, 131072, 8, (("dp", 1),), 0),
+    ("memory", "llama3-8b", 1, 131072, 8, (("dp", 1), ("tp", 8)), 0),
     # TP8 + SP, 4 pipeline ranks, selective recompute, FSDP2 over dp=2: the last stage (logits)
     ("memory", "llama3-70b", 8, 8192, 512, (("tp", 8), ("pp", 4), ("recompute", "selective")), -1),
     # ring CP over 2 ranks x TP8 at 128k
