@@ -18,6 +18,7 @@ from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per
 from meshplan.cost_models.layer import Context
 from meshplan.cost_models.memory import (
     adam_bytes,
+    fp8_copies_held,
     deepep_buffer_bytes,
     grad_bytes,
     grad_store_bytes,
@@ -235,11 +236,7 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L),
                                          activations=mem["activations"]).items():
             mem[k] = mem.get(k, 0.0) + extra
-    # The FP8 copies (and transposes) of the weights kept between a step's micro-batches. Under ZeRO-3
-    # they are kept of the shards, like every other copy of the weights (Megatron-FSDP's
-    # --fp8-param-gather stores and all-gathers the weights in FP8; FSDP2's float8 all-gather casts
-    # the shard), and a layer's gathered FP8 weight lives only while the layer runs.
-    fp8_held = w.dparams / shard + w.eparams / L.edp if L.zero >= 3 and shard > 1 else w.dparams + w.eparams
+    fp8_held = fp8_copies_held(w.dparams, w.eparams, L)      # the FP8 weight copies kept between micro-batches
     mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * fp8_held if fp8 else 0.0
     if fp8 and fp8_primary and not (L.zero >= 3 and shard > 1):
         # FP8 primary weights (Megatron-Core --fp8-param-gather): no BF16 working copy beside them

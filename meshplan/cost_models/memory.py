@@ -22,7 +22,7 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.muon import MUON_MATRIX_BYTES
 
-__all__ = ["state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
+__all__ = ["fp8_copies_held", "state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
 # master weights (always fp32) + Adam's two moments in the layout's optimizer_dtype
 _MASTER_BYTES = K.FP32
@@ -67,6 +67,16 @@ def grad_store_bytes(layout, stack) -> float:
     reduction's dtype, or fp32 where the stack keeps gradients in the parameters' dtype (FSDP2 and
     DDP over fp32 parameters reduce in bf16 and store fp32: Stack.grads_in_param_dtype)."""
     return K.GRAD_BYTES if getattr(stack, "grads_in_param_dtype", False) else grad_bytes(layout)
+
+
+def fp8_copies_held(dense_params: float, expert_params: float, layout) -> float:
+    """Parameters whose FP8 copies (and transposes) a GPU keeps between a step's micro-batches: all it
+    holds, or under ZeRO-3 its shards (Megatron-FSDP's --fp8-param-gather stores and all-gathers the
+    weights in FP8; FSDP2's float8 all-gather casts the shard): dense weights over `layout.shard`
+    ranks, experts over `layout.edp`. A layer's gathered FP8 weight lives only while the layer runs."""
+    if layout.zero >= 3 and layout.shard > 1:
+        return dense_params / layout.shard + expert_params / layout.edp
+    return dense_params + expert_params
 
 
 def zero3_working_bytes(layout, blocks, grad_elem_bytes: float) -> tuple[float, float]:

@@ -44,7 +44,7 @@ from meshplan.cost_models.layer import (
     routing_layout,
     unfused_of,
 )
-from meshplan.cost_models.memory import grad_store_bytes, optimizer_bytes, state_bytes
+from meshplan.cost_models.memory import fp8_copies_held, grad_store_bytes, optimizer_bytes, state_bytes
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.cost_models.ranks import (
     LayerTable,
@@ -234,12 +234,8 @@ class LinearCostTable:
 
     def _costs(self, rows: float, n: float, k: float, count: float, weights: float,
                expert: bool = False) -> LinearCosts:
-        c, L = self.cluster, self.layout
-        # under ZeRO-3 the FP8 copies are kept of the shards, as the estimate holds them
-        # (estimate._rank_memory's fp8_held): a dense weight over L.shard ranks, an expert's over L.edp
-        held = weights
-        if L.zero >= 3 and L.shard > 1:
-            held = weights / (L.edp if expert else L.shard)
+        c = self.cluster
+        held = fp8_copies_held(0.0 if expert else weights, weights if expert else 0.0, self.layout)
         return LinearCosts(rows=rows, n=n, k=k, weights=weights,
                            bf16_s=gemm_time(rows, n, k, c, fp8=False, count=count, fitted=self.fitted),
                            fp8_s=gemm_time(rows, n, k, c, fp8=True, count=count, fitted=self.fitted),

@@ -194,7 +194,13 @@ def stack_of(row: Row) -> Stack:
 def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[str, Any] | None:
     """meshplan model config for the row (None when the architecture is not given). `preset(name)`
     returns a meshplan preset config (meshplan.models.config) whose fields fill what the row leaves
-    empty (head_dim, vocab, ...); without it those rows come back incomplete or None."""
+    empty (head_dim, vocab, ...); without it those rows come back incomplete or None. The model a
+    matching performance config trains (_BRIDGE_PERF_MODEL) overrides it."""
+    cfg = _row_model(row, preset)
+    return {**cfg, **_BRIDGE_PERF_MODEL.get(row.id, {})} if cfg else cfg
+
+
+def _row_model(row: Row, preset: Callable[[str], Any] | None) -> dict[str, Any] | None:
     L, h, a = row.num("layers"), row.num("hidden"), row.num("heads")
     fam = row.family
     name = row.get("model").lower()
@@ -210,11 +216,11 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
         pc = preset(preset_name)
         if (L and L != pc.layers) or (h and h != pc.hidden):
             return None
-        return {**_preset_config(pc), **_BRIDGE_PERF_MODEL.get(row.id, {})}
+        return _preset_config(pc)
     if L and h and preset_name and preset is not None and fam in ("torchtitan", "megatron-bridge"):
         pc = preset(preset_name)
         if (pc.layers, pc.hidden) == (L, h):
-            return {**_preset_config(pc), **_BRIDGE_PERF_MODEL.get(row.id, {})}
+            return _preset_config(pc)
     cfg: dict[str, Any] = {"layers": L, "hidden": h, "heads": a, "kv_heads": row.num("kv_heads") or a}
     # GPT-OSS is a SwiGLU / RMSNorm MoE (OpenAI gpt-oss model card), not a GPT-3-style model
     gpt_style = fam in ("megatron-sc21", "mcore-readme", "korthikanti", "bloom", "mtnlg", "mosaic") or \
@@ -251,7 +257,6 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
             return None
     if not cfg.get("ffn_hidden"):
         return None
-    cfg.update(_BRIDGE_PERF_MODEL.get(row.id, {}))
     return cfg
 
 

@@ -284,9 +284,9 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             # the layout says what runs: PyTorch accumulates each micro-batch's weight
                             # gradients by a separate add (AccumulateGrad), not in the wgrad GEMM
                             choices["grad_accum_fusion"] = False
-                        if ep > 1 and stack.ep_overlap != "none":
-                            # the stack overlaps the expert all-to-all where the schedule lets it
-                            # (Stack.runs_ep_overlap; the cost model prices it only there)
+                        if ep > 1 and stack.runs_ep_overlap(Layout(pp=pp, vp=vp, ep=ep, ep_comm_overlap=True)):
+                            # the stack overlaps the expert all-to-all where the schedule pairs
+                            # micro-batches (the cost model also drops it under full recompute)
                             choices["ep_comm_overlap"] = True
                         choices.update({k: f[k] for k in PASSED_THROUGH if k in f})
                         for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
