@@ -24,7 +24,7 @@ from _report import emit  # noqa: E402
 import meshplan as mp  # noqa: E402
 from meshplan.api import profile  # noqa: E402
 from meshplan.cost_models.estimate import estimate_profile  # noqa: E402
-from meshplan.ir.layout import Layout, split_layers  # noqa: E402
+from meshplan.ir.layout import split_layers  # noqa: E402
 from meshplan.cost_models.uncertainty import gain_band  # noqa: E402
 
 SEQ, GBS = 8192, 2048
@@ -50,11 +50,11 @@ def main(argv=None) -> int:
     chosen = pl.estimate
     fastest = min([chosen] + [r for r in pl.runner_ups if r.fits], key=lambda r: r.step_time_s)
     fastest_est = chosen if fastest is chosen else estimate_profile(prof, cl, fastest.layout, seq_len=SEQ,
-                                                                   global_batch=GBS)
+                                                                   global_batch=GBS, stack=pl.stack)
     p(f"llama3-405b, {cl.num_gpus} x H100, seq {SEQ}, global batch {GBS} sequences, bf16")
-    p(f"model's fastest layout: {Layout.from_dict(fastest_est.layout).short():55s} {fastest_est.step_time_s:7.3f} s "
+    p(f"model's fastest layout: {fastest_est.layout.short():55s} {fastest_est.step_time_s:7.3f} s "
       f"+/-{fastest_est.uncertainty * 100:.0f}%")
-    p(f"planner's choice:       {Layout.from_dict(chosen.layout).short():55s} {chosen.step_time_s:7.3f} s "
+    p(f"planner's choice:       {chosen.layout.short():55s} {chosen.step_time_s:7.3f} s "
       f"+/-{chosen.uncertainty * 100:.0f}%")
     if pl.notes.band_choice:
         p(f"  {pl.notes.band_choice}")
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                              if abs(d) > 1e-3 * cand.step_time_s)
             verdict = "survives (gain > band)" if gain > band else "inside the band"
             p(f"{name:28s} {e.step_time_s:10.3f}s {who:>8s} {gain * 100:+6.1f}% {band * 100:6.1f}%  {verdict}; {edge}")
-        p(f"  {name}: recompute {e.layout['recompute']}, {e.peak_memory_gb:.1f} GB, band of its own step "
+        p(f"  {name}: recompute {e.layout.recompute}, {e.peak_memory_gb:.1f} GB, band of its own step "
           f"+/-{e.uncertainty * 100:.0f}%")
     p(f"\n({time.time() - t0:.1f} s)")
     return emit(lines, args.out)

@@ -56,6 +56,14 @@ def physical(f: K.Fitted) -> bool:
     return all(getattr(f, k) * f.training_gemm_eff <= cap + 1e-9 for k, cap in ATTN_PLATEAU_OF_MAMF.items())
 
 
+def onto_plateau(f: K.Fitted) -> K.Fitted:
+    """`f` with each attention efficiency lowered to keep its kernel at the plateau where a step of
+    training_gemm_eff would carry it past (the attention rate stays what it was, the GEMMs move): a
+    coordinate step that raises the GEMM rate is then tried, not rejected for the attention it drags."""
+    return dataclasses.replace(f, **{k: min(getattr(f, k), cap / f.training_gemm_eff)
+                                     for k, cap in ATTN_PLATEAU_OF_MAMF.items()})
+
+
 def model_profile(cfg, *, traced: bool = True):
     """Profile of a row's architecture: meshplan's model built on the meta device and traced (the
     real path), or the analytic builder (fast, for what-if sweeps).
@@ -118,7 +126,7 @@ def fit(rows, traced, profiles, *, fit_rows=None, rounds: int = 3, factors=(0.6,
         for name, (lo, hi) in FITTED.items():
             base = getattr(best_f, name)
             for fac in factors:
-                cand = dataclasses.replace(best_f, **{name: min(hi, max(lo, base * fac))})
+                cand = onto_plateau(dataclasses.replace(best_f, **{name: min(hi, max(lo, base * fac))}))
                 if not physical(cand):
                     continue
                 cur = loss(cand)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
 import subprocess
 import sys
 
@@ -40,14 +43,14 @@ def test_estimate_on_config_mapping():
     cl = mp.Cluster.preset("dgx-h100", nodes=1)
     est = mp.estimate(LLAMA8B, cl, {"tp": 2, "dp": 4}, seq_len=8192, global_batch=64)
     assert est.fits and 0.2 < est.mfu < 0.7
-    assert est.layout["dp"] == 4
+    assert est.layout.dp == 4
     assert abs(sum(est.time_s.values()) - est.step_time_s) < 1e-9
 
 
 def test_estimate_fills_dp():
     cl = mp.Cluster.preset("dgx-h100", nodes=2)
     est = mp.estimate(LLAMA8B, cl, {"tp": 4}, seq_len=4096, global_batch=64)
-    assert est.layout["dp"] == 4
+    assert est.layout.dp == 4
 
 
 def test_fp8_faster_than_bf16_on_h100():
@@ -74,6 +77,37 @@ def test_estimate_json_round_trip():
     est = mp.estimate(LLAMA8B, cl, {"tp": 2, "dp": 4}, seq_len=2048, global_batch=32)
     again = mp.Estimate.from_dict(__import__("json").loads(est.to_json()))
     assert again == est
+
+
+def test_estimate_layout_is_the_layout_priced_and_a_plan_file_round_trips(tmp_path):
+    cl = mp.Cluster.preset("dgx-h100", nodes=1)
+    lay = mp.Layout(tp=2, pp=2, dp=2, mbs=2, recompute="selective", stage_layers=(15, 17))
+    est = mp.estimate(LLAMA8B, cl, lay, seq_len=2048, global_batch=32)
+    assert isinstance(est.layout, mp.Layout) and est.layout == lay
+    assert est.layout.pp == 2 and est.layout.stage_layers == (15, 17)
+    # asked for by the layout's dict, the estimate carries the same Layout
+    assert mp.estimate(LLAMA8B, cl, lay.to_dict(), seq_len=2048, global_batch=32).layout == lay
+    # written out it is the layout's dict (stage_layers a JSON list); read back, or sent to another
+    # process (the what-if workers pickle), it is the Layout again
+    d = json.loads(est.to_json())
+    assert d["layout"] == json.loads(json.dumps(lay.to_dict())) and d["layout"]["stage_layers"] == [15, 17]
+    assert mp.Estimate.from_dict(d).layout == lay and mp.Estimate.from_dict(d) == est
+    assert pickle.loads(pickle.dumps(est)) == est
+    with pytest.raises(TypeError, match="Estimate.layout must be a Layout"):
+        dataclasses.replace(est, layout=lay.to_dict())
+
+    # a plan (pp=2: the stage ILP's uneven split goes into the layout): the estimate prices the
+    # plan's own layout, and a saved plan loads back to the same Plan and saves to the same bytes
+    pl = mp.plan(LLAMA8B, cl, seq_len=2048, global_batch=32, fixed={"pp": 2, "tp": 1}, top_k=3)
+    assert pl.estimate.layout == pl.layout and pl.runner_ups
+    path = tmp_path / "plan.json"
+    pl.save(path)
+    text = path.read_text()
+    assert json.loads(text)["estimate"]["layout"] == json.loads(text)["layout"]
+    back = mp.Plan.load(path)
+    assert back == pl and isinstance(back.estimate.layout, mp.Layout)
+    back.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == text
 
 
 def test_cli_estimate_and_lists(capsys):

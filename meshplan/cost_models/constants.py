@@ -52,6 +52,10 @@ GEMM_TILE_M = 128                                                               
 # (~0.87 for FA2, FA3 and cuDNN, Shah et al. 2024 Fig. 5/6): attention time in a training step
 # includes its layout transposes and softmax-statistics kernels, the MosaicML rows' Triton kernel is
 # slowest in backward at long sequence, and the published rows barely tell the two apart.
+# Both were fitted while the NeMo 1.x rows were priced with cuDNN attention; they ran FlashAttention-2
+# (validation._NEMO_LAUNCHER_ATTN_KERNEL). Re-fitted with that (only these two, coordinate descent from
+# the shipped values) they come out at 0.40 (the lower bound) / 0.48 (fit-split loss 0.1378 -> 0.1317);
+# to be shipped with the next full fit.
 ATTN_FWD_EFF = 0.55                                                                 # fitted
 ATTN_BWD_EFF = 0.35                                                                 # fitted
 # FlashAttention's backward does 5 of the forward's 2 matmul-equivalents => 2.5x fwd FLOPs
@@ -69,7 +73,11 @@ ATTN_KERNEL_SLOWDOWN = {"flash": 1.0, "triton": 1.3}                            
 # arXiv 2407.08608, Fig. 5/6, H100 SXM5, head dim 128, 16k): FA3 forward 648 / 370 TFLOP/s without a
 # mask (616 / 335 causal), backward 561 / 322; cuDNN (9.x, the fused attention Transformer Engine
 # runs on Hopper) forward 595 / 370 without a mask and 539 / 335 causal: 1.61 both ways. The paper's
-# cuDNN backward curve is not transcribed here; its forward ratio is used for the backward too.
+# cuDNN backward curve is not transcribed here; its forward ratio is used for the backward too, which
+# cuDNN's own kernel benchmark bears out (NVIDIA/cudnn-frontend benchmark/benchmark_results.csv, H200
+# at locked clocks, head dim 128, 16 heads, 16k tokens, against PyTorch SDPA's FlashAttention-2 on the
+# same GPU: backward 538 / 309 without a mask and 498 / 305 causal with cuDNN 9.1.0 (commit b740542),
+# 547 / 317 and 489 / 305 with the release of Sept. 2024 (commit de355c7): 1.60-1.74).
 # (fwd, bwd) rate multipliers; "flash" = "fa2". A kernel a GPU cannot run (FA3 and cuDNN's Hopper
 # kernels before sm90) is resolved by meshplan.ir.stack.Stack.attention_kernel.
 ATTN_KERNEL_RATE = {"fa2": (1.0, 1.0), "flash": (1.0, 1.0), "cudnn": (1.61, 1.61),
@@ -192,6 +200,16 @@ STEP_OVERHEAD_S = 0.05                                                          
 # Per-layer, per-micro-batch launch/synchronisation overhead not in any kernel (CPU launch gaps,
 # small kernels): visible when layers are tiny.
 LAYER_OVERHEAD_S = 5.5e-6                                                            # fitted
+# Host (CPU) time to issue one kernel from eager PyTorch: a tiny GPU op costs ~7 us of wall time
+# (FlagGems issue #4812; ~1-2 us of it is PyTorch's dispatcher, pytorch/pytorch#41383, and ~5 us the
+# driver's launch, cuLaunchKernel 4.9 us measured in JuliaGPU/CUDAdrv.jl#15).
+HOST_LAUNCH_S = 7e-6                                                                  # measured (sources)
+# Host time of one expert's GEMM on Transformer Engine's per-expert path (Stack.expert_gemm
+# "per_expert": input split, output allocation, per-expert quantisation launches, cuBLASLt call):
+# NVIDIA/TransformerEngine PR #3134 timed 8 experts x 128 tokens (N = K = 2048) at 0.267-0.272 ms on
+# that path against 0.069 ms for one grouped kernel: ~25 us more per expert GEMM at a size where the
+# GPU work is negligible.
+TE_EXPERT_GEMM_HOST_S = 25e-6                                                         # measured (source)
 
 # ---- memory ---------------------------------------------------------------------------------
 # (The CUDA context, NCCL buffers and allocator fragmentation are the cluster's memory_reserved_gb.)

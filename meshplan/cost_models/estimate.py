@@ -236,7 +236,8 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L),
                                          activations=mem["activations"]).items():
             mem[k] = mem.get(k, 0.0) + extra
-    fp8_held = fp8_copies_held(w.dparams, w.eparams, L)      # the FP8 weight copies kept between micro-batches
+    # the FP8 weight copies kept between micro-batches: the layers' (the embedding and output layer run BF16)
+    fp8_held = fp8_copies_held(w.dparams - w.edge_params, w.eparams, L)
     mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * fp8_held if fp8 else 0.0
     if fp8 and fp8_primary and not (L.zero >= 3 and shard > 1):
         # FP8 primary weights (Megatron-Core --fp8-param-gather): no BF16 working copy beside them
@@ -379,7 +380,7 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
     model_tflops = mflops / step / n / 1e12
     hw_tflops = hflops / step / n / 1e12
     ep_cross = L.ep > 1 and group(cluster, L.ep, L.etp).domains > 1
-    regime = regime_of(L.to_dict(), seq_len=seq_len, precision=precision, ep_cross_domain=ep_cross)
+    regime = regime_of(L, seq_len=seq_len, precision=precision, ep_cross_domain=ep_cross)
     band, band_s = step_uncertainty(time_s, regime)
     # a router nothing balances: priced balanced, its worst case widens the band's upper side
     high, worst = imbalance_risk(profile, cluster, L, seq_len=seq_len, fp8=precision == Precision.FP8, microbatches=m,
@@ -398,7 +399,7 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
         mfu=model_tflops * 1e12 / peak_flops, hfu=hw_tflops * 1e12 / peak_flops,
         peak_memory_gb=peak, memory_gb=dict(mem_stages[peak_stage]), memory_by_stage=tuple(mem_stages),
         capacity_gb=capacity, fits=peak <= capacity and not host_over, time_s=time_s, comm_s=comm_s,
-        num_microbatches=m, peak_stage=peak_stage, layout=L.to_dict(), seq_len=seq_len,
+        num_microbatches=m, peak_stage=peak_stage, layout=L, seq_len=seq_len,
         global_batch=global_batch, precision=precision, model=profile.name, cluster=cluster.name,
         num_gpus=n, bottleneck=_bottleneck(time_s, step, peak, capacity) if not host_over or peak > capacity else
         (f"host memory: offloaded activations need {host_peak:.1f} GB of host memory per GPU, "

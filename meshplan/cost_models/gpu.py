@@ -77,6 +77,39 @@ class GpuDevice:
     def layer_host(self, b, layout, cluster, policy: str) -> dict[str, tuple[float, float]]:
         return {}
 
+    def moe_host_wait(self, b, layout, stack, fp8_recipe: str | None = None) -> tuple[float, float]:
+        """(forward, backward) host seconds of a MoE layer that the GPU waits through: where the
+        stack's dropless dispatch makes the host wait for the GPU once per MoE layer
+        (Stack.moe_host_sync), the launch queue is empty after each wait and the host cannot run
+        ahead again, so the time it takes to issue the layer's kernels adds to their GPU time. Padded
+        dispatch (a capacity factor: sizes known in advance) does not wait.
+
+        Kernels issued: each traced op that launches one (views launch none), the routed experts as
+        one GEMM per local expert on a per-expert stack (Megatron-Core runs the gated experts' gate
+        and up projections as one fc1 GEMM) at TE_EXPERT_GEMM_HOST_S each, else one grouped launch
+        per expert linear; a backward issues about two per forward kernel (dgrad and wgrad GEMMs, the
+        gradient kernels of element-wise ops). With FP8 experts (`fp8_recipe`) under current scaling
+        ("tensorwise"), Transformer Engine quantises each expert's slice on its own, three launches
+        each (amax, scale, cast: pytorch/csrc/quantizer.cpp Float8CurrentScalingQuantizer; only
+        delayed scaling has the one multi-tensor cast kernel), for the two expert inputs in forward
+        and the two output gradients in backward."""
+        if not (b.is_moe and stack.moe_host_sync and layout.moe_capacity_factor is None):
+            return _NO_HOST
+        experts = [li for li in b.linears if li.role in ("expert_in", "expert_out")]
+        plain = sum(1 for op in b.ops if op.kind != "view" and op.role not in ("expert_in", "expert_out"))
+        if not b.ops:                  # a block priced from a config: its linears are what is known
+            plain = len(b.linears) - len(experts)
+        if stack.expert_gemm == "per_expert":
+            local = max(1.0, b.experts / layout.ep)
+            gemms = (1 if any(li.role == "expert_in" for li in experts) else 0) + \
+                sum(1 for li in experts if li.role == "expert_out")
+            expert_host = gemms * local * K.TE_EXPERT_GEMM_HOST_S
+            cast = gemms * 3 * local * K.HOST_LAUNCH_S if fp8_recipe == "tensorwise" else 0.0
+        else:
+            expert_host, cast = len(experts) * K.HOST_LAUNCH_S, 0.0
+        fwd = plain * K.HOST_LAUNCH_S + expert_host
+        return fwd + cast, 2 * fwd + cast
+
     def edge_host(self, profile, layout, cluster, *, first: bool, last: bool) -> tuple[float, float]:
         return _NO_HOST
 

@@ -405,6 +405,16 @@ def _ep_pairs_exposed(b: BlockProfile, c: Context, compute_fwd: float, compute_b
             + _ep_overlapped(c, disp, moe_f) + _ep_overlapped(c, comb, attn_b))
 
 
+def _moe_host_exposed(b: BlockProfile, c: Context) -> tuple[float, float]:
+    """(forward, backward) seconds the GPU waits for the host in a MoE layer whose dispatch makes the
+    host wait once per layer (Device.moe_host_wait). The EP overlap schedule does not hide it: the
+    host issues both paired micro-batches' kernels, and the wait is on its path either way
+    (Megatron-Bridge PR #5094's A/B on Qwen3-30B-A3B: the overlap took 24.71 s to 20.99 s, what hiding
+    the all-to-all alone predicts; docs/cost_model.md)."""
+    fp8 = any(is_fp8_linear(li, c) for li in b.linears if li.role in ("expert_in", "expert_out"))
+    return device_of(c.cluster).moe_host_wait(b, c.layout, c.stack, c.fp8_recipe if fp8 else None)
+
+
 def _sac_extra_recompute(b: BlockProfile, c: Context) -> float:
     """What selective activation checkpointing over every op (Stack.selective_sac) re-runs beyond the
     attention core: the two norms and the attention output projection's GEMM (its input, the
@@ -454,6 +464,8 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     o_fwd, o_bwd = device_of(c.cluster).op_overhead(b.ops, c.cluster, c.fitted)
     compute_fwd = g_fwd + a_fwd + e_fwd + o_fwd
     compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + o_bwd   # dgrad + wgrad GEMMs
+    h_fwd, h_bwd = _moe_host_exposed(b, c)
+    compute_fwd, compute_bwd = compute_fwd + h_fwd, compute_bwd + h_bwd
 
     tp_one = _tp_comm(b, c)
     tp_hidden = _tp_hidden(c)

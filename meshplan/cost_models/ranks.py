@@ -179,6 +179,7 @@ class RankWork:
     t_b: float = 0.0                # backward + recompute seconds (reduce-scatters hide behind it)
     dparams: float = 0.0            # dense parameters held (after TP)
     eparams: float = 0.0            # expert parameters held (after EP x ETP)
+    edge_params: float = 0.0        # of dparams: the embedding, output layer and final norm (never FP8)
     act: float = 0.0                # activation bytes stored per micro-batch
     largest_full: float = 0.0       # the largest fully recomputed layer's bytes, rebuilt in backward
     layers: list[int] = field(default_factory=list)
@@ -268,6 +269,7 @@ def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int)
         e = embedding_time(profile, cluster, T, sp_div)
         extra_f, extra_b = e, 2 * e
         w.dparams += profile.embedding_params / L.tp
+        w.edge_params += profile.embedding_params / L.tp
     if r == p - 1:
         g, ce = head_times(profile, cluster, T, L.tp, ctx.fitted)
         extra_f += g + ce
@@ -276,6 +278,7 @@ def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int)
         head = profile.head_params if profile.head_params else \
             (profile.embedding_params if profile.tied_embeddings and p > 1 else 0)
         w.dparams += head / L.tp + profile.other_params / L.tp
+        w.edge_params += head / L.tp + profile.other_params / L.tp
         if L.tp > 1:   # gather the sequence-parallel hidden state before the output layer
             size = K.BF16 * T * profile.hidden
             extra_tp = 2 * collective_time("all_gather" if L.sp else "all_reduce", size, ctx.tp, cluster)

@@ -95,11 +95,11 @@ E_PAIR = E_DENSE / 2                                                        # de
 # none of them fitted the constants. A plan in a regime with fewer than REGIME_MIN_ROWS rows
 # extrapolates: its band is at least that regime's held-out error (measured).
 REGIME_MIN_ROWS = 5
-REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (48, 0.156),
-               "stack torchtitan": (18, 0.063), "stack llm-foundry": (36, 0.073),
-               "gpu ampere": (30, 0.083), "gpu hopper": (98, 0.128), "gpu blackwell": (2, 0.134),
-               "fp8 tensorwise": (36, 0.174), "fp8 block/row/mx recipes": (2, 0.112),
-               "ep across nodes": (4, 0.199), "context >= 64k": (12, 0.143), "moe": (20, 0.212)}
+REGIME_LORO = {"stack megatron-2021": (28, 0.085), "stack megatron-core": (48, 0.165),
+               "stack torchtitan": (18, 0.175), "stack llm-foundry": (36, 0.077), "gpu ampere": (30, 0.088),
+               "gpu hopper": (98, 0.148), "gpu blackwell": (2, 0.115), "fp8 tensorwise": (36, 0.136),
+               "fp8 block/row/mx recipes": (2, 0.137), "ep across nodes": (4, 0.206),
+               "context >= 64k": (12, 0.227), "moe": (20, 0.159)}
 # A regime with no published row takes a regime it resembles: meshplan's runtime is PyTorch-native
 # like torchtitan (FSDP2, DTensor, SDPA, torchao FP8); the stack-neutral reference is Megatron-Core's
 # baseline. Otherwise the mean held-out error over the regimes (derived).
@@ -110,14 +110,14 @@ COMPONENT_ERROR = {"compute": E_DENSE, "optimizer": E_DENSE, "overhead": E_DENSE
                    "pp": X_PP, "bubble": X_PP, "dp": X_DP, "cp": X_CP, "ep": X_EP}
 
 
-def regime_of(layout: Mapping[str, Any], *, seq_len: int, precision: str, ep_cross_domain: bool) -> dict[str, bool]:
+def regime_of(layout: Layout, *, seq_len: int, precision: str, ep_cross_domain: bool) -> dict[str, bool]:
     """Flags for the regimes whose error differs from the validated default."""
     return {"fp8": precision == Precision.FP8,
-            "cp_long": layout.get("cp", 1) > 1 and (seq_len > CP_VALIDATED_MAX_SEQ or
-                                                   seq_len // layout.get("cp", 1) < CP_VALIDATED_MIN_TOKENS),
-            "zb": layout.get("schedule") == "zb",
-            "ep_cross": layout.get("ep", 1) > 1 and ep_cross_domain,
-            "fsdp": layout.get("zero", 1) == 3}
+            "cp_long": layout.cp > 1 and (seq_len > CP_VALIDATED_MAX_SEQ or
+                                          seq_len // layout.cp < CP_VALIDATED_MIN_TOKENS),
+            "zb": layout.schedule == "zb",
+            "ep_cross": layout.ep > 1 and ep_cross_domain,
+            "fsdp": layout.zero == 3}
 
 
 def regime_generation(gpu_id: str) -> str:
@@ -307,13 +307,13 @@ def worst_case_gain(best, other) -> float:
     return to * (1 + upper_risk(other)) / (tb * (1 + upper_risk(best))) - 1
 
 
-def complexity(layout: Mapping[str, Any], regime: Mapping[str, bool] | None = None) -> int:
+def complexity(layout: Layout, regime: Mapping[str, bool] | None = None) -> int:
     """How many mechanisms beyond plain data parallelism a layout uses, less-validated ones counted
     twice: the planner's measure of "simpler" when two layouts are within each other's band."""
-    g = layout.get
-    n = (g("tp", 1) > 1) + (g("pp", 1) > 1) + (g("vp", 1) > 1) + (g("schedule") == "zb") \
-        + 2 * (g("cp", 1) > 1) + 2 * (g("ep", 1) > 1) + (g("zero", 1) == 3) \
-        + 2 * bool(g("offload_activations", False))   # offloading: no published run validates it
+    L = layout
+    n = (L.tp > 1) + (L.pp > 1) + (L.vp > 1) + (L.schedule == "zb") \
+        + 2 * (L.cp > 1) + 2 * (L.ep > 1) + (L.zero == 3) \
+        + 2 * L.offload_activations   # offloading: no published run validates it
     r = regime or {}
     n += 2 * bool(r.get("cp_long")) + 2 * bool(r.get("ep_cross"))   # zb already counted above
     return int(n)
@@ -365,8 +365,8 @@ def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW)
     edge = ", ".join(f"{k} {d * 1e3:+.0f} ms" for k, d in sorted(diff.items(), key=lambda kv: -kv[1])
                      if d > 1e-3 * best.step_time_s)
     kind = "simpler" if complexity(pick.layout, pick.regime) < cb else "less risky"
-    head = (f"chose the {kind} {Layout.from_dict(pick.layout).short()} over the fastest "
-            f"{Layout.from_dict(best.layout).short()}: its predicted gain {gain * 100:.1f}% ")
+    head = (f"chose the {kind} {pick.layout.short()} over the fastest "
+            f"{best.layout.short()}: its predicted gain {gain * 100:.1f}% ")
     tail = f" (the edge rests on: {edge or 'nothing'})"
     if gain <= band:
         return pick, head + f"is inside the band {band * 100:.1f}% of what the model can tell apart" + tail
@@ -386,7 +386,7 @@ def worst_case_words(fast, slow, band: float) -> str:
     """How `fast` compares with `slow` at their worst cases (`worst_case_gain`), in words, for the
     planner's note and Plan.explain()'s runner-ups."""
     w = worst_case_gain(fast, slow)
-    who = Layout.from_dict(slow.layout).short()
+    who = slow.layout.short()
     other = f"; {who} itself up to +{upper_risk(slow) * 100:.0f}%" if upper_risk(slow) else ""
     where = (f"only {w * 100:.1f}% faster than {who}, within the band {band * 100:.1f}%" if w > 0
              else f"{-w * 100:.1f}% slower than {who}")

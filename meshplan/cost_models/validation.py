@@ -180,7 +180,8 @@ def stack_of(row: Row) -> Stack:
     - Megatron-LM 2021-22 (SC'21, MT-NLG, BLOOM's Megatron-DeepSpeed): no flash attention, gradient
       accumulation unfused (_UNFUSED_GRAD_ACCUMULATION); Korthikanti et al. (May 2022) ran after the
       fusion landed (commit 83b1e42f30, on by default), still without flash attention.
-    - torchtitan: torch.compile only where the run names it (Table 1/3 "fsdp" rows ran eager)."""
+    - torchtitan: torch.compile only where the run names it (Table 1/3 "fsdp" rows ran eager).
+    - Megatron-Bridge: FP8 parameters under its FP8 precision recipes (fp8_param_gather)."""
     fam = row.family
     st = Stack.preset(_STACK_OF.get(fam, "reference"))
     if fam in ("megatron-sc21", "korthikanti", "mtnlg", "bloom", "opt", "deepspeed-zero3"):
@@ -188,6 +189,11 @@ def stack_of(row: Row) -> Stack:
     if fam == "torchtitan":
         text = (row.id + " " + row.get("notes")).lower()
         st = st.replace(compile="compile" in text)
+    if fam == "megatron-bridge":
+        # Bridge's FP8 precision recipes keep the parameters in FP8: bf16_with_fp8_current_scaling_mixed
+        # and bf16_with_mxfp8_mixed set fp8_param_gather=True (src/megatron/bridge/training/
+        # mixed_precision.py, v0.2.0 through v0.4.2: the 25.11 and 26.04 containers)
+        st = st.replace(fp8_param_gather=("tensorwise", "mxfp8"))
     return st
 
 
@@ -228,6 +234,12 @@ def _row_model(row: Row, preset: Callable[[str], Any] | None) -> dict[str, Any] 
     if gpt_style:
         cfg.update(family="gpt", ffn_hidden=row.num("ffn") or 4 * h, activation="gelu", norm="layernorm",
                    position="rope" if fam == "mcore-readme" else "learned", bias=True)
+        if name.startswith("nemotron"):
+            # NeMo's NemotronConfig (nemo/collections/llm/gpt/model/nemotron.py, the rows' source):
+            # rotary positions, no linear biases, untied output layer, squared-ReLU MLP (a non-gated
+            # two-matrix MLP, priced like GELU's); the Nemotron tokenizer's 256,000-token vocabulary
+            # (Nemotron-4 15B report, arXiv 2402.16819, Sec. 2)
+            cfg.update(position="rope", bias=False, tie_embeddings=False, vocab=256000)
         if fam == "mosaic":
             # The benchmarked MPTs (llm-foundry v0.3.0, scripts/train/yamls/pretrain/mpt-*.yaml at
             # b2a43a147, the commit that wrote the H100 tables) set only d_model/n_heads/n_layers/
@@ -238,7 +250,7 @@ def _row_model(row: Row, preset: Callable[[str], Any] | None) -> dict[str, Any] 
             cfg.update(tie_embeddings=True, seq_len=row.num("seq"))
     else:
         cfg.update(family="llama", ffn_hidden=row.num("ffn"), activation="swiglu", norm="rmsnorm")
-    cfg["vocab"] = row.num("vocab")
+    cfg["vocab"] = row.num("vocab") or cfg.get("vocab")
     if row.num("moe_experts"):
         cfg.update(family="moe", experts=row.num("moe_experts"), topk=row.num("moe_topk"),
                    moe_ffn_hidden=row.num("moe_ffn"))
@@ -370,7 +382,21 @@ _BRIDGE_PERF_CONFIGS: dict[str, dict[str, Any]] = {
     "mb-2604.01-deepseekv3-b200": dict(moe_dispatcher="deepep", ep_comm_overlap=True, recompute="mla_up"),
     "mb-2604.01-gptoss-120b-h100": dict(recompute="norm_act"),
     "mb-2604.01-qwen3-30b-a3b-h100": dict(moe_dispatcher="deepep"),
+    "mb-2604.01-qwen3-235b-a22b-h100": dict(ep_comm_overlap=True),
+    "mb-2604.01-llama3-70b-h100": dict(tp_comm_overlap=True),
+    "mb-2604.01-llama31-405b-h100": dict(tp_comm_overlap=True, recompute="none"),
 }
+
+
+# The attention kernel the NeMo 1.x performance runs (NeMo 24.03.01 long-sequence page, NeMo 24.07
+# performance summary) ran: FlashAttention-2, not cuDNN. Transformer Engine would pick cuDNN's fused
+# attention on Hopper (TE 1.4 attention.py: "Select FusedAttention on sm90"), but
+# NeMo-Framework-Launcher's launcher_scripts/conf/config.yaml sets env_vars NVTE_FUSED_ATTN: 0
+# ("Disable cudnn FA until we've tested it more") in every release from 24.01 through 24.07 (tags
+# 24.01, 24.03, 24.03.01, 24.05, 24.07); commit 04b8d098 (2024-08-29, "enable fused attention")
+# removed it for 24.09. With cuDNN disabled TE runs its FlashAttention backend (flash-attn 2).
+# Megatron-LM, the Model Zoo and Megatron-Bridge leave TE's choice (cuDNN on Hopper) in place.
+_NEMO_LAUNCHER_ATTN_KERNEL = "fa2"
 
 
 def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> None:
@@ -383,6 +409,7 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
         # contiguous gradient buffer is then bf16 (NeMo-Framework-Launcher conf/training/gpt3/
         # *_fp8_performance.yaml, optim.grad_sync_dtype)
         lay["grad_dtype"] = "bf16"
+        lay["attn_kernel"] = _NEMO_LAUNCHER_ATTN_KERNEL
     if lay["zero"] == 3:
         if fam == "deepspeed-zero3":
             lay["fsdp_impl"] = "deepspeed"

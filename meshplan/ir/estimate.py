@@ -42,7 +42,7 @@ class Estimate:
     comm_s: dict[str, float]           # total communication time per dimension (hidden + exposed)
     num_microbatches: int
     peak_stage: int
-    layout: dict[str, Any]
+    layout: Layout                     # the layout priced, its defaults resolved
     seq_len: int
     global_batch: int
     precision: str
@@ -68,6 +68,12 @@ class Estimate:
     moe_balance: str = ""
     moe_worst_load: float = 1.0
 
+    def __post_init__(self) -> None:
+        # readers use the layout's attributes and methods; a dict here would fail far from its source
+        if not isinstance(self.layout, Layout):
+            raise TypeError(f"Estimate.layout must be a Layout, not {type(self.layout).__name__} "
+                            "(Layout.from_dict reads a layout's dict)")
+
     @property
     def step_time_range_s(self) -> tuple[float, float]:
         """(low, high) step time inside the band; the high end adds the upper-side risk (the worst
@@ -77,6 +83,7 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["layout"] = self.layout.to_dict()      # Layout's own form (stage_layers a list), not asdict's
         d["memory_by_stage"] = list(d["memory_by_stage"])
         d["notes"] = list(d["notes"])
         d["extrapolation"] = list(d["extrapolation"])
@@ -88,6 +95,7 @@ class Estimate:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Estimate":
         d = dict(d)
+        d["layout"] = Layout.from_dict(d["layout"])
         d["memory_by_stage"] = tuple(d["memory_by_stage"])
         d["notes"] = tuple(d.get("notes", ()))
         d["extrapolation"] = tuple(d.get("extrapolation", ()))
@@ -102,7 +110,7 @@ class Estimate:
         t = self.time_s
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items() if v > 0)
         mem = ", ".join(f"{k} {v:.1f}" for k, v in self.memory_gb.items() if v > 0.05)
-        return (f"{self.model} on {self.num_gpus}x {self.cluster} [{Layout.from_dict(self.layout).short()}] "
+        return (f"{self.model} on {self.num_gpus}x {self.cluster} [{self.layout.short()}] "
                 f"{self.precision}\n"
                 f"  step {self.step_time_s:.3f} s ({self._band()}) = {parts}\n"
                 f"  {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.model_tflops_per_gpu:.0f} model TFLOP/s/GPU, "

@@ -30,7 +30,7 @@ from typing import Any
 
 from meshplan.errors import ConfigError
 
-__all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "RECOMPUTE_POLICIES",
+__all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
            "resolve_stack"]
 
 # Attention implementations: "fa2" FlashAttention-2 class on every GPU (PyTorch SDPA's flash
@@ -51,6 +51,8 @@ TP_OVERLAPS = ("none", "userbuffers", "async_tp")
 # "a2a_1f1b" (Megatron --overlap-moe-expert-parallel-comm: one micro-batch's all-to-all runs while
 # another's attention/experts compute, under interleaved 1F1B).
 EP_OVERLAPS = ("none", "a2a_1f1b")
+# Stack.expert_gemm values
+EXPERT_GEMMS = ("grouped", "per_expert")
 # Every recompute policy some stack offers (meshplan.ir.layout.RECOMPUTE holds those the Layout takes).
 RECOMPUTE_POLICIES = ("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full")
 
@@ -75,6 +77,16 @@ class Stack:
     fused_elementwise: bool = True         # norms, SwiGLU, rotary as fused kernels (TE / compile)
     compile: bool = False                  # torch.compile fuses element-wise work (implies fused)
     cuda_graphs: bool = False              # MoE layers captured in CUDA graphs (no per-kernel launch gaps)
+    # how routed experts' GEMMs run: "grouped" = one grouped kernel per expert linear (torch._grouped_mm);
+    # "per_expert" = one GEMM launch per local expert, as Transformer Engine's GroupedLinear runs them by
+    # default on every released TE 2.x (common/gemm/cublaslt_gemm.cu multi_stream_cublas_gemm: cuBLASLt
+    # per expert over 4 streams; its single-kernel grouped paths are opt-in), with per-expert FP8 casts
+    expert_gemm: str = "grouped"           # EXPERT_GEMMS
+    # dropless token dispatch makes the host wait for the GPU once per MoE layer (the all-to-all's split
+    # sizes and the grouped GEMM's per-expert row counts are read on the CPU: Megatron-Core's
+    # token_dispatcher cuda_sync_point "before_ep_alltoall", TEGroupedMLP tokens_per_expert.tolist(),
+    # DeepEP's and HybridEP's received-count waits), so the host cannot run ahead of the GPU there
+    moe_host_sync: bool = False
     grad_accum_fusion: bool = True         # wgrad GEMM adds into the fp32 gradient buffer (beta = 1)
     # "selective" as PyTorch selective activation checkpointing over every op of the block, saving
     # the matmul and reduced-collective outputs (meshplan's runtime/recompute.py): the norms and the
@@ -108,7 +120,7 @@ class Stack:
 
     def __post_init__(self) -> None:
         for name, allowed in (("attention", ATTENTION_IMPLS), ("cp_impl", CP_IMPLS), ("tp_overlap", TP_OVERLAPS),
-                              ("ep_overlap", EP_OVERLAPS)):
+                              ("ep_overlap", EP_OVERLAPS), ("expert_gemm", EXPERT_GEMMS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"stack {self.name!r}: {name}={getattr(self, name)!r}; use one of {allowed}")
         bad = [p for p in self.recompute if p not in RECOMPUTE_POLICIES]
@@ -221,6 +233,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "blockwise", "mxfp8"), fp8_param_gather=("mxfp8",),
           recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "full"),
           tp_overlap="userbuffers", ep_overlap="a2a_1f1b", moe_dispatchers=("alltoall", "deepep"),
+          expert_gemm="per_expert", moe_host_sync=True,
           schedules=("1f1b", "interleaved"), fsdp_impls=("megatron", "fsdp2"), activation_offload=True,
           offload_composes=False,
           sources="Megatron-LM arguments.py (--recompute-modules, --cp-comm-type, --tp-comm-overlap, "

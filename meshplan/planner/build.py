@@ -135,7 +135,7 @@ def _no_fit_message(profile: ModelProfile, cluster, rejected: list[Estimate], se
            f"at seq {seq_len}"]
     if rejected:
         best = min(rejected, key=lambda e: e.peak_memory_gb)
-        msg.append(f": the leanest layout found ({Layout.from_dict(best.layout).short()}) needs {best.peak_memory_gb:.1f} GB per GPU, "
+        msg.append(f": the leanest layout found ({best.layout.short()}) needs {best.peak_memory_gb:.1f} GB per GPU, "
                    f"{cap:.1f} GB are usable")
     msg.append(f"; weights + gradients + Adam state alone are {state_gb:.0f} GB at dp=1, so at least "
                f"~{min_gpus} GPUs are needed even fully sharded. What would fit: more GPUs "
@@ -222,7 +222,7 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     unsupported = getattr(result, "unsupported", [])
     if not result.ranked and unsupported:
         est, why = unsupported[0]
-        raise LayoutError(f"no layout the runtime can run was found: {Layout.from_dict(est.layout).short()} and "
+        raise LayoutError(f"no layout the runtime can run was found: {est.layout.short()} and "
                           f"the others searched cannot run: {why}. Fix fewer degrees (e.g. leave tp/ep free) "
                           "so the planner can choose a layout the runtime supports")
     if not result.ranked and not result.rejected and not result.stats.get("meshes"):
@@ -248,24 +248,24 @@ def build_plan(profile: ModelProfile, cluster, result, *, seq_len: int, global_b
     if unsupported and unsupported[0][0].step_time_s < best.step_time_s:
         fast, why = unsupported[0]
         gain = best.step_time_s / fast.step_time_s - 1
-        excluded_note = (f"the fastest layout found, {Layout.from_dict(fast.layout).short()} "
+        excluded_note = (f"the fastest layout found, {fast.layout.short()} "
                          f"({fast.step_time_s:.3f} s, {gain * 100:.0f}% faster), was excluded: the runtime "
                          f"cannot run it ({why})")
-    lay = Layout.from_dict(best.layout)
+    lay = best.layout
     stage_layers = check_layout(lay, profile, cluster, seq_len=seq_len, global_batch=global_batch)
-    seen = {repr(sorted(best.layout.items())) + best.precision}
+    seen = {(best.layout, best.precision)}
     runner_ups = []
     for e in result.ranked[1:]:
-        key = repr(sorted(e.layout.items())) + e.precision
+        key = (e.layout, e.precision)
         if key in seen:
             continue
         seen.add(key)
-        runner_ups.append(RunnerUp(layout=Layout.from_dict(e.layout), step_time_s=e.step_time_s,
+        runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s,
                                    peak_memory_gb=e.peak_memory_gb, fits=e.fits, reason=why_lost(e, best)))
         if len(runner_ups) >= top_k - 1:
             break
     for e in [e for e in result.rejected_fast if e.step_time_s < best.step_time_s][:2]:
-        runner_ups.append(RunnerUp(layout=Layout.from_dict(e.layout), step_time_s=e.step_time_s,
+        runner_ups.append(RunnerUp(layout=e.layout, step_time_s=e.step_time_s,
                                    peak_memory_gb=e.peak_memory_gb, fits=False, reason=why_lost(e, best)))
     placement_notes: list[str] = []
     placements = placements_for(profile, lay, cluster, seq_len=seq_len, notes=placement_notes)

@@ -38,13 +38,13 @@ def why_lost(loser: Estimate, best: Estimate) -> str:
         return f"{slower * 100:.1f}% slower: {loser.precision} GEMMs are slower than {best.precision}"
     if k == "compute":
         order = {"none": 0, "norm_act": 0.5, "selective": 1, "full": 2}
-        lr, br = loser.layout.get("recompute"), best.layout.get("recompute")
+        lr, br = loser.layout.recompute, best.layout.recompute
         if order.get(lr, 1) > order.get(br, 1) or (isinstance(lr, int) and br == "none"):
             return (f"{slower * 100:.1f}% slower: recomputation ({lr}) redoes forward work "
                     f"(+{diffs[k] * 1e3:.1f} ms per step of compute)")
-        if loser.layout.get("mbs") != best.layout.get("mbs"):
-            return (f"{slower * 100:.1f}% slower: micro-batch {loser.layout.get('mbs')} runs less efficient "
-                    f"kernels than {best.layout.get('mbs')} (+{diffs[k] * 1e3:.1f} ms of compute)")
+        if loser.layout.mbs != best.layout.mbs:
+            return (f"{slower * 100:.1f}% slower: micro-batch {loser.layout.mbs} runs less efficient "
+                    f"kernels than {best.layout.mbs} (+{diffs[k] * 1e3:.1f} ms of compute)")
     return f"{slower * 100:.1f}% slower: more {_NAMES.get(k, k)} (+{diffs[k] * 1e3:.1f} ms per step)"
 
 

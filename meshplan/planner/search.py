@@ -42,7 +42,7 @@ __all__ = ["SearchResult", "search", "FIXABLE"]
 # Adam moments' dtype (bf16 changes the optimizer's numerics: the user's call, or plan()'s fallback
 # when nothing fits with fp32 moments; never a silent speed choice), and the optimizer (Muon, too,
 # changes the numerics: only when asked)
-# (moe_capacity_factor: the MoE routing mode, once Layout has that field; cost_models.layer.moe_load_factor)
+# (moe_capacity_factor: the MoE routing mode, dropless or padded to a capacity; cost_models.layer.moe_load_factor)
 # (offload_activations: fixed True offloads every candidate; left free, the search offloads a mesh only
 # where nothing fits on it without: _cost_mesh)
 PASSED_THROUGH = tuple(k for k in (
@@ -322,10 +322,10 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     # lacks: a router nothing balances widens the upper band of EP layouts (Estimate.uncertainty_high),
     # and the planner may then prefer less expert parallelism ranked far down (uncertainty.prefer_simpler)
     head = ranked[:keep]
-    seen = {(e.layout.get("ep", 1), e.precision) for e in head}
+    seen = {(e.layout.ep, e.precision) for e in head}
     tail: dict[tuple[int, str], Estimate] = {}
     for e in ranked[keep:]:
-        key = (e.layout.get("ep", 1), e.precision)
+        key = (e.layout.ep, e.precision)
         if key not in seen:
             tail.setdefault(key, e)
     return SearchResult(ranked=head + sorted(tail.values(), key=lambda e: e.step_time_s), rejected=leanest,

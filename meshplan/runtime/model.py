@@ -65,7 +65,6 @@ class ParallelModel:
     loss_scale: float = 1.0                 # fp16: backward runs on loss x loss_scale (train/loss_scale.py);
                                             #   the returned loss is unscaled, the gradients are not
     microbatches_override: int | None = None    # a batch-size schedule's count this step (None: the plan's)
-    schedule: object | None = field(default=None, init=False)     # the pipeline schedule at the plan's count
     schedules: object | None = field(default=None, init=False)    # pipeline.ScheduleCache: one per count
     _step_loss_fn: object = field(default=None, init=False, repr=False)     # this step's normalised loss
 
@@ -73,9 +72,16 @@ class ParallelModel:
         if pipeline_stages:
             # one schedule per micro-batch count: a batch-size schedule changes the count between
             # steps; the schedules' loss is this step's normalised loss (the token count changes)
+            # built on first use: torch builds a multi-stage schedule's whole action list (quadratic in
+            # the steps for the zero-bubble ones), which a rank that is inspected but not run never needs
+            _pp.check_schedule_name(self.plan.schedule, len(pipeline_stages))
             self.schedules = _pp.ScheduleCache(self.plan.schedule, pipeline_stages,
                                                loss_fn=lambda out, target: self._step_loss_fn(out, target))
-            self.schedule = self.schedules.get(self.plan.num_microbatches)
+
+    @property
+    def schedule(self):
+        """The pipeline schedule at the plan's micro-batch count (None without pipeline parallelism)."""
+        return None if self.schedules is None else self.schedules.get(self.plan.num_microbatches)
 
     @property
     def mesh(self):
@@ -198,7 +204,7 @@ class ParallelModel:
         def loss_fn(logits, target):
             return self._objective(logits, target, denoms)
 
-        if self.schedule is None:
+        if self.schedules is None:
             m = self.num_microbatches
             xs, ys = (x.chunk(m), y.chunk(m)) if m > 1 else ((x,), (y,))
             ds = d.chunk(m) if d is not None and m > 1 else (d,) * len(xs)
@@ -213,7 +219,7 @@ class ParallelModel:
             kwargs = {"target": y, "losses": losses} if self.holds_last_stage else {}
             if d is not None:
                 kwargs["document_ids"] = d
-            schedule = self.schedules.for_step(self.num_microbatches) if self.schedules is not None else self.schedule
+            schedule = self.schedules.for_step(self.num_microbatches)
             schedule.eval(*args, **kwargs)
             local = float(sum(float(l) for l in losses))
         return self._global_loss(local)
@@ -231,7 +237,7 @@ class ParallelModel:
         def loss_fn(logits, target):
             return self._objective(logits, target, denoms)
 
-        if self.schedule is None:
+        if self.schedules is None:
             local = self._accumulate(x, y, loss_fn, d)
         else:
             local = self._pipeline_step(x, y, loss_fn, d)

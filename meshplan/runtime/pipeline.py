@@ -40,7 +40,7 @@ from torch import nn
 from meshplan.errors import LayoutError
 
 __all__ = ["StageSpec", "stage_specs", "build_stage_module", "stages_of_rank", "logits_of",
-           "pipeline_schedule", "ScheduleCache"]
+           "pipeline_schedule", "check_schedule_name", "ScheduleCache"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +265,19 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *carried: torch.Tensor, **k
     return out
 
 
+_MULTI_STAGE = ("interleaved", "zb", "zbv")
+_SINGLE_STAGE = ("1f1b", "gpipe")
+
+
+def check_schedule_name(name: str, n_stages: int) -> None:
+    """Raise LayoutError where the runtime cannot run schedule `name` over `n_stages` local stages."""
+    if name in _SINGLE_STAGE and n_stages != 1:
+        raise LayoutError(f"schedule {name!r} runs one stage per rank, but this rank holds {n_stages}")
+    if name not in _SINGLE_STAGE + _MULTI_STAGE:
+        raise LayoutError(f"pipeline schedule {name!r} is not supported by the runtime; use one of "
+                          f"{sorted(_SINGLE_STAGE) + sorted(_MULTI_STAGE)}")
+
+
 def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule for a plan's schedule name.
 
@@ -278,17 +291,13 @@ def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
     )
+    check_schedule_name(name, len(stages))
     multi = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble,
              "zbv": ScheduleZBVZeroBubble}
     single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
     if name in multi:
         return multi[name](stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    if name in single:
-        if len(stages) != 1:
-            raise LayoutError(f"schedule {name!r} runs one stage per rank, but this rank holds {len(stages)}")
-        return single[name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    raise LayoutError(f"pipeline schedule {name!r} is not supported by the runtime; use one of "
-                      f"{sorted(single) + sorted(multi)}")
+    return single[name](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 class ScheduleCache:

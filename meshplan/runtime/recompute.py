@@ -97,7 +97,8 @@ def _selective_context():
     )
     save = {getattr(torch.ops.aten, n).default for n in _SAVE_OPS if hasattr(torch.ops.aten, n)}
     # the routed experts' GEMMs: a custom op (meshplan.models.grouped_mm) that the aten names above
-    # miss, so "selective" used to re-run every expert GEMM in backward, which the plan never priced
+    # miss; saved by name, or "selective" would re-run every expert GEMM in backward, which the
+    # plan does not price (cost_models.flops.recompute_flops_per_step: attention only)
     import meshplan.models.grouped_mm  # noqa: F401  (registers meshplan::grouped_mm)
     save |= {op.default for ns, n in _SAVE_CUSTOM_GEMMS
              if (op := getattr(getattr(torch.ops, ns), n, None)) is not None}

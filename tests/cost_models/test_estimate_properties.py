@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import meshplan
 from meshplan.cluster import Cluster
-from meshplan.ir.layout import SCHEDULES, Layout, divisors
+from meshplan.ir.layout import SCHEDULES, divisors
 from meshplan.errors import ConfigError, MeshplanError
 
 PRESETS = ("dgx-a100", "hgx-a100-40gb", "dgx-h100", "h100-pcie-8", "h800-8", "hgx-h200", "dgx-b200",
@@ -105,6 +105,6 @@ def test_estimate_returns_sane_result_or_meshplan_error(cfg, cluster, data, seq_
             assert math.isfinite(v) and v >= -1e-12 * max(1.0, e.step_time_s), (k, v, table)
     assert sum(e.time_s.values()) == pytest.approx(e.step_time_s, rel=1e-9)
     assert len(e.memory_by_stage) == layout["pp"]
-    assert e.num_microbatches * Layout.from_dict(e.layout).dp * e.layout["mbs"] == global_batch
+    assert e.num_microbatches * e.layout.dp * e.layout.mbs == global_batch
     assert e.fits == (e.peak_memory_gb <= e.capacity_gb)
 

@@ -116,20 +116,20 @@ def test_search_offloads_where_nothing_fits_without():
     tight = _one_gpu(hbm_gb=gb)
     res = search(prof, tight, seq_len=SEQ, global_batch=4, precisions=("bf16",), stack="meshplan")
     assert res.ranked, "nothing fits even with offloading"
-    assert all(e.layout["offload_activations"] for e in res.ranked)
-    assert res.ranked[0].layout["recompute"] not in ("selective", "norm_act")   # the runtime offloads it
+    assert all(e.layout.offload_activations for e in res.ranked)
+    assert res.ranked[0].layout.recompute not in ("selective", "norm_act")   # the runtime offloads it
     # with room for the leanest layout without it, the search does not offload
     roomy = search(prof, _one_gpu(hbm_gb=gb + leanest.peak_memory_gb), seq_len=SEQ, global_batch=4,
                    precisions=("bf16",), stack="meshplan")
-    assert roomy.ranked and not any(e.layout["offload_activations"] for e in roomy.ranked)
+    assert roomy.ranked and not any(e.layout.offload_activations for e in roomy.ranked)
 
 
 def test_fixed_offload_is_honoured_and_refused_where_not_run():
     prof = profile_from_config(SMALL)
     res = search(prof, _one_gpu(), seq_len=SEQ, global_batch=4, precisions=("bf16",), stack="meshplan",
                  fixed={"offload_activations": True})
-    assert res.ranked and all(e.layout["offload_activations"] for e in res.ranked)
-    assert {e.layout["recompute"] for e in res.ranked}.isdisjoint({"selective", "norm_act"})
+    assert res.ranked and all(e.layout.offload_activations for e in res.ranked)
+    assert {e.layout.recompute for e in res.ranked}.isdisjoint({"selective", "norm_act"})
     with pytest.raises(ConfigError, match="torchtitan stack does not offload"):
         search(prof, _one_gpu(), seq_len=SEQ, global_batch=4, precisions=("bf16",), stack="torchtitan",
                fixed={"offload_activations": True})

@@ -10,6 +10,7 @@ from meshplan.cluster import Cluster
 from meshplan.cost_models import uncertainty as U
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.ir.estimate import Estimate
+from meshplan.ir.layout import Layout
 from meshplan.profiling.analytic import profile_from_config
 
 LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256, ffn_hidden=14336)
@@ -39,12 +40,12 @@ def test_band_is_the_component_errors_in_quadrature():
 
 
 def test_long_context_cp_is_flagged_and_less_certain():
-    short = U.regime_of({"cp": 2}, seq_len=8192, precision="bf16", ep_cross_domain=False)
-    long = U.regime_of({"cp": 8}, seq_len=131072, precision="bf16", ep_cross_domain=False)
+    short = U.regime_of(Layout(cp=2), seq_len=8192, precision="bf16", ep_cross_domain=False)
+    long = U.regime_of(Layout(cp=8), seq_len=131072, precision="bf16", ep_cross_domain=False)
     assert not short["cp_long"] and long["cp_long"]
     t = {"compute": 1.0, "cp": 0.3}
     assert U.step_uncertainty(t, long)[0] > U.step_uncertainty(t, short)[0]
-    assert U.complexity({"cp": 8}, long) > U.complexity({"cp": 2}, short) > U.complexity({}, {})
+    assert U.complexity(Layout(cp=8), long) > U.complexity(Layout(cp=2), short) > U.complexity(Layout(), {})
 
 
 def test_shared_mechanism_error_cancels_in_a_gain():
@@ -58,8 +59,8 @@ def test_shared_mechanism_error_cancels_in_a_gain():
 
 
 def _fake(step, layout, uncertainty, time_s, regime=None):
-    return SimpleNamespace(step_time_s=step, layout=layout, uncertainty=uncertainty, fits=True, precision="bf16",
-                           time_s=time_s, regime=regime or {})
+    return SimpleNamespace(step_time_s=step, layout=Layout(**layout), uncertainty=uncertainty, fits=True,
+                           precision="bf16", time_s=time_s, regime=regime or {})
 
 
 def test_planner_prefers_simpler_layout_inside_band_and_says_why():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.cost_models.validation import DEFAULT_CSV, load_rows, split_of
+from meshplan.cost_models.validation import DEFAULT_CSV, load_rows, split_of, stack_of
 
 
 def _bench(name: str = "validate_published"):
@@ -114,29 +114,52 @@ def test_sc21_table1_rows_take_the_papers_launch_settings():
     """Table 1's micro-batch and interleaving come from Megatron-LM examples/sc21/run_table_1.sh;
     Table 2 states its own micro-batch and keeps the unstated interleaving at 1."""
     t1 = run_row(_rows()["megatron-sc21-t1-529.6B"], traced=False).estimate.layout
-    assert (t1["mbs"], t1["vp"], t1["schedule"]) == (1, 3, "interleaved")
+    assert (t1.mbs, t1.vp, t1.schedule) == (1, 3, "interleaved")
     assert run_row(_rows()["megatron-sc21-t1-1.7B"], traced=False).layout["mbs"] == 16
     t2 = run_row(_rows()["megatron-sc21-t2-ptd-529.6B-2240gpu"], traced=False).estimate.layout
-    assert (t2["mbs"], t2["vp"]) == (1, 1)
+    assert (t2.mbs, t2.vp) == (1, 1)
 
 
 def test_stack_conventions_reach_the_layout():
     rows = _rows()
     nemo = run_row(rows["nemo2407-gpt3-20b-64gpu"], traced=False)
-    assert nemo.estimate.layout["grad_dtype"] == "bf16" and nemo.fits
+    assert nemo.estimate.layout.grad_dtype == "bf16" and nemo.fits
     xnode = run_row(rows["modelzoo-qwen3-235b-h100-xnode-ep"], traced=False).estimate.layout
-    assert xnode["moe_dispatcher"] == "deepep" and xnode["zero"] == 1
+    assert xnode.moe_dispatcher == "deepep" and xnode.zero == 1
     mfsdp = run_row(rows["modelzoo-qwen3-235b-h100-intranode-ep-fsdp"], traced=False).estimate.layout
-    assert mfsdp["fsdp_impl"] == "megatron" and mfsdp["zero"] == 3
+    assert mfsdp.fsdp_impl == "megatron" and mfsdp.zero == 3
     mixtral = run_row(rows["modelzoo-mixtral-8x22b-h100-dropless"], traced=False).estimate.layout
-    assert mixtral["moe_dispatcher"] == "alltoall"
+    assert mixtral.moe_dispatcher == "alltoall"
     mosaic = run_row(rows["mosaic-mpt7b-h100bf16-s2048-g8-mb6"], traced=False).estimate.layout
-    assert mosaic["fsdp_impl"] == "fsdp2" and mosaic["grad_dtype"] == "fp32"
+    assert mosaic.fsdp_impl == "fsdp2" and mosaic.grad_dtype == "fp32"
 
 
 def test_deepspeed_zero3_530b_layout_fits():
     """It ran on 640 A100-80GB at micro-batch 4 (and not on 560): DeepSpeed's per-module gathering
     must keep it in memory even with 2021's materialised attention scores."""
     res = run_row(_rows()["megatron-sc21-t2-zero3-529.6B-640gpu"], traced=False)
-    assert res.estimate.layout["fsdp_impl"] == "deepspeed" and res.estimate.layout["flash_attention"] is False
+    assert res.estimate.layout.fsdp_impl == "deepspeed" and res.estimate.layout.flash_attention is False
     assert res.fits and res.estimate.peak_memory_gb > 0.8 * res.estimate.capacity_gb
+
+
+def test_bridge_rows_take_what_their_performance_configs_ran():
+    """Megatron-Bridge's performance configs for the rows they match exactly: userbuffers TP overlap
+    for the Llama 3 70B / 3.1 405B H100 FP8 runs (and no recompute on 405B), the expert all-to-all
+    overlap on Qwen3-235B; its FP8 precision recipes keep the parameters in FP8."""
+    rows = _rows()
+    for rid in ("mb-2604.01-llama3-70b-h100", "mb-2604.01-llama31-405b-h100"):
+        res = run_row(rows[rid], traced=False)
+        assert res.estimate.layout.tp_comm_overlap and res.fits, rid
+        mem = res.estimate.memory_gb       # FP8 copies, BF16 weights of the embedding / output layer only
+        assert 0.0 < mem["weights"] < 0.25 * mem["fp8_cache"], rid
+    assert run_row(rows["mb-2604.01-llama31-405b-h100"], traced=False).estimate.layout.recompute == "none"
+    assert run_row(rows["mb-2604.01-qwen3-235b-a22b-h100"], traced=False).estimate.layout.ep_comm_overlap
+    assert "tensorwise" in stack_of(rows["mb-2604.01-llama3-70b-h100"]).fp8_param_gather
+    assert "tensorwise" not in stack_of(rows["nemo2407-llama3-8b-8gpu"]).fp8_param_gather
+
+
+def test_nemotron_rows_take_nemotrons_architecture():
+    """NeMo's NemotronConfig: rotary positions, no biases, untied output layer, 256k vocabulary."""
+    cfg = model_config(_rows()["nemo2407-nemotron-22b-64gpu"])
+    assert (cfg["position"], cfg["bias"], cfg["tie_embeddings"], cfg["vocab"]) == ("rope", False, False, 256000)
+    assert model_config(_rows()["nemo2407-gpt3-20b-64gpu"])["vocab"] == 51200

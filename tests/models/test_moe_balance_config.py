@@ -116,7 +116,7 @@ def test_forced_balance_prices_the_expert_part_no_slower():
     assert forced.time_s["compute"] <= bal.time_s["compute"]
     assert forced.step_time_s < bal.step_time_s
     # the reported layout is the one asked for (forced balance is a model fact, not a layout choice)
-    assert forced.layout["moe_capacity_factor"] is None
+    assert forced.layout.moe_capacity_factor is None
     # every balanced mode, "unknown" and "none" share the balanced point estimate
     for b in ("expert_bias", "unknown", "none"):
         assert _est(b).step_time_s == bal.step_time_s

@@ -14,6 +14,7 @@ import pytest
 import meshplan as mp
 from meshplan.cluster import Cluster
 from meshplan.cost_models import uncertainty as U
+from meshplan.ir.layout import Layout
 from meshplan.profiling.analytic import profile_from_config
 from meshplan.planner.explain import why_lost
 from meshplan.profiling.traits import balance_from_config
@@ -141,9 +142,9 @@ def test_dense_config_profiles_import_no_torch():
 # --- 3. prefer_simpler and the upper-side risk ----------------------------------------------------
 
 def _fake(step, layout, time_s, *, high=0.0, worst=1.0, uncertainty=0.10, regime=None):
-    return SimpleNamespace(step_time_s=step, layout=layout, uncertainty=uncertainty, fits=True, precision="bf16",
-                           time_s=time_s, regime=regime or {}, uncertainty_high=high, moe_worst_load=worst,
-                           moe_balance="none" if high else "")
+    return SimpleNamespace(step_time_s=step, layout=Layout(**layout), uncertainty=uncertainty, fits=True,
+                           precision="bf16", time_s=time_s, regime=regime or {}, uncertainty_high=high,
+                           moe_worst_load=worst, moe_balance="none" if high else "")
 
 
 def _old_rule_keeps(best, other) -> bool:

@@ -17,7 +17,10 @@ SEQ, BATCH = 32, 8
 MOE = dict(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=256, experts=4, topk=2,
            moe_ffn_hidden=32)
 MOE_SHARED = dict(MOE, layers=4, shared_experts=1, dense_layers=1)
-CONFIGS = {"moe": MOE, "moe-shared": MOE_SHARED}
+# moe-shared-3l: the dense layer and two MoE layers (the MoE layer's kind still repeats, as the
+# tracer needs to find it as a block): for cases that shard inside a layer, where a third MoE
+# layer would repeat the same check
+CONFIGS = {"moe": MOE, "moe-shared": MOE_SHARED, "moe-shared-3l": dict(MOE_SHARED, layers=3)}
 
 
 def build_model(kind: str, *, seq_len: int = SEQ, device: str = "cpu"):

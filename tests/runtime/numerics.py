@@ -38,6 +38,17 @@ VARIANTS = {"tiny-mla": ("tiny-llama", dict(kv_heads=None, attention="mla", q_lo
 # biases; tiny-swa-sinks adds the per-head sink logits
 VARIANTS["tiny-swa"] = ("tiny-llama", dict(sliding_window=8, sliding_window_pattern="alternate", bias=True))
 VARIANTS["tiny-swa-sinks"] = ("tiny-llama", dict(sliding_window=8, attention_sinks=True, bias=True))
+# "<kind>-2l": the same model with 2 layers instead of 4. Every layer of these models has the same
+# structure and shapes, so a case that shards within a layer (TP, SP, FSDP, DDP, recompute) checks
+# the same thing on 2 layers at half the ranks' work; pipeline cases keep 4 (pp * vp stages of at
+# least one layer each). The sliding-window models keep 4: their layers alternate between two
+# kinds, and the tracer finds a block only where its kind repeats. hf-llama-2l: the transformers
+# Llama with 2 layers (HF_LAYERS).
+TWO_LAYERS = "-2l"
+VARIANTS.update({f"{kind}{TWO_LAYERS}": (base, dict(overrides, layers=2))
+                 for kind, (base, overrides) in [("tiny-llama", ("tiny-llama", {})), ("tiny-gpt", ("tiny-gpt", {})),
+                                                 ("tiny-mla", VARIANTS["tiny-mla"])]})
+HF_LAYERS = {"hf-llama": 4, f"hf-llama{TWO_LAYERS}": 2}
 
 
 def _build(kind: str, **kw):
@@ -46,12 +57,25 @@ def _build(kind: str, **kw):
     return models.build(name, **overrides, **kw)
 
 
+def build_meta(kind: str, *, seq_len: int):
+    """Model `kind` on the meta device, for planning (a transformers model: on the CPU)."""
+    return build_model(kind, seq_len=seq_len) if kind in HF_LAYERS else _build(kind, seq_len=seq_len, device="meta")
+
+
+def layers_of(kind: str) -> int:
+    """How many transformer layers model `kind` has."""
+    if kind in HF_LAYERS:
+        return HF_LAYERS[kind]
+    return _build(kind, seq_len=32, device="meta").config.layers
+
+
 def build_model(kind: str, *, seq_len: int):
     torch.manual_seed(1234)
-    if kind == "hf-llama":
+    if kind in HF_LAYERS:
         import transformers
         cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
-                                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                       num_hidden_layers=HF_LAYERS[kind], num_attention_heads=4,
+                                       num_key_value_heads=2,
                                        max_position_embeddings=seq_len, tie_word_embeddings=False,
                                        attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(cfg)
@@ -70,8 +94,7 @@ def plan_for(kind: str, world: int, fixed_items: tuple, seq_len: int, global_bat
     import meshplan as mp
     from meshplan.cluster import Cluster
     # one model object per kind and length: traced once for all its layouts (worlds.traced_once)
-    model = planning_model(("numerics", kind, seq_len), lambda: (
-        build_model(kind, seq_len=seq_len) if kind.startswith("hf") else _build(kind, seq_len=seq_len, device="meta")))
+    model = planning_model(("numerics", kind, seq_len), lambda: build_meta(kind, seq_len=seq_len))
     return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world), seq_len=seq_len,
                    global_batch=global_batch, fixed=dict(fixed_items))
 

@@ -10,7 +10,9 @@ the loss and the gradients over CP ranks - so the fp32 rounding argument there h
 Cases that share a world size run in one spawned process group (starting ranks costs seconds): 2
 ranks (`world2`: ring attention alone, what it refuses, CP2 with recompute, GPT and transformers
 Llama, a short batch refused) and 4 ranks (`world4`: ring attention alone, CP x FSDP, CP x TP
-with SP, CP x PP, and a bf16 training run). Each test reads its cases' results.
+with SP, CP x PP, and a bf16 training run). Each test reads its cases' results. CP splits the
+sequence inside every layer the same way, so the cases run 2-layer models (numerics.VARIANTS)
+but CP x PP, whose two stages keep 4 layers.
 """
 
 from __future__ import annotations
@@ -26,19 +28,19 @@ SEQ, BATCH = 32, 8
 
 # name -> (model, fixed layout with cp); world size is the product of the degrees
 CASES_2 = {
-    "cp2": ("tiny-llama", dict(cp=2, tp=1, dp=1, pp=1, mbs=2)),
-    "cp2_recompute_full": ("tiny-llama", dict(cp=2, tp=1, dp=1, pp=1, mbs=4, recompute="full")),
-    "cp2_recompute_selective": ("tiny-llama", dict(cp=2, tp=1, dp=1, pp=1, mbs=4, recompute="selective")),
-    "gpt_cp2": ("tiny-gpt", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
-    "hf_cp2": ("hf-llama", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
+    "cp2": ("tiny-llama-2l", dict(cp=2, tp=1, dp=1, pp=1, mbs=2)),
+    "cp2_recompute_full": ("tiny-llama-2l", dict(cp=2, tp=1, dp=1, pp=1, mbs=4, recompute="full")),
+    "cp2_recompute_selective": ("tiny-llama-2l", dict(cp=2, tp=1, dp=1, pp=1, mbs=4, recompute="selective")),
+    "gpt_cp2": ("tiny-gpt-2l", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
+    "hf_cp2": ("hf-llama-2l", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
     # multi-head latent attention: query/key heads wider than the values (ring attention pads v)
-    "mla_cp2": ("tiny-mla", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
+    "mla_cp2": ("tiny-mla-2l", dict(cp=2, tp=1, dp=1, pp=1, mbs=4)),
 }
 CASES_4 = {
-    "cp2_dp2_fsdp": ("tiny-llama", dict(cp=2, dp=2, tp=1, pp=1, zero=3, mbs=2)),
-    "cp2_tp2_sp": ("tiny-llama", dict(cp=2, tp=2, sp=True, dp=1, pp=1, mbs=4)),
+    "cp2_dp2_fsdp": ("tiny-llama-2l", dict(cp=2, dp=2, tp=1, pp=1, zero=3, mbs=2)),
+    "cp2_tp2_sp": ("tiny-llama-2l", dict(cp=2, tp=2, sp=True, dp=1, pp=1, mbs=4)),
     "cp2_pp2": ("tiny-llama", dict(cp=2, pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
-    "gpt_cp2_tp2_sp": ("tiny-gpt", dict(cp=2, tp=2, sp=True, dp=1, pp=1, mbs=4)),
+    "gpt_cp2_tp2_sp": ("tiny-gpt-2l", dict(cp=2, tp=2, sp=True, dp=1, pp=1, mbs=4)),
 }
 
 
@@ -66,8 +68,9 @@ def world2():
     cases = _cases(CASES_2, 2)
     # bad input at run time: a batch shorter than the plan's seq_len (the reordered position
     # tables and the 2*cp chunks are for exactly seq_len tokens)
-    cases["short_batch"] = dict(kind="cp_short_batch", model="tiny-llama", seq_len=SEQ, global_batch=BATCH,
-                                plan=_plan("tiny-llama", 2, tuple(sorted(CASES_2["cp2"][1].items()))))
+    kind, fixed = CASES_2["cp2"]
+    cases["short_batch"] = dict(kind="cp_short_batch", model=kind, seq_len=SEQ, global_batch=BATCH,
+                                plan=_plan(kind, 2, tuple(sorted(fixed.items()))))
     return _run(2, cases)
 
 

@@ -11,7 +11,9 @@ layouts, deferred initialisation with folded experts) and 4 ranks (`world4`). Th
 need 8 ranks (CASES_8: EP x TP x PP with data parallelism, fewer local experts than
 expert-data-parallel ranks, and everything folded at once) run in the suite's one group of 8
 ranks, with the dense 8-rank case: test_parallel_numerics_8.py's `world8` and
-`test_eight_ranks_moe_folding`.
+`test_eight_ranks_moe_folding`. The 2- and 4-rank cases with shared experts run the dense layer
+and two MoE layers ("moe-shared-3l", ep_workers.CONFIGS): folding shards each MoE layer the same
+way, so a third would repeat the check.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from worlds import planning_model, plans, prefetch
 CASES_2 = {
     # TP on a MoE model without EP: each TP rank routes its own sequence shard to replicated
     # experts; no data parallelism, so the runtime sums the experts' gradients over edp = tp itself
-    "tp2_sp_ep1": ("moe-shared", dict(tp=2, sp=True, ep=1, dp=1, cp=1, pp=1, mbs=4)),
+    "tp2_sp_ep1": ("moe-shared-3l", dict(tp=2, sp=True, ep=1, dp=1, cp=1, pp=1, mbs=4)),
     # EP over the two TP ranks (edp = 1), shared experts tensor-parallel
-    "ep2_tp2_sp": ("moe-shared", dict(tp=2, sp=True, ep=2, dp=1, cp=1, pp=1, mbs=4)),
+    "ep2_tp2_sp": ("moe-shared-3l", dict(tp=2, sp=True, ep=2, dp=1, cp=1, pp=1, mbs=4)),
     # without SP the whole input is cut to this rank's shard and the routed output all-gathered
     "ep2_tp2_nosp": ("moe", dict(tp=2, sp=False, ep=2, dp=1, cp=1, pp=1, mbs=4)),
     # EP over the two CP ranks, which hold other tokens of every sequence
@@ -40,28 +42,28 @@ CASES_2 = {
     "etp2_tp2_sp_recompute_full": ("moe", dict(tp=2, sp=True, etp=2, ep=1, dp=1, cp=1, pp=1, mbs=4,
                                                recompute="full")),
     # ETP alone: each expert's inner features split over the two data-parallel ranks
-    "etp2_dp2_zero3": ("moe-shared", dict(etp=2, ep=1, dp=2, tp=1, cp=1, pp=1, zero=3, mbs=2)),
+    "etp2_dp2_zero3": ("moe-shared-3l", dict(etp=2, ep=1, dp=2, tp=1, cp=1, pp=1, zero=3, mbs=2)),
     # ETP over the TP ranks (what Megatron calls expert-tensor-parallel = tp)
     "etp2_tp2_sp": ("moe", dict(etp=2, tp=2, sp=True, ep=1, dp=1, cp=1, pp=1, mbs=4)),
 }
 CASES_4 = {
     # EP x CP: an EP group spans the CP ranks, expert gradients reduced over edp = dp
-    "ep2_cp2_dp2_zero3": ("moe-shared", dict(cp=2, ep=2, dp=2, tp=1, pp=1, zero=3, mbs=2)),
+    "ep2_cp2_dp2_zero3": ("moe-shared-3l", dict(cp=2, ep=2, dp=2, tp=1, pp=1, zero=3, mbs=2)),
     # EP x CP with the EP group inside dp x cp: ep = 4 over 2 dp x 2 cp ranks
     "ep4_cp2_dp2": ("moe", dict(cp=2, ep=4, dp=2, tp=1, pp=1, zero=1, mbs=2)),
     # EP x TP x DP with SP: FSDP over dp for dense weights, over edp = 2 for experts
-    "ep2_tp2_dp2_sp_zero3": ("moe-shared", dict(tp=2, sp=True, ep=2, dp=2, cp=1, pp=1, zero=3, mbs=2)),
+    "ep2_tp2_dp2_sp_zero3": ("moe-shared-3l", dict(tp=2, sp=True, ep=2, dp=2, cp=1, pp=1, zero=3, mbs=2)),
     # no shared experts: the MoE layer gets its input gathered by the norm, returns a sequence shard
     "ep2_tp2_dp2_sp_zero1": ("moe", dict(tp=2, sp=True, ep=2, dp=2, cp=1, pp=1, zero=1, mbs=2)),
-    "ep4_tp2_dp2_nosp": ("moe-shared", dict(tp=2, sp=False, ep=4, dp=2, cp=1, pp=1, zero=3, mbs=2)),
+    "ep4_tp2_dp2_nosp": ("moe-shared-3l", dict(tp=2, sp=False, ep=4, dp=2, cp=1, pp=1, zero=3, mbs=2)),
     # EP x TP x CP: tokens differ over every one of the four ranks
-    "ep2_tp2_cp2_sp": ("moe-shared", dict(tp=2, sp=True, cp=2, ep=2, dp=1, pp=1, zero=3, mbs=4)),
+    "ep2_tp2_cp2_sp": ("moe-shared-3l", dict(tp=2, sp=True, cp=2, ep=2, dp=1, pp=1, zero=3, mbs=4)),
     # HSDP for the dense weights (shard inside groups, replicate across), experts fully sharded
     # over edp (what the cost model prices)
-    "ep2_dp4_hsdp2": ("moe-shared", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=3, fsdp_shard=2, mbs=1)),
+    "ep2_dp4_hsdp2": ("moe-shared-3l", dict(ep=2, dp=4, tp=1, cp=1, pp=1, zero=3, fsdp_shard=2, mbs=1)),
     "ep2_tp2_dp2_hsdp1": ("moe", dict(ep=2, dp=2, tp=2, cp=1, pp=1, zero=3, fsdp_shard=1, mbs=2)),
     # EP x ETP: experts over 2 EP ranks, each expert's inner features over 2 ETP ranks
-    "ep2_etp2_dp4_zero3": ("moe-shared", dict(ep=2, etp=2, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=1)),
+    "ep2_etp2_dp4_zero3": ("moe-shared-3l", dict(ep=2, etp=2, dp=4, tp=1, cp=1, pp=1, zero=3, mbs=1)),
     "ep2_etp2_tp2_dp2_sp_zero1": ("moe", dict(ep=2, etp=2, tp=2, sp=True, dp=2, cp=1, pp=1, zero=1, mbs=2)),
 }
 

@@ -10,6 +10,11 @@ training run, and the refusals of a mismatched plan), 4 ranks (`world4`: TP x DP
 HSDP, and the planner's own choice trained a few steps); the 8-rank cases are in
 test_parallel_numerics_8.py (a module of their own, so the two test workers can share the
 numerics worlds). Each test reads its cases' results.
+
+Cases that shard within a layer (TP, SP, DP, FSDP, recompute) run 2-layer versions of the models
+("-2l", numerics.VARIANTS): every layer is the same, so a second pair of layers would repeat the
+same check at twice the ranks' work. Pipeline cases keep 4 layers, one or more a stage, and the
+sliding-window models theirs (numerics.VARIANTS says why).
 """
 
 from __future__ import annotations
@@ -23,42 +28,42 @@ SEQ, BATCH = 32, 8
 
 # name -> (model, fixed layout); world size is the product of the degrees
 CASES_2 = {
-    "tp2": ("tiny-llama", dict(tp=2, sp=False, dp=1, pp=1)),
-    "tp2_sp": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "tp2": ("tiny-llama-2l", dict(tp=2, sp=False, dp=1, pp=1)),
+    "tp2_sp": ("tiny-llama-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
     # async TP is CUDA-only (symmetric memory): on CPU the plan's tp_comm_overlap changes nothing
-    "tp2_sp_comm_overlap": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=4, tp_comm_overlap=True)),
-    "dp2_fsdp": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
-    "dp2_fsdp_no_overlap": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
-    "dp2_zero1_accum4": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=1, mbs=1)),
-    "dp2_zero2_accum2": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=2, mbs=2)),
+    "tp2_sp_comm_overlap": ("tiny-llama-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=4, tp_comm_overlap=True)),
+    "dp2_fsdp": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
+    "dp2_fsdp_no_overlap": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, zero=3, mbs=4)),
+    "dp2_zero1_accum4": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, zero=1, mbs=1)),
+    "dp2_zero2_accum2": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, zero=2, mbs=2)),
     # zero=0: plain DDP (bucketed all-reduce, summed), gradients accumulated under no_sync
-    "dp2_ddp_accum2": ("tiny-llama", dict(dp=2, tp=1, pp=1, zero=0, mbs=2)),
-    "gpt_dp2_ddp_tied": ("tiny-gpt", dict(dp=2, tp=1, pp=1, zero=0, mbs=4)),
+    "dp2_ddp_accum2": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, zero=0, mbs=2)),
+    "gpt_dp2_ddp_tied": ("tiny-gpt-2l", dict(dp=2, tp=1, pp=1, zero=0, mbs=4)),
     "pp2_1f1b": ("tiny-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
     "pp2_vp2_interleaved": ("tiny-llama", dict(pp=2, vp=2, schedule="interleaved", tp=1, dp=1, mbs=2)),
     "pp2_zbv": ("tiny-llama", dict(pp=2, vp=2, schedule="zbv", tp=1, dp=1, mbs=2)),
-    "recompute_full": ("tiny-llama", dict(dp=2, tp=1, pp=1, mbs=2, recompute="full")),
-    "recompute_selective_tp2_sp": ("tiny-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2, recompute="selective")),
-    "gpt_tp2_sp": ("tiny-gpt", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "recompute_full": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, mbs=2, recompute="full")),
+    "recompute_selective_tp2_sp": ("tiny-llama-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2, recompute="selective")),
+    "gpt_tp2_sp": ("tiny-gpt-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
     "gpt_pp2_tied": ("tiny-gpt", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
-    "hf_tp2": ("hf-llama", dict(tp=2, sp=False, dp=1, pp=1, mbs=2)),
+    "hf_tp2": ("hf-llama-2l", dict(tp=2, sp=False, dp=1, pp=1, mbs=2)),
     "hf_pp2": ("hf-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
     # decomposed RMSNorm swapped for the fused kernel on sequence shards (DTensor, partial grads)
-    "hf_tp2_sp": ("hf-llama", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
-    "hf_fsdp2": ("hf-llama", dict(dp=2, tp=1, pp=1, zero=3, mbs=2)),
+    "hf_tp2_sp": ("hf-llama-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "hf_fsdp2": ("hf-llama-2l", dict(dp=2, tp=1, pp=1, zero=3, mbs=2)),
     # multi-head latent attention (numerics.VARIANTS): wq_b / wkv_b split by heads, wq_a / wkv_a and
     # the latent norms whole on each rank, the shared rotary key's gradient summed over TP
-    "mla_tp2": ("tiny-mla", dict(tp=2, sp=False, dp=1, pp=1, mbs=2)),
-    "mla_tp2_sp": ("tiny-mla", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "mla_tp2": ("tiny-mla-2l", dict(tp=2, sp=False, dp=1, pp=1, mbs=2)),
+    "mla_tp2_sp": ("tiny-mla-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
     # sliding-window attention (numerics.VARIANTS): the band mask is local to each sequence, so TP
     # with SP runs it unchanged; the sink logits are FSDP-sharded like any other parameter
     "swa_tp2_sp": ("tiny-swa", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
     "swa_sinks_fsdp2": ("tiny-swa-sinks", dict(dp=2, tp=1, pp=1, zero=3, mbs=2)),
 }
 CASES_4 = {
-    "tp2_dp2_sp": ("tiny-llama", dict(tp=2, dp=2, pp=1, sp=True, zero=3, mbs=2)),
+    "tp2_dp2_sp": ("tiny-llama-2l", dict(tp=2, dp=2, pp=1, sp=True, zero=3, mbs=2)),
     "tp2_pp2": ("tiny-llama", dict(tp=2, pp=2, dp=1, vp=1, schedule="1f1b", mbs=1)),
-    "hsdp_dp4": ("tiny-llama", dict(dp=4, tp=1, pp=1, zero=3, fsdp_shard=2, mbs=1)),
+    "hsdp_dp4": ("tiny-llama-2l", dict(dp=4, tp=1, pp=1, zero=3, fsdp_shard=2, mbs=1)),
     "gpt_tp2_pp2_sp_tied": ("tiny-gpt", dict(tp=2, pp=2, dp=1, vp=1, sp=True, schedule="1f1b", mbs=1)),
 }
 CASES_8 = {
@@ -142,7 +147,8 @@ def test_fused_kernels_swapped_in(world2):
     assert kinds("hf_fsdp2") == {"rms_norm", "swiglu", "linear_cross_entropy"}
     assert kinds("hf_tp2_sp") == {"rms_norm", "swiglu"}          # vocab-parallel head: eager loss
     fsdp = world2["hf_fsdp2"][0]["fused"]
-    assert "lm_head" in fsdp and "model.norm" in fsdp and "model.layers.3.mlp" in fsdp
+    last = numerics.layers_of(CASES_2["hf_fsdp2"][0]) - 1
+    assert "lm_head" in fsdp and "model.norm" in fsdp and f"model.layers.{last}.mlp" in fsdp
     assert "model.layers.0.input_layernorm" in world2["hf_tp2_sp"][1]["fused"]
     # pipeline: each stage swaps only the modules it holds
     first, last = (set(r["fused"]) for r in world2["hf_pp2"])
@@ -189,9 +195,9 @@ def test_tp_gathers_once_per_block(world2):
     under SP (the reduce-scatters' transposes, and the two inputs gathered again from the sequence
     shards kept for backward, once per module: runtime/sp_saved.py), 2 all-reduces each way
     without SP, plus a few for the embedding and head."""
-    layers = 4
     for name, collective, per_layer in (("tp2_sp", "all_gather_into_tensor", 6),
                                         ("hf_tp2_sp", "all_gather_into_tensor", 6), ("tp2", "all_reduce", 4)):
+        layers = numerics.layers_of(CASES_2[name][0])
         m = _plan(CASES_2[name][0], 2, tuple(sorted(CASES_2[name][1].items()))).num_microbatches
         counts = world2[name][0]["comm"]
         # the per-linear gathers cost 2 + 5 per layer forward (SP) and 5 more in backward

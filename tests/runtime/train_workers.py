@@ -12,7 +12,7 @@ def train_run(rank: int, world: int, case: dict) -> dict:
     from meshplan.train.loop import TrainConfig, train
     import numerics
     torch.manual_seed(0)
-    model = numerics.build_model("tiny-llama", seq_len=case["seq_len"])
+    model = numerics.build_model(case.get("model", "tiny-llama"), seq_len=case["seq_len"])
     pm = parallelize(model, case["plan"], compute_dtype=None)
     cfg = TrainConfig(steps=case["steps"], lr=3e-3, warmup=2, out_dir=case["out"], checkpoint_every=case.get("every", 0),
                       keep_checkpoints=case.get("keep", 2), async_checkpoint=case.get("async", False),

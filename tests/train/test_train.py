@@ -4,8 +4,8 @@ In-process jobs run in one spawned group of 2 ranks, several train() jobs in tur
 costs seconds; `dp2_runs`): the uninterrupted DP2 reference, a run stopped at step 3 and resumed,
 the same with background checkpoints, and a TP2 (SP) run stopped at step 3 and resumed under
 PP2. `meshplan train` runs as a user runs it (torchrun subprocesses): the uninterrupted reference
-and the run whose rank dies side by side, then the run whose rank hangs alone (its 2 s collective
-timeout must not fire on a busy machine).
+and the run whose rank dies side by side, both training a saved plan (`--plan`), then the run
+whose rank hangs alone (its 2 s collective timeout must not fire on a busy machine).
 
 Tolerances: resuming under the same plan replays the same kernels on the same data in the same
 order, so losses are equal to the last bit on CPU (checked with 1e-6 to stay robust to a BLAS
@@ -23,25 +23,28 @@ import sys
 import pytest
 import torch
 
+import numerics
 import procs
 import train_workers
 from worlds import planning_model, plans
 
 SEQ, BATCH, STEPS = 32, 8, 6
+# tiny-llama with 2 layers (numerics.VARIANTS): what a checkpoint holds and how it reshards is
+# the same for every layer, and PP2 still gets one layer a stage
+MODEL = "tiny-llama-2l"
 
 
 @plans
 def _plan(world: int, fixed: tuple):
     import meshplan as mp
     from meshplan.cluster import Cluster
-    model = planning_model(("tiny-llama", SEQ, "meta"),
-                           lambda: mp.models.build("tiny-llama", seq_len=SEQ, device="meta"))
+    model = planning_model((MODEL, SEQ, "meta"), lambda: numerics.build_meta(MODEL, seq_len=SEQ))
     return mp.plan(model, Cluster(gpu="cpu", num_gpus=world, gpus_per_node=world), seq_len=SEQ,
                    global_batch=BATCH, fixed=dict(fixed))
 
 
 def _case(plan, out, **kw) -> dict:
-    return dict(plan=plan, seq_len=SEQ, steps=STEPS, out=str(out), **kw)
+    return dict(model=MODEL, plan=plan, seq_len=SEQ, steps=STEPS, out=str(out), **kw)
 
 
 DP2 = (("dp", 2), ("zero", 3))
@@ -139,8 +142,15 @@ def _final_params(ckpt_dir):
 
 
 def test_killed_rank_restarts_from_checkpoint(tmp_path):
-    common = ["--nproc", "2", "--steps", "6", "--global-batch", "8", "--seq-len", "32", "--precision", "fp32",
-              "--checkpoint-every", "2", "--fix", "dp=2"]
+    """Both runs train one saved plan with `meshplan train --plan p.json` alone, which takes its
+    process count from the plan (test_multinode.py launches a saved plan with `meshplan launch`)."""
+    import meshplan as mp
+    from meshplan.cluster import Cluster
+    plan = mp.plan(mp.models.build("tiny-llama", seq_len=32, device="meta"),
+                   Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2), seq_len=32, global_batch=8, fixed={"dp": 2})
+    plan.save(tmp_path / "p.json")
+    common = ["--plan", str(tmp_path / "p.json"), "--steps", "6", "--global-batch", "8", "--seq-len", "32",
+              "--precision", "fp32", "--checkpoint-every", "2"]
     # the uninterrupted reference and the run whose rank 1 dies in step 3 run side by side
     clean = _cli(*common, "--out", str(tmp_path / "clean"), what="uninterrupted reference run", cwd=tmp_path,
                  start_only=True)
@@ -148,6 +158,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path):
                    what="run whose rank 1 dies in step 3, restarted once", cwd=tmp_path, start_only=True)
     ok, crashed = clean.finish(), crashed.finish()
     assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "launching 2 processes" in ok.stderr, ok.stderr[-3000:]
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert "resumed from" in crashed.stdout and "step_000002" in crashed.stdout, crashed.stdout[-2000:]
     a = _final_params(tmp_path / "clean" / "checkpoints" / "step_000006")

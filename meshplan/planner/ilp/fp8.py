@@ -235,9 +235,10 @@ def fp8_layer_modules(profile, force_in: Sequence[str] = (), force_out: Sequence
     granularity (a layer's GEMMs are FP8 when any of its linears is: cost_models.ranks.layer_fp8_flags):
     every layer but the first and last block (DEFAULT_EXCLUSIONS), plus a layer with a forced-in
     linear, less a layer whose linears are all forced out. So the search ranks FP8 candidates at the
-    price the plan then reports for the ILP's choice, not at "every layer FP8" (the
-    planner's own layout used to come out slower than `estimate` of it). None: every layer is FP8,
-    which is what estimate(precision="fp8") prices without a module set."""
+    price the plan then reports for the ILP's choice, not at "every layer FP8": ranked at that
+    cheaper price, a layout could win the search on a step time its plan (fewer FP8 layers) does
+    not reach.
+    None: every layer is FP8, which is what estimate(precision="fp8") prices without a module set."""
     per_layer: list[list[str]] = []
     seen: dict[int, int] = {}
     for bi in profile.layers:

@@ -56,7 +56,7 @@ def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int
     """The estimate of `est`'s layout with the ILP's stage split, if that is faster; else `est`.
     fp8_modules: the FP8 set `est` was priced with (the search's), so the split is judged alike;
     stack: the stack it was priced for."""
-    L = Layout.from_dict(est.layout)
+    L = est.layout
     if L.pp == 1 or not isinstance(L.recompute, str):
         return est
     try:
@@ -68,7 +68,7 @@ def refine_stages(profile: ModelProfile, cluster, est: Estimate, *, seq_len: int
         return est
     if L.stage_layers == sa.stage_layers:
         return est
-    lay = dict(est.layout, stage_layers=sa.stage_layers)
+    lay = L.replace(stage_layers=sa.stage_layers)
     new = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
                            precision=est.precision, fp8_modules=fp8_modules if est.precision == "fp8" else None,
                            stack=stack)
