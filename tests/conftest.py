@@ -68,13 +68,16 @@ def one_process_group():
 # (--dist loadscope), handing out modules in collection order. Collected alphabetically, the
 # longest modules (spawned multi-process worlds, training runs) come last, and the run ends with
 # one worker finishing a long module while the other idles. These go first, longest first (their
-# wall times on 2 quiet cores, roughly 40-150 s each), so the short ones fill in at the end.
+# wall times in a `-n 2 --durations=0` run on 2 quiet cores, roughly 15-80 s each), so the short
+# ones fill in at the end.
 _LONGEST_FIRST = (
-    "tests/runtime/test_parallel_numerics.py", "tests/runtime/test_ep_folding.py", "tests/train/test_train.py",
-    "tests/runtime/test_plan_contract.py", "tests/train/test_multinode.py", "tests/runtime/test_parallel_numerics_8.py",
-    "tests/runtime/test_plan_matrix.py", "tests/runtime/test_mtp_parallel.py", "tests/runtime/test_fp8_one_rank.py",
-    "tests/runtime/test_context_parallel.py", "tests/train/test_muon.py", "tests/runtime/test_tp_fused_projections.py",
-    "tests/runtime/test_deferred_init.py", "tests/runtime/test_fp8.py",
+    "tests/runtime/test_plan_matrix.py", "tests/runtime/test_parallel_numerics.py", "tests/runtime/test_ep_folding.py",
+    "tests/runtime/test_plan_contract.py", "tests/train/test_muon.py", "tests/train/test_train.py",
+    "tests/runtime/test_context_parallel.py", "tests/runtime/test_tp_fused_projections.py",
+    "tests/runtime/test_mtp_parallel.py", "tests/train/test_multinode.py", "tests/runtime/test_parallel_numerics_8.py",
+    "tests/runtime/test_expert_parallel.py", "tests/runtime/test_deferred_init.py", "tests/export/test_export_tools.py",
+    "tests/runtime/test_hf_moe_ep.py", "tests/train/test_batch_schedule.py", "tests/runtime/test_loss_parallel.py",
+    "tests/runtime/test_fp8_one_rank.py", "tests/runtime/test_fp8.py",
 )
 
 

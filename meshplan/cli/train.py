@@ -259,10 +259,15 @@ def cmd_train(args) -> int:
     if saved is not None and args.nproc is None:
         _, args.nproc = layout_from_plan(saved, nnodes=args.nnodes)
     where = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
-    print(f"planning {args.model} for {args.nproc or 4} processes{where} on {args.cluster} ...",
-          file=sys.stderr, flush=True)
+    if saved is None:
+        print(f"planning {args.model} for {args.nproc or 4} processes{where} on {args.cluster} ...",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"training the plan in {args.plan}: {saved.model} on {saved.world_size} processes{where}",
+              file=sys.stderr, flush=True)
     plan = _plan(args)
     args.nproc = plan.world_size // args.nnodes
+    _check_host_memory(plan, args.nproc)
     if saved is not None:
         _check_model_matches(plan, args)
     if args.node_rank == 0:
@@ -371,6 +376,33 @@ def _check_model_matches(plan, args) -> None:
         raise ConfigError(f"--plan {args.plan!r} was made for model {plan.model!r} "
                           f"(seq_len {plan.seq_len}), but --model {args.model} builds another structure; "
                           "pass the plan's model (or leave --model out), or re-plan for this model")
+
+
+def _check_host_memory(plan, nproc: int) -> None:
+    """Where the ranks run on this machine's CPU, the plan's memory per rank (its estimate) times the
+    processes started here must fit the memory the machine has free: a plan made for the GPUs of a
+    large model would otherwise start, swap and be killed minutes later."""
+    import torch
+    free = available_host_gb()
+    if torch.cuda.is_available() or free is None:
+        return
+    per_rank = plan.estimate.peak_memory_gb
+    if per_rank * nproc > free:
+        raise ConfigError(f"the plan for {plan.model} needs ~{per_rank:.1f} GB per process (its estimate on "
+                          f"{plan.estimate.cluster}) x {nproc} processes = {per_rank * nproc:.0f} GB, but this "
+                          f"machine has {free:.0f} GB free and no GPU; run the plan on the GPUs it was made for, "
+                          "or train a model this machine holds (e.g. `meshplan train --model tiny-llama`)")
+
+
+def available_host_gb() -> float | None:
+    """GiB of memory the machine can give new processes (/proc/meminfo MemAvailable); None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _check_nodes(args) -> None:

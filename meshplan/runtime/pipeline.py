@@ -254,12 +254,12 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *carried: torch.Tensor, **k
         raise LayoutError("pipeline stage input was never consumed: the model did not call the stage's "
                           "first block; the model's forward does not follow the traced block order")
     # activations cross stages as plain local tensors (p2p sends tensors); see _inject_received
-    out = out.to_local() if hasattr(out, "to_local") else out
+    out = _sendable(out)
     if self._meshplan_mtp and not spec.is_last:
         # in eval mode the model looks up no shifted tokens: zeros keep the stages' message shapes;
         # under SP the lookups are sequence-sharded DTensors, sent as their local shards (the
         # receiving stage's MTP norms take a plain tensor as this rank's shard)
-        sent = [t.to_local() if hasattr(t, "to_local") else t for t in self._meshplan_mtp_out[:self._meshplan_mtp]]
+        sent = [_sendable(t) for t in self._meshplan_mtp_out[:self._meshplan_mtp]]
         sent += [torch.zeros_like(out) for _ in range(self._meshplan_mtp - len(sent))]
         return (out, *sent)
     return out
@@ -276,6 +276,17 @@ def check_schedule_name(name: str, n_stages: int) -> None:
     if name not in _SINGLE_STAGE + _MULTI_STAGE:
         raise LayoutError(f"pipeline schedule {name!r} is not supported by the runtime; use one of "
                           f"{sorted(_SINGLE_STAGE) + sorted(_MULTI_STAGE)}")
+
+
+def _sendable(t):
+    """`t` as the plain tensor a pipeline send reads. A DTensor's `to_local()` right after a
+    redistribution (SP's reduce-scatter of a vocabulary-parallel lookup) is an AsyncCollectiveTensor
+    whose collective may still be writing it: torch's p2p send reads the buffer without waiting, so
+    the next stage could receive what was there before. Any non-view op waits for it; clone keeps the
+    autograd graph the stage's backward runs through."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):

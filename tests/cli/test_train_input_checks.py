@@ -87,3 +87,16 @@ def test_a_plan_trained_with_another_shape_or_model_is_refused_before_launch(cap
         cli_train._model_from_plan(_args(plan=str(moe_plan), seq_len=64))
     line = _run(capsys, "--plan", str(moe_plan), "--model", "tiny-llama")
     assert "was made for model 'tiny-moe'" in line and "--model tiny-llama builds another structure" in line, line
+
+
+def test_a_plan_too_big_for_this_machines_memory_is_refused_before_launch(capsys, tmp_path, moe_plan, monkeypatch):
+    """A plan made for GPUs, trained where the ranks run on CPU: its memory per rank (the plan's
+    estimate) times the processes must fit the memory the machine has free."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli_train, "available_host_gb", lambda: 1e-3)
+    line = _run(capsys, "--plan", str(moe_plan), "--out", str(tmp_path / "o"))
+    assert "x 2 processes" in line and "this machine has 0 GB free and no GPU" in line, line
+    monkeypatch.setattr(cli_train, "available_host_gb", lambda: None)     # unknown: not refused here
+    from meshplan.ir.plan import Plan
+    cli_train._check_host_memory(Plan.load(moe_plan), 2)
