@@ -40,25 +40,10 @@ from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, 
 
 # Constants re-fitted by --fit (the fields of constants.Fitted), with the bounds they may take
 # (physical ranges, not free knobs).
-FITTED = {"training_gemm_eff": (0.5, 1.0), "attn_fwd_eff": (0.4, 0.95), "attn_bwd_eff": (0.3, 0.95),
-          "dp_overlap_eff": (0.1, 0.95), "fsdp_overlap_eff": (0.1, 0.95), "tp_overlap_hidden": (0.3, 0.95),
-          "layer_overhead_s": (0.0, 2e-4)}
-# An attention kernel in a training step runs no faster than on its own: the FlashAttention-2 class
-# rate the fitted efficiencies describe (Hopper's, constants.ATTN_GENERATION_RATE) is at most its
-# kernel plateau, 370 / 322 TFLOP/s forward / backward on H100 (FlashAttention-3 paper, Fig. 5/6: the
-# FA2 curves) = 0.466 / 0.405 of the H100's MAMF. The model's rate is MAMF x training_gemm_eff x
-# attn_*_eff, so a fit keeps each product under the plateau.
-ATTN_PLATEAU_OF_MAMF = {"attn_fwd_eff": 370.0 / 794.5, "attn_bwd_eff": 322.0 / 794.5}
-
-
-def onto_plateau(f: K.Fitted) -> K.Fitted:
-    """`f` with each attention efficiency lowered to keep its kernel at or under its measured plateau
-    where a step would carry it past (a step of training_gemm_eff moves the GEMMs, the attention rate
-    stays at the plateau): every candidate a fit prices is physical, and a step that raises the GEMM
-    rate is tried, not rejected for the attention it drags. (Within FITTED's bounds the lowered
-    efficiencies stay above their lower bounds: 0.466 / 1.0 > 0.4, 0.405 / 1.0 > 0.3.)"""
-    return dataclasses.replace(f, **{k: min(getattr(f, k), cap / f.training_gemm_eff)
-                                     for k, cap in ATTN_PLATEAU_OF_MAMF.items()})
+FITTED = {"training_gemm_eff": (0.5, 1.0), "dp_overlap_eff": (0.1, 0.95), "fsdp_overlap_eff": (0.1, 0.95),
+          "tp_overlap_hidden": (0.3, 0.95), "layer_overhead_s": (0.0, 2e-4)}
+# (The attention kernels' rates are measured, not fitted: constants.ATTN_FWD_EFF / ATTN_BWD_EFF and
+# ATTN_KERNEL_RATE, from benchmarks/gpu_rates.py on an H200.)
 
 
 def model_profile(cfg, *, traced: bool = True):
@@ -123,7 +108,7 @@ def fit(rows, traced, profiles, *, fit_rows=None, rounds: int = 3, factors=(0.6,
         for name, (lo, hi) in FITTED.items():
             base = getattr(best_f, name)
             for fac in factors:
-                cand = onto_plateau(dataclasses.replace(best_f, **{name: min(hi, max(lo, base * fac))}))
+                cand = dataclasses.replace(best_f, **{name: min(hi, max(lo, base * fac))})
                 cur = loss(cand)
                 if cur < best - 1e-4:
                     best, best_f = cur, cand

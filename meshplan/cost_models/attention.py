@@ -15,13 +15,18 @@ over the query tiles) of one (sequence, head) and loops over its key tiles.
     diagonal) spends a large share of its time there.
   - wave quantisation: CTAs run one per SM (FA3's hd128 tiles use most of the SM's shared memory) on
     the GPU's GPU_SM_COUNT SMs. Equal CTAs (no causal mask) take ceil(CTAs/SMs) waves; causal CTAs
-    differ in length and are load-balanced (FA3's persistent tile scheduler issues the longest
-    first), so the step takes max(total work / SMs, longest CTA): the bound a greedy schedule reaches
-    when the CTAs far outnumber the SMs, as they do at training shapes.
+    differ in length. FA3's persistent tile scheduler issues the longest first, so its step takes
+    max(total work / SMs, longest CTA): the bound a greedy schedule reaches when the CTAs far
+    outnumber the SMs. FA2 and cuDNN launch a causal forward's CTAs in grid order, the longest rows of
+    the last (sequence, head) last: those run their whole length after the rest, total / SMs +
+    longest (constants.ATTN_LPT_KERNELS; measured on an H200). Their backward CTAs (one per key
+    tile) start longest first within each (sequence, head), which a greedy schedule balances.
   - a fixed cost per kernel launch (compute.attention_time: ATTN_KERNEL_FIXED_S, backward runs
     ATTN_BWD_KERNELS kernels).
+  - the head dim: at 64 a tile holds half the FLOPs of 128 for much the same per-tile overheads
+    (head_dim_rate; constants.ATTN_HEAD_DIM_64_RATE, measured).
 What remains is the plateau efficiency of the kernel on long calls: constants.ATTN_FWD_EFF /
-ATTN_BWD_EFF (fitted).
+ATTN_BWD_EFF (FlashAttention-2, measured) times the kernel's rate (constants.ATTN_KERNEL_RATE).
 
 Sliding-window attention (a causal band of w keys, `AttnCall.window`): FlashAttention's local mode
 (window_size=(w-1, 0); Transformer Engine's and cuDNN's sliding window) skips the key tiles wholly
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 from meshplan.cost_models import constants as K
 
 __all__ = ["AttnCall", "AttnShape", "layer_calls", "shape_penalty", "call_efficiency", "sm_count", "gpu_generation",
-           "generation_rate"]
+           "generation_rate", "head_dim_rate"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,11 @@ class AttnCall:
 @dataclass(frozen=True)
 class AttnShape:
     """The attention one GPU runs for one layer and micro-batch: `batch_heads` (sequences x query
-    heads on this GPU) in each of `calls`."""
+    heads on this GPU) in each of `calls`, heads of `head_dim`."""
 
     batch_heads: float
     calls: tuple[AttnCall, ...]
+    head_dim: float = 128.0
 
     @property
     def kernels(self) -> float:
@@ -95,7 +101,7 @@ def sm_count(cluster) -> int:
 
 
 def layer_calls(seq_len: float, batch_heads: float, *, causal: bool, cp: int = 1,
-                cp_kind: str = "p2p", window: float = 0) -> AttnShape:
+                cp_kind: str = "p2p", window: float = 0, head_dim: float = 128.0) -> AttnShape:
     """Flash-attention calls of one layer on one GPU, for a micro-batch of `batch_heads`
     (sequences x local query heads; under a2a CP before its head split), by CP implementation:
       - no CP: one call over the whole sequence.
@@ -117,17 +123,17 @@ def layer_calls(seq_len: float, batch_heads: float, *, causal: bool, cp: int = 1
     s = float(seq_len)
     w = float(window) if causal and window and window < s else 0.0
     if cp <= 1:
-        return AttnShape(batch_heads, (AttnCall(s, s, causal, window=w),))
+        return AttnShape(batch_heads, (AttnCall(s, s, causal, window=w),), head_dim)
     if cp_kind == "a2a" or w:
-        return AttnShape(batch_heads / cp, (AttnCall(s, s, causal, window=w),))
+        return AttnShape(batch_heads / cp, (AttnCall(s, s, causal, window=w),), head_dim)
     c = s / (2 * cp)
     if not causal:
-        return AttnShape(batch_heads, (AttnCall(2 * c, 2 * c, False, float(cp)),))
+        return AttnShape(batch_heads, (AttnCall(2 * c, 2 * c, False, float(cp)),), head_dim)
     if cp_kind == "all_gather":
-        return AttnShape(batch_heads, (AttnCall(c, c, True), AttnCall(c, s, True)))
+        return AttnShape(batch_heads, (AttnCall(c, c, True), AttnCall(c, s, True)), head_dim)
     half = (cp - 1) / 2.0
     return AttnShape(batch_heads, (AttnCall(2 * c, 2 * c, True),
-                                   AttnCall(c, 2 * c, False, half), AttnCall(2 * c, c, False, half)))
+                                   AttnCall(c, 2 * c, False, half), AttnCall(2 * c, c, False, half)), head_dim)
 
 
 def _band_sum(n: float, m: float) -> float:
@@ -145,11 +151,12 @@ def _masked_pairs(call: AttnCall) -> float:
     return q * k - q * q / 2.0 if call.causal else q * k
 
 
-def _call_cost(call: AttnCall, batch_heads: float, sms: int, *, backward: bool) -> float:
+def _call_cost(call: AttnCall, batch_heads: float, sms: int, *, backward: bool, kernel: str) -> float:
     """SM-seconds of one call in units of one tile iteration (T x T scores at the plateau rate):
     SMs x the time the call occupies the GPU."""
     T = K.ATTN_TILE
-    fixed = K.ATTN_CTA_FIXED_TILES_BWD if backward else K.ATTN_CTA_FIXED_TILES_FWD
+    fixed = K.ATTN_CTA_FIXED_TILES[kernel][1 if backward else 0]
+    in_order = kernel not in K.ATTN_LPT_KERNELS
     q, k = call.q_len, call.k_len
     n_q, n_k = math.ceil(q / T), math.ceil(k / T)
     band = 0
@@ -169,29 +176,44 @@ def _call_cost(call: AttnCall, batch_heads: float, sms: int, *, backward: bool) 
         longest = min(longest, band + fixed)
     work = batch_heads * (tiles + ctas_per_bh * fixed)
     ctas = batch_heads * ctas_per_bh
-    if call.causal:     # unequal CTAs, issued longest first
+    if call.causal and in_order and not backward:
+        # unequal CTAs issued in grid order, the longest rows of the last sequence-head last: they
+        # start when the SMs free up and run their whole length after (Graham's bound for list
+        # scheduling, attained when the longest job comes last)
+        makespan = work / sms + longest * (1 - 1 / sms)
+    elif call.causal:   # unequal CTAs, issued longest first
         makespan = max(work / sms, longest)
     else:               # equal CTAs in whole waves
         makespan = math.ceil(ctas / sms - 1e-9) * longest
     return makespan * sms
 
 
-def shape_penalty(shape: AttnShape, sms: int, *, backward: bool) -> float:
-    """Time of `shape`'s calls over the time of their masked FLOPs at the kernel's plateau rate
-    (>= 1 up to the plateau's own tile/CTA overheads, which the fitted plateau efficiency absorbs:
-    see call_efficiency)."""
+def shape_penalty(shape: AttnShape, sms: int, *, backward: bool, kernel: str = "fa3") -> float:
+    """Time of `shape`'s calls over the time of their masked FLOPs at `kernel`'s plateau rate
+    (>= 1 up to the plateau's own tile/CTA overheads, which the plateau efficiency absorbs: see
+    call_efficiency). `kernel` sets the per-CTA overheads and the causal launch order
+    (constants.ATTN_CTA_FIXED_TILES, ATTN_LPT_KERNELS); the default is FA3, whose published curves
+    the tests reproduce."""
     T2 = float(K.ATTN_TILE) ** 2
     cost = masked = 0.0
     for call in shape.calls:
         if call.count <= 0 or call.q_len <= 0 or call.k_len <= 0:
             continue
-        cost += call.count * _call_cost(call, shape.batch_heads, sms, backward=backward) * T2
+        cost += call.count * _call_cost(call, shape.batch_heads, sms, backward=backward, kernel=kernel) * T2
         masked += call.count * shape.batch_heads * _masked_pairs(call)
     if masked <= 0:
         return 1.0
     return cost / masked
 
 
-def call_efficiency(shape: AttnShape, sms: int, *, backward: bool) -> float:
+def call_efficiency(shape: AttnShape, sms: int, *, backward: bool, kernel: str = "fa3") -> float:
     """Fraction of the kernel's plateau rate `shape` reaches: 1 / shape_penalty."""
-    return 1.0 / shape_penalty(shape, sms, backward=backward)
+    return 1.0 / shape_penalty(shape, sms, backward=backward, kernel=kernel)
+
+
+def head_dim_rate(kernel: str, head_dim: float, *, backward: bool) -> float:
+    """`kernel`'s plateau at `head_dim` over its plateau at 128 (constants.ATTN_HEAD_DIM_64_RATE,
+    interpolated in log2(head dim) between 64 and 128; held outside)."""
+    at64 = K.ATTN_HEAD_DIM_64_RATE[kernel][1 if backward else 0]
+    x = min(1.0, max(0.0, math.log2(max(head_dim, 1.0) / 64.0)))
+    return at64 + (1.0 - at64) * x

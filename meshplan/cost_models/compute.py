@@ -12,28 +12,49 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.attention import AttnShape
 from meshplan.cost_models.device import device_of
-from meshplan.cost_models.roofline import fp8_cast_time, fp8_recipe_factor, gemm_roofline, hbm_rate, matmul_rate
+from meshplan.cost_models.roofline import (
+    fp8_cast_time,
+    fp8_quant_bytes,
+    fp8_recipe_factor,
+    gemm_roofline,
+    hbm_rate,
+    matmul_rate,
+)
 
-__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time",
+__all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "fp8_eager",
            "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time", "permute_time"]
 
 
+def fp8_eager(cluster, stack) -> bool:
+    """Whether `stack` quantises FP8 linears with torchao's unfused eager ops on this cluster: its
+    FP8 is torchao's (Stack.fp8_impl) and it does not compile here (a GPU device that does not
+    run torch.compile for the stack). Transformer Engine's casts are fused CUDA kernels either way;
+    CPU processes price FP8 as the host device does."""
+    if stack is None or stack.fp8_impl != "torchao":
+        return False
+    dev = device_of(cluster)
+    return dev.kind == "gpu" and not dev.runs_compile(stack)
+
+
 def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count: float = 1.0,
-              weight_cast: bool = False, recipe: str = "tensorwise", fitted: K.Fitted = K.FITTED) -> float:
+              weight_cast: bool = False, recipe: str = "tensorwise", stack=None,
+              fitted: K.Fitted = K.FITTED) -> float:
     """`count` GEMMs of (m x k) @ (k x n): max(compute, HBM traffic) plus a fixed per-kernel cost
     that makes small GEMMs inefficient (Calculon-style shape dependence).
 
-    FP8 adds the quantisation of the (m x k) activation operand. The (k x n) weight's FP8 copy is
+    FP8 adds this GEMM's share of the linear's quantisation (roofline.fp8_cast_time: its input and
+    output gradient, a third per GEMM of the three a linear runs). The (k x n) weight's FP8 copy is
     made once per step and reused by every micro-batch (Transformer Engine casts a weight on the
     first micro-batch and caches it and its transpose; that cast is `fp8_weight_cast_time`), so it
-    is not charged here unless `weight_cast` (an operand that is not a cached weight). `recipe` scales
-    the quantisation traffic (fp8_recipe_factor)."""
+    is not charged here unless `weight_cast` (an operand that is not a cached weight). `recipe`
+    prices the quantisation traffic and the GEMM rate; `stack` (a meshplan.ir.stack.Stack) decides
+    whether the casts run fused or as eager torchao ops (`fp8_eager`)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     one = gemm_roofline(m, n, k, cluster, fp8=fp8, fitted=fitted, recipe=recipe) + device_of(cluster).gemm_fixed_s(
         cluster, fp8)
-    if fp8:   # quantise the inputs (fused cast + amax), memory-bound
-        one += fp8_cast_time(m * k + (k * n if weight_cast else 0.0), cluster, recipe)
+    if fp8:   # quantise the inputs (fused cast + amax, or eager torchao's passes), memory-bound
+        one += fp8_cast_time(m, n, k, cluster, recipe, weight=weight_cast, eager=fp8_eager(cluster, stack))
     return count * one
 
 
@@ -61,8 +82,8 @@ def attention_time(flops_fwd: float, cluster, *, backward: bool, kernel: str = "
     FlashAttention-2 class kernels, "cudnn" / "fa3" for the Hopper kernels, "triton" for the Triton
     port of FlashAttention; the stack decides which runs (meshplan.ir.stack.Stack.attention_kernel).
 
-    On GPUs the kernel runs at its plateau efficiency (ATTN_FWD_EFF / ATTN_BWD_EFF of the GEMM rate)
-    divided by `shape`'s penalty (attention.shape_penalty: diagonal and ragged tiles, per-CTA fixed
+    On GPUs the kernel runs at its measured plateau share of the MAMF (ATTN_FWD_EFF / ATTN_BWD_EFF
+    for FlashAttention-2, times ATTN_KERNEL_RATE; in a step slowed as the GEMMs are) divided by `shape`'s penalty (attention.shape_penalty: diagonal and ragged tiles, per-CTA fixed
     work, wave quantisation), plus ATTN_KERNEL_FIXED_S per kernel launched (ATTN_BWD_KERNELS per
     backward call). `shape` is the calls one GPU runs (attention.layer_calls); without it the
     plateau rate alone is charged (a caller that does not know the sequence layout). CPU processes
@@ -89,14 +110,14 @@ def permute_time(nbytes: float, cluster) -> float:
     return device_of(cluster).permute_time(nbytes, cluster)
 
 
-def fp8_weight_cast_time(weight_elements: float, cluster, recipe: str = "tensorwise") -> float:
-    """Once-per-step FP8 cast of `weight_elements` weights: read bf16, write the FP8 copy and its
-    transpose (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T in FP8); other recipes
-    scale it by fp8_recipe_factor."""
+def fp8_weight_cast_time(weight_elements: float, cluster, recipe: str = "tensorwise", stack=None) -> float:
+    """Once-per-step FP8 cast of `weight_elements` weights into the copies the forward and the
+    input-gradient GEMMs read (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T in
+    FP8): the recipe's bytes per element (roofline.fp8_quant_bytes), eager torchao's where `stack`
+    runs it uncompiled (`fp8_eager`)."""
     if weight_elements <= 0:
         return 0.0
-    t = weight_elements * K.FP8_WEIGHT_CAST_BYTES / hbm_rate(cluster)
-    return t if recipe == "tensorwise" else t * fp8_recipe_factor(recipe)
+    return weight_elements * fp8_quant_bytes(recipe, eager=fp8_eager(cluster, stack)) / hbm_rate(cluster)
 
 
 def grad_accumulation_time(params: float, buffer_bytes: float, cluster) -> float:

@@ -41,23 +41,19 @@ GEMM_FIXED_S = 12e-6                                                            
 # math. Matters for MoE experts at small per-expert token counts.
 GEMM_TILE_M = 128                                                                   # derived
 
-# Flash-attention PLATEAU efficiency (a long call: attention.shape_penalty -> 1) relative to the GPU's
-# achieved dense GEMM rate (fwd; bwd slower). Shorter calls, causal diagonal tiles, CP chunks and
-# few CTAs land below it (meshplan.cost_models.attention, constants at the end of this file).
-# FlashAttention-2 reaches ~50-73% of peak fwd on A100/H100 (Dao 2023, Tables); relative to
-# MAMF (~80% of peak) that is roughly 0.7-0.9 for the kernel alone. Re-fitted 2026-11-24 with the
-# shape mechanism in place (only these two, the other fitted constants as shipped, coordinate descent
-# from the middle of their bounds as the LOSO folds start; 0.495 / 0.30 before; 0.70 / 0.33 fits the
-# fit split equally well): the backward lands well below the kernels' own bwd/fwd plateau ratio
-# (~0.87 for FA2, FA3 and cuDNN, Shah et al. 2024 Fig. 5/6): attention time in a training step
-# includes its layout transposes and softmax-statistics kernels, the MosaicML rows' Triton kernel is
-# slowest in backward at long sequence, and the published rows barely tell the two apart.
-# Both were fitted while the NeMo 1.x rows were priced with cuDNN attention; they ran FlashAttention-2
-# (validation._NEMO_LAUNCHER_ATTN_KERNEL). Re-fitted with that (only these two, coordinate descent from
-# the shipped values) they come out at 0.40 (the lower bound) / 0.48 (fit-split loss 0.1378 -> 0.1317);
-# to be shipped with the next full fit.
-ATTN_FWD_EFF = 0.55                                                                 # fitted
-ATTN_BWD_EFF = 0.35                                                                 # fitted
+# Flash-attention PLATEAU rate (a long call: attention.shape_penalty -> 1) as a share of the GPU's
+# MAMF, for FlashAttention-2 at head dim 128. Measured by this project on an H200
+# (benchmarks/results/gpu_rates-2026-11-27-h200.md: PyTorch SDPA's FlashAttention-2 backend, 16k
+# tokens per call, 16 heads of 128, sequences 512-64k, causal and not): the plateau that fits
+# attention.call_efficiency to the 14 points of each direction (3.3% / 1.8% mean error) is 381 / 318
+# TFLOP/s, 0.480 / 0.401 of the 794 TFLOP/s BF16 matmul measured on the same GPU. The FlashAttention-3
+# paper's FA2 curves on an H100 agree (370 / 322 TFLOP/s at 16k: 0.466 / 0.405 of its MAMF). Shorter
+# calls, causal diagonal tiles, CP chunks and few CTAs land below the plateau (attention.py; the
+# constants at the end of this file). In a training step an attention kernel runs at
+# training_gemm_eff of its isolated rate, as the GEMMs do (compute.attention_time multiplies both):
+# the same clocks under the step's power draw, the same interleaving with other kernels.
+ATTN_FWD_EFF = 0.480                                                                # measured (own H200)
+ATTN_BWD_EFF = 0.401                                                                # measured (own H200)
 # FlashAttention's backward does 5 of the forward's 2 matmul-equivalents => 2.5x fwd FLOPs
 # (Dao et al. 2022, Alg. 2/4), vs Megatron's 2x model-FLOP convention.
 ATTN_BWD_FLOP_RATIO = 2.5                                                           # derived
@@ -68,20 +64,26 @@ ATTN_BWD_FLOP_RATIO = 2.5                                                       
 # than "FlashAttention in Triton" (Dao 2023, FlashAttention-2 paper, Sec. 4.1 benchmarks, A100). The low
 # end of that range is taken (measured, not fitted); it divides both efficiencies.
 ATTN_KERNEL_SLOWDOWN = {"flash": 1.0, "triton": 1.3}                                # measured
-# Hopper attention kernels against FlashAttention-2 at the plateau (the fitted efficiencies above are
-# FA2-class), from the same figures as the shape constants below (Shah et al. 2024, FlashAttention-3,
-# arXiv 2407.08608, Fig. 5/6, H100 SXM5, head dim 128, 16k): FA3 forward 648 / 370 TFLOP/s without a
-# mask (616 / 335 causal), backward 561 / 322; cuDNN (9.x, the fused attention Transformer Engine
-# runs on Hopper) forward 595 / 370 without a mask and 539 / 335 causal: 1.61 both ways. The paper's
-# cuDNN backward curve is not transcribed here; its forward ratio is used for the backward too, which
-# cuDNN's own kernel benchmark bears out (NVIDIA/cudnn-frontend benchmark/benchmark_results.csv, H200
-# at locked clocks, head dim 128, 16 heads, 16k tokens, against PyTorch SDPA's FlashAttention-2 on the
-# same GPU: backward 538 / 309 without a mask and 498 / 305 causal with cuDNN 9.1.0 (commit b740542),
-# 547 / 317 and 489 / 305 with the release of Sept. 2024 (commit de355c7): 1.60-1.74).
-# (fwd, bwd) rate multipliers; "flash" = "fa2". A kernel a GPU cannot run (FA3 and cuDNN's Hopper
-# kernels before sm90) is resolved by meshplan.ir.stack.Stack.attention_kernel.
-ATTN_KERNEL_RATE = {"fa2": (1.0, 1.0), "flash": (1.0, 1.0), "cudnn": (1.61, 1.61),
+# Hopper attention kernels against FlashAttention-2 at the plateau (head dim 128). cuDNN's fused
+# attention (what Transformer Engine runs on Hopper) measured by this project on an H200 beside FA2
+# (gpu_rates-2026-11-27-h200.md, PyTorch SDPA's CUDNN backend, torch 2.11 + CUDA 13): plateau 0.884 /
+# 0.726 of the MAMF forward / backward (fitted to its 14 points per direction as for FA2 above, 2.4% /
+# 3.4% mean error), 1.84x / 1.81x FA2's. Earlier cuDNN releases reached less: the FlashAttention-3
+# paper (Shah et al. 2024, arXiv 2407.08608, Fig. 5/6, H100, cuDNN 9.x of mid-2024) has 595 / 370 (no
+# mask) and 539 / 335 (causal) forward, 1.61x; cuDNN's own benchmark (NVIDIA/cudnn-frontend
+# benchmark/benchmark_results.csv, H200, against SDPA's FA2) 1.60-1.74x backward with 9.1.0. FA3 (H100,
+# same paper): forward 648 / 370, backward 561 / 322 against FA2. (fwd, bwd) rate multipliers; "flash"
+# = "fa2". A kernel a GPU cannot run (FA3 and cuDNN's Hopper kernels before sm90) is resolved by
+# meshplan.ir.stack.Stack.attention_kernel.
+ATTN_KERNEL_RATE = {"fa2": (1.0, 1.0), "flash": (1.0, 1.0), "cudnn": (1.84, 1.81),
                     "fa3": (1.75, 1.74), "triton": (1 / ATTN_KERNEL_SLOWDOWN["triton"],) * 2}   # measured (kernel curves)
+# Head dim 64 against 128, at the plateau (the per-call FLOPs halve, the per-tile overheads do not):
+# measured on the same H200 (32 heads of 64 at the same sequences and tokens, fitted as above): FA2
+# 0.86 / 0.90, cuDNN 0.71 / 0.79 forward / backward. Interpolated in log2(head dim) between 64 and
+# 128, held below 64 and at 1 above 128 (no measurement there). The Triton port follows FA2; FA3 is
+# priced like cuDNN, the other Hopper-native (wgmma) kernel: an assumption, not a measurement.
+ATTN_HEAD_DIM_64_RATE = {"fa2": (0.86, 0.90), "flash": (0.86, 0.90), "triton": (0.86, 0.90),
+                         "cudnn": (0.71, 0.79), "fa3": (0.71, 0.79)}                 # measured (own H200)
 
 # FlashAttention-2-class kernels reach a different share of the GEMM rate on each GPU generation:
 # FA2 is written for Ampere's mma.sync tensor-core instructions and uses none of Hopper's (wgmma,
@@ -108,52 +110,69 @@ EAGER_ATTN_STORED_BYTES_PER_SCORE = 5.0
 
 HBM_EFF = 0.80       # achieved fraction of HBM bandwidth by streaming kernels (STREAM-like copies reach 80-90% on H100) # measured range
 
-# FP8 GEMMs add quantisation of their activation input (read bf16, write fp8 + amax) per GEMM:
-# ~3 bytes per element, done in fused kernels (Transformer Engine). Derived.
-FP8_CAST_BYTES_PER_ELEMENT = 3.0
-# Weights are cast once per step, not per micro-batch: Transformer Engine quantises a weight on the
-# first micro-batch of a step and reuses the FP8 copy and its transpose for the others
-# (`is_first_microbatch`; the cache is FP8_WEIGHT_CACHE_BYTES below). Read bf16 (2) + write FP8 (1)
-# + write FP8 transpose (1) = 4 bytes per weight per step. Derived.
-FP8_WEIGHT_CAST_BYTES = 4.0
-# Per-GEMM fixed cost is larger for FP8 (scaling-factor updates, extra kernels): estimate.
-FP8_GEMM_FIXED_S = 20e-6                                                          # estimate
-
-# FP8 scaling recipes (Layout.fp8_recipe, meshplan/ir/layout.py): where the scale factors live, and so what quantising a tensor costs. A GEMM
-# operand is used by two GEMMs contracting over different axes (x by the forward over K and by the
-# weight-gradient GEMM over the tokens; the output gradient by dgrad and wgrad), so each tensor needs
-# an FP8 copy scaled along each axis. HBM bytes per element to make both (derived):
-# - "tensorwise": one scale for the whole tensor serves both layouts; Transformer Engine's fused
-#   cast-transpose reads bf16 once and writes FP8 and its FP8 transpose, the amax coming from the
-#   history of earlier steps (delayed scaling): 2 + 1 + 1 = 4. FP8_CAST_BYTES_PER_ELEMENT and
-#   FP8_WEIGHT_CAST_BYTES above are this recipe.
-# - "rowwise" (torchao Float8 rowwise; DeepSeek-style per-token scales): the forward copy is scaled
-#   per row (amax fused in the cast: read 2, write 1); the transposed copy's scales run down columns,
-#   which span every row, so they need their own amax pass and cast: read 2, then read 2 + write 1.
-#   2 + 1 + 2 + 2 + 1 = 8.
+# FP8 linears. A linear's three GEMMs (forward y = x W, input gradient dx = dy W^T, weight gradient
+# dW = x^T dy) read FP8 copies of its input x (m x k), its output gradient dy (m x n) and its weight
+# W (k x n), each in the layouts of the two GEMMs that read it. FP8_QUANT_BYTES: HBM bytes moved per
+# element of each of those tensors to make its copies, by scaling recipe (Layout.fp8_recipe,
+# meshplan/ir/layout.py), in fused kernels (Transformer Engine's, or torchao's under torch.compile;
+# eager torchao is FP8_EAGER_QUANT_BYTES below). x and dy are quantised every micro-batch
+# (roofline.fp8_cast_time); W once per step (compute.fp8_weight_cast_time, Transformer Engine's
+# weight cache, FP8_WEIGHT_CACHE_BYTES).
+# - "tensorwise" (current scaling: torchao's default, Transformer Engine's Float8CurrentScaling):
+#   one scale serves both layouts, but it needs the tensor's amax first: an amax pass reads the bf16
+#   tensor (2), the cast reads it again (2) and writes FP8 (1), the transposed copy where a GEMM needs
+#   one written by the same cast: 5 (derived). Measured by this project on an H200
+#   (benchmarks/results/gpu_rates-2026-11-27-h200.md, "FP8 linear layers": torchao float8 under
+#   torch.compile, one linear's forward + backward at Llama-3 8B shapes, 8192 tokens): the layer's time
+#   less its three GEMMs at the measured tensorwise kernel rate ("GEMMs per FP8 recipe") is 0.539 ms at
+#   gate_up (x + dy + W = 386M elements) and 0.302 ms at down (210M): 5.2 bytes per element at the
+#   model's HBM rate, plus 0.02 ms per linear (least squares over the two), so the derivation stands.
+#   (Delayed scaling, the amax taken from earlier steps, would skip the amax pass: 3; not priced apart.)
+# - "rowwise" (torchao's rowwise recipe, per-row scales in the layout each GEMM reads): each tensor is
+#   quantised along both axes; the row-scaled copy fuses its amax into the cast (read 2, write 1), the
+#   column-scaled copy's scales span every row, so it needs its own amax pass, then a cast (2 + 2 + 1):
+#   8 derived. Measured (same runs, less the tensorwise layers' 0.02 ms): 13.7 (gate_up) and 27.6
+#   (down) bytes per element, 16.5 by least squares: twice the derivation. What the other half is the
+#   data cannot split: inductor's column-wise amax reductions and the rowwise GEMMs in the transposed
+#   dgrad / wgrad shapes (only the forward shapes were timed alone) are both in it. Priced as measured.
 # - "blockwise" (DeepSeek-V3 report arXiv 2412.19437 §3.3.2: 1x128 activation tiles, 128x128 weight
-#   blocks; TE Float8BlockScaling): tiles are local, so one pass writes both copies and their fp32
-#   scales: 2 + 1 + 1 + 2 * 4/128. The weight's 128x128 block scales serve W and W^T alike.
+#   blocks; TE Float8BlockScaling): tiles are local, so one pass (amax and cast per tile) writes both
+#   copies and their fp32 scales: 2 + 1 + 1 + 2 * 4/128. The weight's 128x128 block scales serve W and
+#   W^T alike. Not measured.
 # - "mxfp8" (OCP Microscaling v1.0: 32-element blocks, one E8M0 byte each; Blackwell tensor cores apply
-#   the block scales in the MMA): one pass, both copies: 2 + 1 + 1 + 2 * 1/32.
-# The GEMM math rate is the FP8 rate in every recipe: rowwise scales are applied in the epilogue (M*N
-# multiplies), blockwise partial sums are promoted to FP32 CUDA cores every 128 of K concurrently with
-# the next WGMMAs (DeepSeek-V3 §3.3.2, about MNK/128 FMAs against MNK tensor-core FMAs), MX scales in
-# hardware.
-FP8_QUANT_BYTES = {"tensorwise": 4.0, "rowwise": 8.0, "blockwise": 4.0 + 2 * 4 / 128,
-                   "mxfp8": 4.0 + 2 / 32}                                           # derived
+#   the block scales in the MMA): one pass, both copies: 2 + 1 + 1 + 2 * 1/32. Not measured.
+# The Llama-3 8B qkv linear (8192 x 4096 x 6144) is left out of both fits: its GEMMs take only 1.1 ms
+# and the layer called alone is bound by the host (its compiled BF16 layer is 0.12 ms slower than the
+# eager one: the compiled call's guards and wrappers, which a compiled block pays once for all its
+# linears). How close the model then comes per shape: docs/cost_model_mechanisms.md ("FP8 recipes").
+FP8_QUANT_BYTES = {"tensorwise": 5.0, "rowwise": 16.5, "blockwise": 4.0 + 2 * 4 / 128,
+                   "mxfp8": 4.0 + 2 / 32}                 # tensorwise derived = measured, rowwise measured (own H200), rest derived
+# Eager torchao (Stack.fp8_impl "torchao" where the stack does not compile: Stack.compile False, or
+# meshplan's offloaded blocks): each cast is a chain of unfused PyTorch ops (abs, amax, scale, clamp,
+# convert, transpose copies), each a full pass over bf16 or fp32 intermediates, plus a kernel launch
+# each. Measured (same runs, torch.compile off): the layer's time less its three GEMMs at the kernel
+# rates, least squares over the three shapes (qkv 3.57 / 4.00 ms, gate_up 11.45 / 11.01, down 6.31 /
+# 6.93, tensorwise / rowwise), as bytes per element of x, dy and W plus a fixed time per linear
+# (forward + backward): tensorwise 110 B + 0.40 ms (about 36 element-wise launches at the 11 us one
+# launch measured on the same H200 takes), rowwise 96 B + 1.42 ms; each shape's cast time within 2% / 4%.
+# The layer ran 1.9-3.0x its BF16 time. Recipes torchao does not have are not priced eagerly.
+FP8_EAGER_QUANT_BYTES = {"tensorwise": 110.0, "rowwise": 96.0}                      # measured (own H200)
+FP8_EAGER_LINEAR_FIXED_S = {"tensorwise": 0.40e-3, "rowwise": 1.42e-3}              # measured (own H200)
+# Per-GEMM fixed cost is larger for FP8 (scaling-factor updates, extra kernels): estimate. The H200
+# layers above agree: 0.02 ms per linear beyond its GEMMs and casts, 3 x (20 - 12) us here.
+FP8_GEMM_FIXED_S = 20e-6                                                          # estimate
 # The FP8 GEMM rate each recipe's kernels reach, as a share of the tensorwise (cuBLAS) FP8 rate.
-# Rowwise: PyTorch's row-wise scaled matmul (torch._scaled_mm with per-row scales, which torchao's
-# rowwise recipe calls) runs CUTLASS kernels with the scales applied in the epilogue, slower than the
-# tensorwise cuBLAS kernel. Measured by this project on an H100 SXM (benchmarks/results/
-# gpu_suite-2026-11-24-nvidia-h100-80gb-hbm3-fp8-runtime.md; 16 layers, hidden 2048, ffn 8192,
-# 8192 tokens a step, torch.compile): the rowwise step took 0.1681 s against 0.1379 s tensorwise
-# (+21.9%); the model's quantisation bytes (FP8_QUANT_BYTES) account for 10.5 ms of the 30.2 ms
-# difference, the rest is the GEMMs' 41.6 ms at the tensorwise rate taking 61.3 ms: 0.68 of it.
-# (Published rowwise runs are 25-35% slower than tensorwise at larger shapes.) Blockwise (cuBLAS
-# 1x128 / 128x128 scaled GEMMs, DeepGEMM) and MXFP8 (scales applied by Blackwell's MMA) keep the
-# tensorwise rate: no measurement says otherwise.
-FP8_RECIPE_GEMM_RATE = {"tensorwise": 1.0, "rowwise": 0.68, "blockwise": 1.0, "mxfp8": 1.0}   # measured (own H100)
+# Measured by this project on an H200 (gpu_rates-2026-11-27-h200.md, "GEMMs per FP8 recipe":
+# torch._scaled_mm at Llama-3 8B / 70B shapes and 8192^3, 8192 tokens, use_fast_accum off as torchao
+# runs the gradient GEMMs; two runs on two H200 machines, the second adding the ~1.2B Llama's shapes):
+# rowwise (per-row scales applied in the CUTLASS kernel's epilogue) 0.90-1.06 of tensorwise, mean
+# 0.967 / 0.991 in the two runs; blockwise (1x128 activation and 128x128 weight scales, cuBLAS through
+# F.scaled_mm) 0.74-0.99, mean 0.860 / 0.838, its kernels rescaling partial sums every 128 of K.
+# (use_fast_accum adds 2-10% to either.) A rowwise training step runs well below its GEMMs'
+# rate (an H100 step +21.9% over tensorwise: gpu_suite-2026-11-24-nvidia-h100-80gb-hbm3-fp8-runtime.md)
+# because of its casts (FP8_QUANT_BYTES), not its GEMMs. MXFP8 (scales applied by Blackwell's MMA)
+# keeps the tensorwise rate: not measured.
+FP8_RECIPE_GEMM_RATE = {"tensorwise": 1.0, "rowwise": 0.98, "blockwise": 0.85, "mxfp8": 1.0}   # measured (own H200)
 # GPUs whose tensor cores take MX block scales (Blackwell, sm_100): meshplan.cluster ids
 MXFP8_GPUS = ("b200", "gb200")
 
@@ -195,7 +214,8 @@ SM_COUNT = {"ampere": 108, "hopper": 132, "blackwell": 148, "other": 0}         
 
 # ---- step-level overheads -------------------------------------------------------------------
 # Per-step fixed cost: data loading, logging, grad-norm/clip reductions, launch gaps at the
-# start and end of the step.
+# start and end of the step, for the stacks that ran the published rows (a stack that measured its
+# own says so: Stack.step_overhead_s; meshplan's runtime ~5 ms on one GPU).
 STEP_OVERHEAD_S = 0.05                                                            # estimate (GPUs; CPU processes: host.step_host_time)
 # Per-layer, per-micro-batch launch/synchronisation overhead not in any kernel (CPU launch gaps,
 # small kernels): visible when layers are tiny.
@@ -214,7 +234,7 @@ TE_EXPERT_GEMM_HOST_S = 25e-6                                                   
 # ---- memory ---------------------------------------------------------------------------------
 # (The CUDA context, NCCL buffers and allocator fragmentation are the cluster's memory_reserved_gb.)
 # Transformer Engine keeps the FP8 copy of each weight and its transpose between the micro-batches of
-# a step (cast once on the first micro-batch, see FP8_WEIGHT_CAST_BYTES): 1 + 1 bytes/param (derived).
+# a step (cast once on the first micro-batch, see compute.fp8_weight_cast_time): 1 + 1 bytes/param (derived).
 FP8_WEIGHT_CACHE_BYTES = 2
 # DeepSpeed ZeRO-3 parameter coordinator defaults (deepspeed.ai/docs/config-json, "ZeRO
 # optimizations": stage3_max_live_parameters 1e9, stage3_prefetch_bucket_size 5e8,
@@ -358,13 +378,19 @@ CPU_GRAD_NORM_DTENSOR_PARAM_S = 129e-6                                          
 # 2307.08691, §3.3); FA3's hd128 kernels use 128-row tiles.
 ATTN_TILE = 128                                                                     # derived
 # Per-CTA work outside the inner loop (load Q, write O + log-sum-exp, pipeline fill and drain), in
-# inner-loop iterations: least squares of attention.call_efficiency (each curve scaled by its own
-# plateau) against the three forward / two backward curves above jointly: 1.25 fits them to 2.9%
-# mean error (FA2 alone 0.75-1, FA3 alone 1.5-2), the backward's 2.5 to 2.6% (FA2 2, FA3 3: its dQ
-# accumulation and dK/dV epilogues weigh more). The causal curves follow from the same constants
-# through the diagonal tiles and the short CTAs near the diagonal.
-ATTN_CTA_FIXED_TILES_FWD = 1.25                                                     # fitted (to the kernel curves)
-ATTN_CTA_FIXED_TILES_BWD = 2.5                                                      # fitted (to the kernel curves)
+# inner-loop iterations (forward, backward), per kernel. FA3: least squares of attention.call_efficiency
+# (each curve scaled by its own plateau) against the paper's curves above: 1.25 / 2.5 (2.9% / 2.6% mean
+# error). FlashAttention-2 and cuDNN as PyTorch runs them, from this project's H200 curves
+# (gpu_rates-2026-11-27-h200.md, head dims 64 and 128, causal and not): 2.0 / 4.0 fit both kernels to
+# 2-3% mean error at head dim 128 (FA2 alone 1.75 / 4.0, cuDNN 2.0 / 4.25); the backward's dQ
+# accumulation and dK/dV epilogues weigh more.
+ATTN_CTA_FIXED_TILES = {"fa3": (1.25, 2.5), "fa2": (2.0, 4.0), "flash": (2.0, 4.0), "cudnn": (2.0, 4.0),
+                        "triton": (2.0, 4.0)}                                       # fitted (to the kernel curves)
+# Kernels whose causal forward issues its unequal CTAs longest first: FA3's persistent tile scheduler.
+# FA2 and cuDNN launch them in grid order, the longest query rows of the last (sequence, head) last,
+# which then run their whole length after the rest: the measured causal/no-mask forward ratio at 16k
+# is 0.89 (FA2) and 0.92 (cuDNN) on the H200 and recovers to 0.98 at 64k, as that tail predicts.
+ATTN_LPT_KERNELS = ("fa3",)                                                         # measured (own H200)
 # Launch + prologue of one attention kernel; FA2's backward runs three (softmax-gradient
 # preprocessing dot(dO, O), the main dQ/dK/dV loop, the fp32 dQ conversion: flash_bwd_launch_template.h).
 ATTN_KERNEL_FIXED_S = 5e-6                                                          # estimate
@@ -389,8 +415,6 @@ class Fitted:
     cost cache keys on it."""
 
     training_gemm_eff: float = TRAINING_GEMM_EFF
-    attn_fwd_eff: float = ATTN_FWD_EFF
-    attn_bwd_eff: float = ATTN_BWD_EFF
     dp_overlap_eff: float = DP_OVERLAP_EFF
     fsdp_overlap_eff: float = FSDP_OVERLAP_EFF
     tp_overlap_hidden: float = TP_OVERLAP_HIDDEN

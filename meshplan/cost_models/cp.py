@@ -3,14 +3,29 @@ their communication (total and exposed) and the K/V a gathering implementation k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.attention import AttnShape, layer_calls
 from meshplan.cost_models.comm import collective_time, p2p_time
 from meshplan.cost_models.compute import elementwise_time
 from meshplan.cost_models.context import Context
+from meshplan.cost_models.device import device_of
 from meshplan.ir.profile import BlockProfile
 
-__all__ = ["cp_comm_type", "cp_comm", "cp_kv_gathered_bytes", "attention_shape", "torch_cp_merge"]
+__all__ = [
+    "RingTensors",
+    "RingWork",
+    "attention_shape",
+    "cp_comm",
+    "cp_comm_type",
+    "cp_kv_gathered_bytes",
+    "ring_tensors",
+    "ring_work_time",
+    "torch_cp_merge",
+    "torch_ring_backward",
+    "torch_ring_forward",
+]
 
 
 def cp_comm_type(layout) -> str:
@@ -83,10 +98,12 @@ def attention_shape(b: BlockProfile, c: Context) -> AttnShape:
     """The flash-attention calls one GPU runs for one layer and micro-batch: mbs sequences x the
     query heads of this TP rank, split by the layout's CP implementation (attention.layer_calls)."""
     L = c.layout
+    hd = b.head_dim or 128
     if runs_dense_band(b, c):
-        return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=False, cp=L.cp, cp_kind=cp_comm_type(L))
+        return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=False, cp=L.cp, cp_kind=cp_comm_type(L),
+                           head_dim=hd)
     return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=b.causal, cp=L.cp, cp_kind=cp_comm_type(L),
-                       window=b.attn_window)
+                       window=b.attn_window, head_dim=hd)
 
 
 def runs_dense_band(b: BlockProfile, c: Context) -> bool:
@@ -96,15 +113,171 @@ def runs_dense_band(b: BlockProfile, c: Context) -> bool:
     return bool(b.attn_window) and c.stack.runtime_checks
 
 
-def torch_cp_merge(b: BlockProfile, c: Context) -> tuple[float, float]:
-    """PyTorch's context_parallel merges each chunk pair's SDPA output into the running output with
-    the log-sum-exp rule in separate element-wise kernels (torch.distributed.tensor.experimental.
-    _attention, _SDPAMerger: fp32 output and log-sum-exp read, the block's bf16 output read, fp32
-    output written), once per ring step, and its backward accumulates dQ / dK / dV per step the same
-    way: (forward, backward) seconds for the cp steps of one layer (derived)."""
-    L = c.layout
-    per_step = (K.FP32 + K.BF16 + K.FP32) * b.q_dim / L.tp * c.tokens + 2 * K.FP32 * b.heads / L.tp * c.tokens
-    fwd = L.cp * elementwise_time(per_step, c.cluster)
-    grads = (2 * K.FP32) * (b.q_dim + 2 * b.kv_dim) / L.tp * c.tokens     # read + write the fp32 accumulators
-    return fwd, L.cp * elementwise_time(grads, c.cluster)
+# ---- PyTorch's ring attention (torch.distributed.tensor.experimental.context_parallel) ------------
+# What the torch stack's CP runs around its attention calls, counted from torch's source
+# (torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch 2.11-2.13):
+# `_templated_ring_attention` (forward), `_templated_ring_attention_backward`, `_SDPAMerger`
+# (`step`, `_merge_one`, `results`) and `_partial_update`. Each torch op there is one element-wise
+# kernel when it runs eagerly. Under torch.compile (the stack's `compile`) the ring is traced into the
+# block's graph: torchtitan compiles each block with fullgraph=True (apply_compile), which admits no
+# graph break, and the ring's DTensor dispatch and functional collectives trace; Inductor fuses each
+# step's chain into one pass per output and drops the copies whose result is unused. Counts are for the rank that finishes last. A rank r of the load-balanced ring
+# takes the whole-query branch (`i <= rank`: all its queries against the first half of the K/V
+# chunk) at r of its steps and the half-query branch (`_partial_update` of the second half of its
+# output, two torch.cat) at the others; a layer's forward has no per-step synchronisation (the
+# default rotater all-gathers K/V once), so the last rank to finish is rank cp-1 or rank 0 and pays
+# the costlier branch at every step; the backward exchanges dK/dV by an all-to-all at every step, so
+# each step costs the costlier branch too. `RingWork.most` takes the larger bytes and the larger
+# kernel count of the two branches (the whole-query one has more bytes, the half-query one 2 more
+# kernels), at most 2 kernels per step above either branch.
+#
+# Checked on an H200 (torch 2.11, 16 heads x 128, one step of torch's own code on flash-shaped blocks,
+# CUDA events, median of 20; benchmarks/cp_merge_probe.py, three runs on two machines in
+# benchmarks/results/cp_merge_probe-2026-11-27-h200.md). Kernel counts match the profiler's: 9 per
+# whole-query merge, 11 per half-query merge, 7 per whole-query backward step, 2 per compiled merge.
+# GPU-bound (16k tokens per rank, every run; 8k and 4k on the first machine), the whole-query merge
+# measured 0.451 / 0.246 / 0.146 ms at 16k / 8k / 4k, predicted 0.399 / 0.231 / 0.147 (-12% / -6% /
+# +1%); a line through those points gives 3.17 TB/s for the 38.4 bytes per output element and 4.8 us
+# per kernel. On the second machine the 8k and 4k steps were host-bound (0.28 / 0.23-0.26 ms: ~25 us
+# per op of Python and launch), which the fixed 7 us per kernel does not reach; training shapes (32k
+# tokens per rank x 4096 wide is 8x the 16k row) keep the GPU busy. Half-query merge at 16k: 0.395-0.416
+# measured, 0.315 predicted (its torch.cat of strided halves streams slower). Backward step at 16k:
+# 0.841-0.865 measured, 0.573 predicted (-33%: flash returns dK/dV as transposed views, and their adds
+# into the contiguous fp32 accumulators read across strides). Compiled merge at 16k: 0.130-0.209 ms
+# measured (one compiled call per step: Inductor's wrapper host time included), 0.102 predicted.
+# gpu_rates' own merge (benchmarks/gpu_rates.py `_lse_merge`, its "merge per step" column:
+# 0.467 / 0.265 / 0.165 ms) is a cousin of torch's, not the same code: 34 bytes per output element in
+# 9 kernels (sigmoid weight, fp32 copy of the block, two broadcast multiplies by the [.., tokens, 1]
+# weight, an add, logaddexp) against torch's 38 in 9 (fp32 copy, difference, one broadcast multiply,
+# subtraction); the same formula gives it 0.364 / 0.213 / 0.138 ms (-22% / -19% / -16%): its second
+# broadcast multiply runs below the streaming rate that torch's contiguous differences reach.
 
+
+@dataclass(frozen=True)
+class RingTensors:
+    """Elements of the tensors of one layer and micro-batch on one rank that PyTorch's ring touches.
+    K and V are at the query heads: torchtitan repeats the K/V heads before SDPA (repeat_kv in its
+    Llama attention), and the ring and its gradients see those repeated tensors."""
+
+    out: float       # attention output (and its gradient): tokens x heads x v_head_dim
+    q: float         # query (and dQ)
+    k: float         # keys as SDPA gets them (and dK)
+    v: float         # values (and dV)
+    lse: float       # log-sum-exp rows: tokens x heads
+
+    def __post_init__(self):
+        bad = {f: getattr(self, f) for f in ("out", "q", "k", "v", "lse") if getattr(self, f) < 0}
+        if bad:
+            raise ValueError(f"RingTensors element counts must be >= 0, got {bad}")
+
+
+@dataclass(frozen=True)
+class RingWork:
+    """Element-wise work beside the attention kernels: HBM bytes read + written, kernels launched."""
+
+    nbytes: float = 0.0
+    kernels: int = 0
+
+    def __add__(self, other: RingWork) -> RingWork:
+        return RingWork(self.nbytes + other.nbytes, self.kernels + other.kernels)
+
+    def times(self, n: int) -> RingWork:
+        return RingWork(self.nbytes * n, self.kernels * n)
+
+    def most(self, other: RingWork) -> RingWork:
+        """The larger of two branches, bytes and kernels each (ranks taking either wait for both)."""
+        return RingWork(max(self.nbytes, other.nbytes), max(self.kernels, other.kernels))
+
+
+_F, _H = K.FP32, K.BF16
+_ACC = _F + _H + _F          # fp32 accumulator += bf16 block: read both, write the fp32
+
+
+def _merge_step(t: RingTensors, compiled: bool) -> RingWork:
+    """`_SDPAMerger.step` on a block of t.out output elements: `out.to(float32)`, then
+    out = out - sigmoid(block_lse - lse) * (out - block_out); lse = lse - logsigmoid(lse - block_lse)
+    (the block's fp32 copy; the difference, the broadcast product and the subtraction over the output;
+    two differences, a sigmoid, a logsigmoid and a subtraction over the LSE rows)."""
+    if compiled:     # one pass over the output (read running fp32 + bf16 block, write fp32), one over the LSE
+        return RingWork((_F + _H + _F) * t.out + 3 * _F * t.lse, 2)
+    out = (_H + _F) * t.out + 3 * _F * t.out + (2 * _F * t.out + _F * t.lse) + 3 * _F * t.out
+    lse = (3 * 3 + 2 * 2) * _F * t.lse
+    return RingWork(out + lse, 9)
+
+
+def torch_ring_forward(t: RingTensors, cp: int, *, compiled: bool) -> RingWork:
+    """Element-wise work of one layer's ring-attention forward on the last rank to finish."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if cp == 1:
+        return RingWork()
+    kv_copy = RingWork(2 * _H * (t.k + t.v), 1)       # K/V made contiguous / packed for the all-gather
+    if compiled:     # casts fused into the merges, dead packs dropped (the half-query branch: 9 bytes of the 10)
+        return kv_copy + _merge_step(t, compiled).times(cp - 1)
+    half = RingTensors(out=t.out / 2, q=t.q / 2, k=t.k, v=t.v, lse=t.lse / 2)
+    # the half-query branch merges half the rows, then torch.cat rebuilds the fp32 output and the LSE
+    rebuild = RingWork(2 * _F * (t.out + t.lse), 2)
+    merges = _merge_step(t, compiled).most(_merge_step(half, compiled) + rebuild).times(cp - 1)
+    contiguous = RingWork(2 * _H * (t.k + t.v), 2)     # key.contiguous(), value.contiguous()
+    casts = RingWork(2 * (_H + _F) * t.out, 2)         # step 0's output to fp32; results() back to bf16
+    # torch.cat([key.flatten(), value.flatten()]) at every step but the last: the all-gather rotater
+    # sends only the first, the later ones are built and dropped
+    packs = RingWork(2 * _H * (t.k + t.v), 1).times(cp - 1)
+    return contiguous + casts + packs + merges
+
+
+def torch_ring_backward(t: RingTensors, cp: int, *, compiled: bool) -> RingWork:
+    """Element-wise work of one layer's ring-attention backward: fp32 dQ/dK/dV accumulators, the
+    per-step dK/dV packing for the all-to-all, the load-balance halves (`_partial_update`: an
+    in-place add on one half, then a torch.cat of both halves), the final casts to bf16."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if cp == 1:
+        return RingWork()
+    kv, q = t.k + t.v, t.q
+    if compiled:
+        once = RingWork(2 * _H * kv, 1) + RingWork((_F + _H) * kv, 1)       # K/V copy; received dK/dV to bf16
+        first = RingWork((_H + _F) * (q + kv), 2)                          # accumulators born from the bf16 grads
+        # i <= rank: received dK/dV + the block's first half, written into the send buffer; dQ +=
+        whole_q = RingWork((2 * _F + _H / 2) * kv + _ACC * q, 2)
+        # i > rank: dK/dV += into the send buffer; dQ's second half updated, first half copied; lse half
+        half_q = RingWork((2 * _F + _H) * kv + (_F + _ACC / 2) * q + 2 * _F * t.lse / 2, 3)
+        return once + first + whole_q.most(half_q).times(cp - 1)
+    zeros = RingWork(_F * (q + kv), 3)                                    # zeros_like in fp32, x3
+    contiguous = RingWork(2 * _H * kv, 2)
+    casts = RingWork((_F + _H) * (q + kv), 2)                              # dQ and the last dK/dV to bf16
+    packs = RingWork(2 * _H * kv, 1).times(cp - 1)                         # K/V cat, as in the forward
+    send = RingWork(2 * _F * kv, 1)                                        # cat of fp32 dK, dV every step
+    first = RingWork(_ACC * (kv + q), 3) + send
+    half_add = _ACC / 2 + 2 * _F                                           # add into one half, cat both
+    whole_q = RingWork(half_add * kv, 4) + RingWork(_ACC * q, 1) + send
+    half_q = RingWork(_ACC * kv, 2) + RingWork(half_add * q, 2) + RingWork(2 * _F * t.lse / 2, 1) + send
+    return zeros + contiguous + casts + packs + first + whole_q.most(half_q).times(cp - 1)
+
+
+def ring_tensors(b: BlockProfile, c: Context) -> RingTensors:
+    """The ring's tensors for block `b` on one rank (c.tokens: mbs x seq / cp), this TP rank's heads."""
+    n = c.tokens / c.layout.tp
+    return RingTensors(out=n * b.o_dim, q=n * b.q_dim, k=n * b.q_dim, v=n * b.o_dim, lse=n * b.heads)
+
+
+def ring_work_time(w: RingWork, cluster) -> float:
+    """Seconds of element-wise ring work: its bytes at the streaming rate plus each kernel's fixed
+    cost (constants.HOST_LAUNCH_S: the merge probe's intercept is 4.8 us per kernel for torch's merge
+    and 7.1 us for gpu_rates' one; gpu_rates "Host costs" reads 11 us of host per eager launch, which
+    a busy GPU hides behind the attention kernels)."""
+    return elementwise_time(w.nbytes, cluster) + w.kernels * K.HOST_LAUNCH_S
+
+
+def torch_cp_merge(b: BlockProfile, c: Context) -> tuple[float, float]:
+    """(forward, backward) seconds PyTorch's context_parallel adds to one layer's attention on one
+    rank beyond the attention kernels: the log-sum-exp merges, the fp32 gradient accumulators and
+    the copies of the load-balanced ring (torch_ring_forward / torch_ring_backward), eager or
+    compiled as the stack runs the model."""
+    if c.layout.cp == 1 or not b.heads:
+        return 0.0, 0.0
+    t = ring_tensors(b, c)
+    compiled = device_of(c.cluster).runs_compile(c.stack)
+    fwd = torch_ring_forward(t, c.layout.cp, compiled=compiled)
+    bwd = torch_ring_backward(t, c.layout.cp, compiled=compiled)
+    return ring_work_time(fwd, c.cluster), ring_work_time(bwd, c.cluster)

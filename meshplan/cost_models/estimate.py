@@ -208,14 +208,15 @@ def _activation_bytes(w: RankWork, r: int, profile: ModelProfile, L: Layout, m: 
 
 def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
                  fp8: bool, pp_deferred: bool = False, grad_store: float | None = None,
-                 fp8_primary: bool = False) -> dict[str, float]:
+                 fp8_primary: bool = False, stack: Stack | None = None) -> dict[str, float]:
     """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
     keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
     reduce-scatter. grad_store: bytes per held gradient (memory.grad_store_bytes; None: the
     reduction's dtype). fp8_primary: the stack keeps the parameters themselves in FP8
-    (Stack.fp8_param_gather), so the FP8 copies replace the BF16 working weights."""
+    (Stack.fp8_param_gather), so the FP8 copies replace the BF16 working weights. stack: the
+    optimizer's main copy of the weights (memory.master_bytes; None: fp32)."""
     shard = L.shard
-    gb, ob = grad_bytes(L), optimizer_bytes(L)    # fp32 master + Adam moments in L.optimizer_dtype
+    gb, ob = grad_bytes(L), optimizer_bytes(L, stack)    # main weights + Adam moments in L.optimizer_dtype
     gs = gb if grad_store is None else grad_store
     sd = state_bytes(w.dparams, shard, L.zero, grad_bytes=gs, optimizer_bytes=ob)
     se = state_bytes(w.eparams, L.edp, L.zero, grad_bytes=gs, optimizer_bytes=ob)
@@ -233,7 +234,7 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         mem["gradients"] += K.PARAM_BYTES * (w.dparams + w.eparams) - sd["gradients"] - se["gradients"]
     mem["activations"] = _activation_bytes(w, r, profile, L, m, tokens)
     if L.optimizer == "muon":       # AdamW's part, and the step's buffers (cost_models/muon.py)
-        for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L),
+        for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L, stack),
                                          activations=mem["activations"]).items():
             mem[k] = mem.get(k, 0.0) + extra
     # the FP8 weight copies kept between micro-batches: the layers' (the embedding and output layer run BF16)
@@ -339,7 +340,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         if w.twin is None:
             mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred,
                                            grad_store_bytes(L, stack),
-                                           fp8_primary=L.fp8_recipe in stack.fp8_param_gather))
+                                           fp8_primary=L.fp8_recipe in stack.fp8_param_gather, stack=stack))
         else:       # a twin holds what its twin holds but for the micro-batches in flight
             mem_stages.append(dict(mem_stages[w.twin],
                                    activations=_activation_bytes(w, r, profile, L, m, ctx.tokens) / GB))
@@ -347,7 +348,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         offload_memory(mem_stages, off, GB, frees_device_memory(cluster))
     # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
-    overhead = dev.step_overhead(profile, cluster, L, ranks)
+    overhead = dev.step_overhead(profile, cluster, L, ranks, stack)
     step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead
     w = ranks[slow]
     time_s = {"compute": m * w.parts["compute"], "tp": m * w.parts["tp"], "cp": m * w.parts["cp"],

@@ -7,7 +7,7 @@ published runs (cost_models.validation)."""
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.attention import AttnShape, generation_rate, shape_penalty, sm_count
+from meshplan.cost_models.attention import AttnShape, generation_rate, head_dim_rate, shape_penalty, sm_count
 from meshplan.cost_models.roofline import fp8_cast_time, gemm_roofline, hbm_rate, matmul_rate
 from meshplan.cost_models.pipeline import pipeline_time_lower_bound
 
@@ -40,27 +40,33 @@ class GpuDevice:
         cost are paid on the real rows and once per kernel."""
         padded = -(-rows // K.GEMM_TILE_M) * K.GEMM_TILE_M if rows >= 1 else K.GEMM_TILE_M
         one = gemm_roofline(rows, n, k, cluster, fp8=fp8, math_rows=padded, fitted=fitted, recipe=recipe)
-        extra = fp8_cast_time(rows * k, cluster, recipe) if fp8 else 0.0
+        extra = fp8_cast_time(rows, n, k, cluster, recipe) if fp8 else 0.0
         return groups * (one + extra) + self.gemm_fixed_s(cluster, fp8)
 
     def attention_time(self, flops_fwd: float, cluster, *, backward: bool, kernel: str, shape: AttnShape | None,
                        fitted: K.Fitted) -> float:
-        """The attention kernel `kernel` (constants.ATTN_KERNEL_RATE) at its plateau efficiency of
-        the GEMM rate, divided by `shape`'s penalty (attention.shape_penalty), plus a fixed cost per
-        kernel launched; without `shape`, the plateau rate alone."""
+        """The attention kernel `kernel` at its plateau share of the MAMF (FlashAttention-2's
+        constants.ATTN_FWD_EFF / ATTN_BWD_EFF times the kernel's ATTN_KERNEL_RATE, the GPU
+        generation's and the head dim's rate), slowed in a step as the GEMMs are
+        (training_gemm_eff, inside matmul_rate), divided by `shape`'s penalty
+        (attention.shape_penalty), plus a fixed cost per kernel launched; without `shape`, the
+        plateau rate at head dim 128 alone."""
         try:
             speed = K.ATTN_KERNEL_RATE[kernel][1 if backward else 0]
         except KeyError:
             raise ValueError(f"unknown attention kernel {kernel!r}; known: {sorted(K.ATTN_KERNEL_RATE)}") from None
         rate = matmul_rate(cluster, False, fitted) * speed * generation_rate(cluster.gpu.id, backward=backward)
+        if shape is not None:
+            rate *= head_dim_rate(kernel, shape.head_dim, backward=backward)
         if backward:
-            t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * fitted.attn_bwd_eff)
+            t = flops_fwd * K.ATTN_BWD_FLOP_RATIO / (rate * K.ATTN_BWD_EFF)
         else:
-            t = flops_fwd / (rate * fitted.attn_fwd_eff)
+            t = flops_fwd / (rate * K.ATTN_FWD_EFF)
         if shape is None:
             return t
         launches = shape.kernels * (K.ATTN_BWD_KERNELS if backward else 1)
-        return t * shape_penalty(shape, sm_count(cluster), backward=backward) + launches * K.ATTN_KERNEL_FIXED_S
+        return t * shape_penalty(shape, sm_count(cluster), backward=backward, kernel=kernel) + \
+            launches * K.ATTN_KERNEL_FIXED_S
 
     def elementwise_time(self, nbytes: float, cluster) -> float:
         return nbytes / hbm_rate(cluster)
@@ -128,8 +134,9 @@ class GpuDevice:
     def pp_host_time(self, layout, cluster, m: int) -> float:
         return 0.0
 
-    def step_overhead(self, profile, cluster, layout, ranks) -> float:
-        return K.STEP_OVERHEAD_S
+    def step_overhead(self, profile, cluster, layout, ranks, stack) -> float:
+        """The step's fixed cost beyond its kernels: the stack's where known (Stack.step_overhead_s)."""
+        return K.STEP_OVERHEAD_S if stack.step_overhead_s is None else stack.step_overhead_s
 
 
 GPU = GpuDevice()

@@ -398,7 +398,7 @@ class CpuHostDevice:
     def pp_host_time(self, layout, cluster, m: int) -> float:
         return pp_host_time(layout, cluster, m)
 
-    def step_overhead(self, profile, cluster, layout, ranks) -> float:
+    def step_overhead(self, profile, cluster, layout, ranks, stack) -> float:
         """The slowest pipeline rank's measured host pieces per step (step_host_time): the
         optimizer's and the gradient norm's per-parameter loops, Partial-gradient all-reduces, the
         FSDP units, and the loss and norm all-reduces over every rank (data loading is outside the

@@ -70,7 +70,9 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     norm inputs and the two GEMM inputs that TP does not shard (8h, divided by tp under SP),
     Q/K/V and attention output (4h_q + 4h_kv), fp32 log-sum-exp (4 bytes/head), MLP
     intermediates (6f gated / 4f GELU), MoE copies; FP8 stores linear inputs in 1 byte.
-    policy: "none" | "selective" (core attention + activation function recomputed) | "full" |
+    policy: "none" | "selective" (core attention recomputed, Korthikanti's; with Stack.selective_sac
+    meshplan's op-level checkpointing, which also re-runs the norms, the activation and the output
+    projection) | "full" |
     "norm_act" (Megatron-Core --recompute-granularity selective --recompute-modules layernorm moe_act:
     the two norms' outputs and the routed experts' activation outputs are recomputed, not stored) |
     "norm_moe" (--recompute-modules layernorm moe: the norms' outputs and everything inside the MoE
@@ -106,9 +108,11 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
         # mla_up rebuilds latent attention's Q, K, V in backward (Megatron's CheckpointWithoutOutput
         # frees them once attention's forward has run)
         qkv = 0 if policy == MLA_UP and b.latent_dim else b.q_dim + b.kv_dim + b.v_dim
-        shard += K.BF16 * (qkv + (0 if sac else b.o_dim))     # SAC re-runs the attention core
-        if policy != "selective":
-            shard += K.BF16 * b.o_dim * half + K.FP32 * b.heads    # attn output (out-proj input) + LSE
+        shard += K.BF16 * qkv
+        if not sac:       # SAC re-runs the output projection; TE's FP8 Linear keeps its input in FP8
+            shard += K.BF16 * b.o_dim * half
+        if policy != "selective":       # the flash kernel's own saved output + LSE (selective re-runs it)
+            shard += K.BF16 * b.o_dim + K.FP32 * b.heads
         # MLA: the down-projections' outputs and the normed latents, whole on every TP rank
         per_token_latent = 2 * K.BF16 * b.latent_dim
     else:
@@ -116,7 +120,9 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
     f_mult_store = 3 if b.gated else 2            # gated: gate, up, act-out; GELU: fc1-out, act-out
     if b.ffn_hidden and policy != MLA_UP:         # mla_up re-runs a dense MLP from its (kept) input
         f = b.ffn_hidden
-        store = K.BF16 * f * (f_mult_store - 1) + (0 if policy == "selective" else K.BF16 * f * half)
+        # the activation's output (FC2's input) is re-run only by SAC: Korthikanti's and Megatron-Core's
+        # selective (recompute_modules core_attn) keep it
+        store = K.BF16 * f * (f_mult_store - 1) + (0 if sac else K.BF16 * f * half)
         shard += store
     per_token = rep + shard / tp + per_token_latent
     if b.is_moe and policy != NORM_MOE:           # NORM_MOE keeps only the MoE layer's input (norm_out's)
@@ -201,7 +207,8 @@ def _gemms(b: BlockProfile, c: Context) -> tuple[float, float]:
         elif li.role in ("expert_in", "expert_out"):
             t = grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe, fitted=c.fitted)
         else:
-            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe, fitted=c.fitted)
+            t = gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe, stack=c.stack,
+                          fitted=c.fitted)
         fwd += t
         wgrad += t
     return fwd, wgrad
@@ -348,7 +355,8 @@ def _moe_forward(b: BlockProfile, c: Context) -> float:
                 t += grouped_gemm_time(rows, n, k, c.cluster, groups=count, fp8=fp8, recipe=c.fp8_recipe,
                                        fitted=c.fitted)
             else:
-                t += gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe, fitted=c.fitted)
+                t += gemm_time(rows, n, k, c.cluster, fp8=fp8, count=li.count, recipe=c.fp8_recipe, stack=c.stack,
+                               fitted=c.fitted)
     L = c.layout
     act_passes = 3 if b.gated else 2
     tok = c.tokens / (L.tp if L.sp else 1) * moe_load_factor(b, c)
@@ -366,7 +374,7 @@ def _mla_up_recompute(b: BlockProfile, c: Context) -> float:
         if (mla and li.role == "attn_qkv") or (b.ffn_hidden and li.role in ("mlp_in", "mlp_out")):
             rows, n, k, count, _ = gemm_shape(li, c)
             t += gemm_time(rows, n, k, c.cluster, fp8=is_fp8_linear(li, c), count=li.count, recipe=c.fp8_recipe,
-                           fitted=c.fitted)
+                           stack=c.stack, fitted=c.fitted)
     L = c.layout
     nbytes = 0.0
     if mla:    # rotary on the rebuilt Q and K (read and write)
@@ -425,7 +433,7 @@ def _sac_extra_recompute(b: BlockProfile, c: Context) -> float:
         if li.role == "attn_out":
             rows, n, k, count, _ = gemm_shape(li, c)
             t += gemm_time(rows, n, k, c.cluster, fp8=is_fp8_linear(li, c), count=li.count, recipe=c.fp8_recipe,
-                           fitted=c.fitted)
+                           stack=c.stack, fitted=c.fitted)
     L = c.layout
     norms = 2 * 2 * K.BF16 * b.hidden * c.tokens / (L.tp if L.sp else 1)    # two norms: read, write
     return t + elementwise_time(norms, c.cluster)

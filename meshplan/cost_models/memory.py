@@ -8,10 +8,14 @@ Bytes per parameter with bf16 weights, fp32 main gradients and fp32 Adam (master
 where d is the data-parallel group the optimizer is sharded over (dp*cp for dense weights, the
 expert-data-parallel degree for experts).
 
-Optimizer state by `Layout.optimizer_dtype` (the dtype of Adam's m and v; master weights stay fp32):
-  "fp32"  4 + 4 + 4 = 12 bytes per parameter (K.OPTIMIZER_BYTES; Megatron-LM's default)
-  "bf16"  4 + 2 + 2 =  8 bytes per parameter (Transformer Engine FusedAdam with
-          exp_avg_dtype=exp_avg_sq_dtype=bf16; Megatron-Core --exp-avg-dtype/--exp-avg-sq-dtype bf16)
+Optimizer state by `Layout.optimizer_dtype` (the dtype of Adam's m and v) and the stack's main copy
+of the weights (`Stack.master_weights`, master_bytes):
+                                        master_weights="fp32"    master_weights="remainders"
+  "fp32"  m, v fp32                     4 + 4 + 4 = 12           2 + 4 + 4 = 10
+  "bf16"  m, v bf16                     4 + 2 + 2 =  8           0 + 2 + 2 =  4
+"fp32" is Megatron-LM's distributed optimizer (K.OPTIMIZER_BYTES) and Transformer Engine's FusedAdam
+(exp_avg_dtype=exp_avg_sq_dtype=bf16 for the "bf16" row; Megatron-Core --exp-avg-dtype/--exp-avg-sq-dtype
+bf16). "remainders" is Apex's DistributedFusedAdam under NeMo 1.x (master_bytes).
 With `Layout.optimizer="muon"` the hidden matrices hold fp32 master + momentum, 4 + 4 = 8 bytes per
 parameter, and the embedding, head and final norm keep AdamW's bytes (cost_models/muon.py, which
 also prices the step's transient buffers).
@@ -22,25 +26,40 @@ from __future__ import annotations
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.muon import MUON_MATRIX_BYTES
 
-__all__ = ["fp8_copies_held", "state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
+__all__ = ["master_bytes", "fp8_copies_held", "state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
-# master weights (always fp32) + Adam's two moments in the layout's optimizer_dtype
-_MASTER_BYTES = K.FP32
+# Adam's two moments in the layout's optimizer_dtype
 _MOMENT_BYTES = {"fp32": K.FP32, "bf16": K.BF16}
 
 
-def adam_bytes(layout) -> float:
-    """AdamW's bytes per parameter: fp32 master weights + m and v in layout.optimizer_dtype."""
+def master_bytes(layout, stack=None) -> float:
+    """Bytes per parameter of the optimizer's main copy of the bf16 weights (Stack.master_weights;
+    None: a full fp32 copy).
+
+    "remainders" is NVIDIA/apex DistributedFusedAdam (apex/contrib/optimizers/
+    distributed_fused_adam.py, StateBucket: params_shard in the state dtype only with store_params,
+    param_remainders_shard int16 only with store_param_remainders, exp_avg/exp_avg_sq in the state
+    dtype) as NeMo 1.x sets it up for a bf16 model (megatron_base_model.py setup_optimization, v1.23
+    through v2.0: state dtype = optim.dtype, default fp32; equal to the model's dtype -> store_params
+    False; fp32 state over a bf16 model -> store_param_remainders, the 16 bits a bf16 parameter lacks
+    of its fp32 value). So 2 bytes with fp32 moments, none with bf16 moments."""
+    if getattr(stack, "master_weights", "fp32") == "remainders":
+        return K.BF16 if getattr(layout, "optimizer_dtype", "fp32") == "fp32" else 0.0
+    return K.FP32
+
+
+def adam_bytes(layout, stack=None) -> float:
+    """AdamW's bytes per parameter: the main weights (master_bytes) + m and v in layout.optimizer_dtype."""
     dtype = getattr(layout, "optimizer_dtype", "fp32")
-    return _MASTER_BYTES + 2 * _MOMENT_BYTES[dtype]
+    return master_bytes(layout, stack) + 2 * _MOMENT_BYTES[dtype]
 
 
-def optimizer_bytes(layout) -> float:
+def optimizer_bytes(layout, stack=None) -> float:
     """Optimizer bytes per parameter: AdamW's (adam_bytes), or with layout.optimizer="muon" the
     hidden matrices' fp32 master + momentum (cost_models/muon.py, which adds the AdamW part back)."""
     if getattr(layout, "optimizer", "adamw") == "muon":
         return MUON_MATRIX_BYTES
-    return adam_bytes(layout)
+    return adam_bytes(layout, stack)
 
 
 def state_bytes(params: float, shard: int, zero: int, *, grad_bytes: float = K.GRAD_BYTES,

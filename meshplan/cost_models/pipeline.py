@@ -59,8 +59,13 @@ def in_flight(schedule: str, m: int, p: int, vp: int, rank: int) -> float:
     (all of the rank's layers for one micro-batch)."""
     if schedule == "gpipe":
         return float(m)
-    base = float(min(m, p - rank))
-    if schedule == "interleaved":
-        # Megatron: the first stage holds p micro-batches of its layers x (1 + (p-1)/(p*v))
-        return base * (1 + (p - 1 - rank) / (p * vp))
-    return base
+    if schedule == "interleaved" and vp > 1:
+        # Megatron-Core's interleaved 1F1B (pipeline_parallel/schedules.py,
+        # forward_backward_pipelining_with_interleaving; torch.distributed.pipelining's Interleaved1F1B
+        # counts alike) runs (p - rank - 1) * 2 + (vp - 1) * p chunk forwards before its first backward
+        # and one more in step with it; every chunk's forward when m == p. Each chunk is 1/vp of the
+        # rank's layers. On rank 0 that is Korthikanti's p * (1 + (p-1)/(p*vp)); the last rank still
+        # holds (vp - 1) * p + 1 chunks, close to p micro-batches, not 1F1B's one.
+        warmup = (p - rank - 1) * 2 + (vp - 1) * p
+        return float(m) if m == p else min(warmup + 1, m * vp) / vp
+    return float(min(m, p - rank))

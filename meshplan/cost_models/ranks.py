@@ -326,7 +326,7 @@ def rank_work(profile: ModelProfile, table: LayerTable, ctx: Context, layers: li
     L = ctx.layout
     w = RankWork(layers=list(layers))
     fwd, bwd, fp8_w = _add_layers(w, table, L)
-    w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster, ctx.fp8_recipe)
+    w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster, ctx.fp8_recipe, ctx.stack)
     ef, eb = _add_edges(w, profile, ctx, r, p)
     if r == p - 1:
         mf, mb = _add_mtp(w, profile, table, ctx)

@@ -8,7 +8,12 @@ from meshplan.cost_models import constants as K
 from meshplan.errors import ConfigError
 from meshplan.ir.layout import FP8_RECIPES
 
-__all__ = ["matmul_rate", "hbm_rate", "fp8_recipe_factor", "gemm_roofline", "fp8_cast_time"]
+__all__ = ["matmul_rate", "hbm_rate", "fp8_recipe_factor", "fp8_quant_bytes", "gemm_roofline", "fp8_cast_time"]
+
+
+# the GEMMs one linear runs per micro-batch (forward, input gradient, weight gradient), each of which
+# the cost model prices at the forward's shape (cost_models.layer: backward = 2 x forward GEMMs)
+_GEMMS_PER_LINEAR = 3
 
 
 def matmul_rate(cluster, fp8: bool, fitted: K.Fitted = K.FITTED) -> float:
@@ -35,10 +40,30 @@ def fp8_recipe_factor(recipe: str, cluster=None) -> float:
     return K.FP8_QUANT_BYTES[recipe] / K.FP8_QUANT_BYTES["tensorwise"]
 
 
-def fp8_cast_time(elements: float, cluster, recipe: str) -> float:
-    """Quantising `elements` inputs of FP8 GEMMs (fused cast + amax): memory-bound."""
-    t = elements * K.FP8_CAST_BYTES_PER_ELEMENT / hbm_rate(cluster)
-    return t if recipe == "tensorwise" else t * fp8_recipe_factor(recipe)
+def fp8_quant_bytes(recipe: str, *, eager: bool = False) -> float:
+    """HBM bytes moved per element of a tensor an FP8 linear quantises (its input, output gradient
+    or weight) to make the FP8 copies its GEMMs read: fused kernels (constants.FP8_QUANT_BYTES), or
+    eager torchao's chain of unfused ops (constants.FP8_EAGER_QUANT_BYTES)."""
+    table = K.FP8_EAGER_QUANT_BYTES if eager else K.FP8_QUANT_BYTES
+    if recipe not in table:
+        known = tuple(table) if eager else FP8_RECIPES
+        raise ValueError(f"fp8 recipe {recipe!r}{' (eager torchao)' if eager else ''}: use one of {known}")
+    return table[recipe]
+
+
+def fp8_cast_time(m: float, n: float, k: float, cluster, recipe: str, *, weight: bool = False,
+                  eager: bool = False) -> float:
+    """One GEMM's share of an (m x k) @ (k x n) FP8 linear's quantisation in one micro-batch: its
+    input x (m x k) and output gradient dy (m x n), each quantised once into the copies the forward,
+    input-gradient and weight-gradient GEMMs read, a third charged to each of the three GEMMs the cost
+    model prices at this shape; with `weight`, the (k x n) weight too (an operand no cache keeps
+    between micro-batches). Memory-bound; `eager` (torchao without torch.compile) adds a third of the
+    measured fixed time per linear (constants.FP8_EAGER_LINEAR_FIXED_S)."""
+    elements = m * k + m * n + (k * n if weight else 0.0)
+    t = elements * fp8_quant_bytes(recipe, eager=eager) / hbm_rate(cluster)
+    if eager:
+        t += K.FP8_EAGER_LINEAR_FIXED_S[recipe]
+    return t / _GEMMS_PER_LINEAR
 
 
 def gemm_roofline(m: float, n: float, k: float, cluster, *, fp8: bool = False, math_rows: float | None = None,

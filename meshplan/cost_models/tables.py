@@ -121,8 +121,8 @@ class EdgeCosts:
         return 3 * self.head_gemm_fwd_s + 2 * self.loss_s
 
 
-def _state_sum(params: float, shard: int, layout: Layout) -> float:
-    return sum(state_bytes(params, shard, layout.zero, optimizer_bytes=optimizer_bytes(layout)).values())
+def _state_sum(params: float, shard: int, layout: Layout, stack=None) -> float:
+    return sum(state_bytes(params, shard, layout.zero, optimizer_bytes=optimizer_bytes(layout, stack)).values())
 
 
 def edge_costs(profile: ModelProfile, table: LayerTable) -> EdgeCosts:
@@ -138,20 +138,22 @@ def edge_costs(profile: ModelProfile, table: LayerTable) -> EdgeCosts:
                      head_act_bytes=head_activation_bytes(profile, T, L.tp))
 
 
-def edge_state_bytes(profile: ModelProfile, layout: Layout | dict) -> tuple[float, float]:
+def edge_state_bytes(profile: ModelProfile, layout: Layout | dict, stack=None) -> tuple[float, float]:
     """(embedding, output layer) bytes of weights, gradients and optimizer state one GPU holds: split
-    over TP, sharded over DP x CP by ZeRO (a tied output layer holds the embedding's again)."""
+    over TP, sharded over DP x CP by ZeRO (a tied output layer holds the embedding's again); `stack`:
+    the optimizer's main copy of the weights (memory.master_bytes; None: fp32)."""
     L = Layout.coerce(layout)
     head_params = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
-    return (_state_sum(profile.embedding_params / L.tp, L.dp * L.cp, L),
-            _state_sum(head_params / L.tp, L.dp * L.cp, L))
+    return (_state_sum(profile.embedding_params / L.tp, L.dp * L.cp, L, stack),
+            _state_sum(head_params / L.tp, L.dp * L.cp, L, stack))
 
 
-def layer_state_bytes(profile: ModelProfile, layout: Layout | dict) -> list[float]:
+def layer_state_bytes(profile: ModelProfile, layout: Layout | dict, stack=None) -> list[float]:
     """Per transformer layer, the bytes of weights, gradients and optimizer state one GPU holds:
-    dense weights split over TP and sharded over DP x CP by ZeRO, experts over EP x ETP and EDP."""
+    dense weights split over TP and sharded over DP x CP by ZeRO, experts over EP x ETP and EDP;
+    `stack` as in edge_state_bytes."""
     L = Layout.coerce(layout)
-    ob = optimizer_bytes(L)
+    ob = optimizer_bytes(L, stack)
     out = []
     for b in profile.layer_blocks():
         sd = state_bytes((b.params - b.expert_params) / L.tp, L.dp * L.cp, L.zero, optimizer_bytes=ob)
@@ -218,11 +220,16 @@ class LinearCostTable:
     seconds, weight cast and cache, the bytes of the input each saves for backward.
 
     Priced BF16 everywhere else (the choice is per linear), on the stack-neutral reference with
-    the traced model's own eager fusions."""
+    the traced model's own eager fusions, except the FP8 casts: those are priced as `stack` runs them
+    (eager torchao's unfused passes where it does not compile: compute.fp8_eager), with the
+    layout's FP8 recipe."""
 
     def __init__(self, profile: ModelProfile, cluster, layout: Layout | dict, *, seq_len: int,
-                 fitted: K.Fitted = K.FITTED):
+                 fitted: K.Fitted = K.FITTED, stack: Stack | str | None = None):
         self.profile, self.cluster, self.layout, self.fitted = profile, cluster, Layout.coerce(layout), fitted
+        self.stack = resolve_stack(stack, default="reference")
+        if self.layout.offload_activations and self.stack.compile and not self.stack.compile_offloaded:
+            self.stack = self.stack.replace(compile=False)     # as estimate_profile: offloaded blocks run eagerly
         self.ctx = Context.build(cluster, self.layout, seq_len, fp8=False, unfused=unfused_of(profile),
                                  fitted=fitted)
         self._linears: dict[tuple[int, str], LinearCosts] = {}
@@ -238,8 +245,9 @@ class LinearCostTable:
         held = fp8_copies_held(0.0 if expert else weights, weights if expert else 0.0, self.layout)
         return LinearCosts(rows=rows, n=n, k=k, weights=weights,
                            bf16_s=gemm_time(rows, n, k, c, fp8=False, count=count, fitted=self.fitted),
-                           fp8_s=gemm_time(rows, n, k, c, fp8=True, count=count, fitted=self.fitted),
-                           weight_cast_s=fp8_weight_cast_time(weights, c),
+                           fp8_s=gemm_time(rows, n, k, c, fp8=True, count=count, recipe=self.layout.fp8_recipe,
+                                           stack=self.stack, fitted=self.fitted),
+                           weight_cast_s=fp8_weight_cast_time(weights, c, self.layout.fp8_recipe, self.stack),
                            weight_cache_bytes=K.FP8_WEIGHT_CACHE_BYTES * held)
 
     def linear(self, block_index: int, li) -> LinearCosts:

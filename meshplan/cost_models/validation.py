@@ -181,6 +181,7 @@ def stack_of(row: Row) -> Stack:
       accumulation unfused (_UNFUSED_GRAD_ACCUMULATION); Korthikanti et al. (May 2022) ran after the
       fusion landed (commit 83b1e42f30, on by default), still without flash attention.
     - torchtitan: torch.compile only where the run names it (Table 1/3 "fsdp" rows ran eager).
+    - NeMo 1.x (24.03, 24.07): Apex's DistributedFusedAdam, no fp32 main weights (master_weights).
     - Megatron-Bridge: FP8 parameters under its FP8 precision recipes (fp8_param_gather)."""
     fam = row.family
     st = Stack.preset(_STACK_OF.get(fam, "reference"))
@@ -189,6 +190,8 @@ def stack_of(row: Row) -> Stack:
     if fam == "torchtitan":
         text = (row.id + " " + row.get("notes")).lower()
         st = st.replace(compile="compile" in text)
+    if fam in ("nemo2407", "nemo-longseq"):   # Apex's DistributedFusedAdam over the bf16 model (megatron_amp_O2)
+        st = st.replace(master_weights="remainders")
     if fam == "megatron-bridge":
         # Bridge's FP8 precision recipes keep the parameters in FP8: bf16_with_fp8_current_scaling_mixed
         # and bf16_with_mxfp8_mixed set fp8_param_gather=True (src/megatron/bridge/training/
@@ -358,7 +361,7 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         # forward to avoid per-microbatch all-gathers", parallelize_llama.py of that time)
         lay["reshard_after_forward"] = False
     _add_stack_fields(lay, row, cfg)
-    for k, v in _BRIDGE_PERF_CONFIGS.get(row.id, {}).items():
+    for k, v in {**_BRIDGE_PERF_CONFIGS.get(row.id, {}), **_NEMO_LAUNCHER_CONFIGS.get(row.id, {})}.items():
         if k == "recompute" and recompute:
             continue                  # the row's own statement wins
         lay[k] = v
@@ -388,6 +391,12 @@ _BRIDGE_PERF_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# What NeMo-Framework-Launcher's config for the model sets and the NeMo 24.07 summary does not state:
+# conf/training/nemotron/nemotron_340b.yaml (tags 24.07-24.12; 24.12 has the summary's pp 8 / vp 12) runs
+# selective recompute and distributed_fused_adam with dtype bf16 (bf16 moments, no main weights: memory.master_bytes)
+_NEMO_LAUNCHER_CONFIGS = {"nemo2407-nemotron-340b-128gpu": dict(recompute="selective", optimizer_dtype="bf16")}
+
+
 # The attention kernel the NeMo 1.x performance runs (NeMo 24.03.01 long-sequence page, NeMo 24.07
 # performance summary) ran: FlashAttention-2, not cuDNN. Transformer Engine would pick cuDNN's fused
 # attention on Hopper (TE 1.4 attention.py: "Select FusedAttention on sm90"), but
@@ -410,6 +419,12 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
         # *_fp8_performance.yaml, optim.grad_sync_dtype)
         lay["grad_dtype"] = "bf16"
         lay["attn_kernel"] = _NEMO_LAUNCHER_ATTN_KERNEL
+    if fam == "megatron-bridge":
+        # Megatron-Bridge's performance configs reduce and keep gradients in bf16: every LLM
+        # pretraining config's common settings set cfg.ddp.grad_reduce_in_fp32 = False and
+        # cfg.mixed_precision.grad_reduce_in_fp32 = False (scripts/performance/configs/*/
+        # *_llm_pretrain.py, set_*_common_configs; tags v0.2.0-v0.4.2)
+        lay["grad_dtype"] = "bf16"
     if lay["zero"] == 3:
         if fam == "deepspeed-zero3":
             lay["fsdp_impl"] = "deepspeed"

@@ -31,7 +31,7 @@ from typing import Any
 from meshplan.errors import ConfigError
 
 __all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
-           "resolve_stack"]
+           "MASTER_WEIGHTS", "FP8_IMPLS", "resolve_stack"]
 
 # Attention implementations: "fa2" FlashAttention-2 class on every GPU (PyTorch SDPA's flash
 # backend is FlashAttention-2); "te" Transformer Engine's choice, cuDNN fused attention on Hopper
@@ -53,6 +53,18 @@ TP_OVERLAPS = ("none", "userbuffers", "async_tp")
 EP_OVERLAPS = ("none", "a2a_1f1b")
 # Stack.expert_gemm values
 EXPERT_GEMMS = ("grouped", "per_expert")
+# How the optimizer keeps the main copy of the bf16 parameters (Stack.master_weights): "fp32" a full
+# fp32 copy beside them (Megatron-Core's distributed optimizer, Transformer Engine's FusedAdam with
+# master_weights, torch.optim over fp32 parameters); "remainders" Apex's DistributedFusedAdam as NeMo
+# 1.x configures it for a bf16 model (memory.master_bytes): with fp32 Adam state only the low 16 bits
+# of each fp32 main weight, whose high 16 bits are the bf16 parameter itself; with bf16 Adam state
+# nothing, the bf16 parameters being updated in place.
+MASTER_WEIGHTS = ("fp32", "remainders")
+# Who quantises FP8 linears' tensors (Stack.fp8_impl): "te" Transformer Engine's fused CUDA cast
+# kernels, the same with or without torch.compile; "torchao" torchao's float8 training, whose casts
+# are PyTorch ops that only torch.compile fuses (eager, each is a chain of separate kernels:
+# cost_models.constants.FP8_EAGER_QUANT_BYTES).
+FP8_IMPLS = ("te", "torchao")
 # Every recompute policy some stack offers (meshplan.ir.layout.RECOMPUTE holds those the Layout takes).
 RECOMPUTE_POLICIES = ("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full")
 
@@ -64,6 +76,7 @@ class Stack:
     cp_impl: str = "te"                    # CP_IMPLS
     cp_kinds: tuple[str, ...] = ("p2p",)   # cp_comm_type values the stack runs (ir.layout.CP_COMM_TYPES)
     fp8_recipes: tuple[str, ...] = ("tensorwise",)
+    fp8_impl: str = "te"                   # FP8_IMPLS: whose kernels quantise the FP8 linears' tensors
     # FP8 recipes under which the stack keeps the parameters themselves in FP8 (no BF16 working copy):
     # Megatron-Core's --fp8-param-gather, which Megatron-Bridge's MXFP8 precision recipe turns on
     # (bf16_with_mxfp8_mixed: fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
@@ -92,12 +105,14 @@ class Stack:
     # the matmul and reduced-collective outputs (meshplan's runtime/recompute.py): the norms and the
     # attention core are re-run too, so their outputs are not kept, the MLP's reduced output is, and
     # the attention output projection's GEMM runs again in backward. False: Korthikanti's selective
-    # (core attention and the activation re-run; Megatron-Core's --recompute-granularity selective).
+    # (only core attention re-run: the MLP activation's input and output stay stored; Megatron-Core's
+    # --recompute-granularity selective, whose default --recompute-modules is core_attn).
     selective_sac: bool = False
     # gradients held from backward to the optimizer step are in the (fp32) parameters' dtype whatever
     # grad_dtype reduces in: FSDP2 casts each reduced shard back to the sharded parameter's dtype, DDP
     # keeps param.grad; Megatron-Core's --grad-reduce-in-bf16 makes the buffer itself bf16 (False)
     grads_in_param_dtype: bool = False
+    master_weights: str = "fp32"           # MASTER_WEIGHTS
     runtime_checks: bool = False           # the planner applies meshplan.ir.support (meshplan's runtime)
     pp_min_microbatches: bool = False      # torch.distributed.pipelining: at least pp micro-batches a step
     # torch.distributed.pipelining drives FSDP2 under PP: each micro-batch's backward runs without
@@ -116,11 +131,16 @@ class Stack:
     # whether blocks whose activations are offloaded still run compiled (meshplan's runtime runs them
     # eagerly: its offload hooks are not traced by torch.compile)
     compile_offloaded: bool = True
+    # GPU seconds a step costs beyond its kernels, communication and optimizer (the loss and
+    # gradient-norm syncs, the launch queue refilling after them, logging); None:
+    # cost_models.constants.STEP_OVERHEAD_S. CPU processes price their host work instead.
+    step_overhead_s: float | None = None
     sources: str = ""
 
     def __post_init__(self) -> None:
         for name, allowed in (("attention", ATTENTION_IMPLS), ("cp_impl", CP_IMPLS), ("tp_overlap", TP_OVERLAPS),
-                              ("ep_overlap", EP_OVERLAPS), ("expert_gemm", EXPERT_GEMMS)):
+                              ("ep_overlap", EP_OVERLAPS), ("expert_gemm", EXPERT_GEMMS),
+                              ("master_weights", MASTER_WEIGHTS), ("fp8_impl", FP8_IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"stack {self.name!r}: {name}={getattr(self, name)!r}; use one of {allowed}")
         bad = [p for p in self.recompute if p not in RECOMPUTE_POLICIES]
@@ -203,11 +223,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # (runtime/pipeline.py), FSDP2 / DDP, torch.compile per block on CUDA (runtime/compile.py), no TP or
     # EP overlap, PyTorch's AccumulateGrad (a separate add per micro-batch).
     Stack(name="meshplan", attention="fa2", cp_impl="meshplan", cp_kinds=("p2p",),
-          fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "selective", "norm_act", "full"),
+          fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", recompute=("none", "selective", "norm_act", "full"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
           selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
           compile_offloaded=False,
+          # measured: one-GPU steps on an H100 (2026-11-24) and an H200 (2026-11-27) left +16 ms and
+          # -5 ms beside the rest of the model (benchmarks/results/gpu_suite-*): about 5 ms
+          step_overhead_s=5e-3,
           sources="meshplan/runtime (parallel.py, context_parallel.py, fp8.py, recompute.py, pipeline.py, compile.py, "
                   "offload.py)"),
     # torchtitan (arXiv 2410.06511; torchtitan/models/llama3/infra/parallelize.py, distributed/
@@ -218,7 +241,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # torch.compile per block (optional; eager element-wise otherwise), FSDP2,
     # torch.distributed.pipelining schedules (1F1B, interleaved 1F1B, GPipe, ZBV).
     Stack(name="torchtitan", attention="fa2", cp_impl="torch", cp_kinds=("all_gather",),
-          fp8_recipes=("tensorwise", "rowwise"), recompute=("none", "op_sac", "full"),
+          fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", recompute=("none", "op_sac", "full"),
           tp_overlap="async_tp", schedules=("1f1b", "interleaved", "gpipe", "zbv"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
           pp_min_microbatches=True, pp_fsdp_deferred=True,

@@ -197,7 +197,7 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
     if best.precision == Precision.FP8:
         base = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
                                 precision=Precision.FP8, fp8_modules=frozenset(), stack=stack)
-    cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch)
+    cands = fp8_candidates(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch, stack=stack)
     # (offloaded activations are in host memory: no GPU budget taken)
     budget = [base.capacity_gb - sum(v for k, v in s.items() if k not in ("fp8_cache", "host_offload"))
               for s in base.memory_by_stage]

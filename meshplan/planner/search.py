@@ -25,7 +25,7 @@ from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
 from meshplan.cost_models.offload import frees_device_memory
 from meshplan.cost_models.uncertainty import PREFER_SIMPLER_WINDOW
-from meshplan.errors import ConfigError, MeshplanError
+from meshplan.errors import ConfigError, LayoutError, MeshplanError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.ir.precision import Precision
@@ -132,11 +132,38 @@ def _check_fixed_against_model(f: Mapping[str, Any], profile: ModelProfile, expe
         raise ConfigError(f"fixed ep={ep} does not divide the {experts} experts of {profile.name}; "
                           f"use one of {divisors(experts)}")
     tp = int(f.get("tp", 1))
+    if tp > 1 and not any(b.heads for b in profile.layer_blocks()):
+        # heads default to 1 for the divisibility checks, which rules tp > 1 out: say why instead
+        raise ConfigError(f"fixed tp={tp}: the trace found no attention in {profile.name}'s blocks "
+                          f"({', '.join(_block_names(profile))}; attention is an SDPA call or softmax(q·kᵀ)·v), "
+                          "and meshplan plans tensor parallelism over attention heads, so there are none to "
+                          "split; use tp=1 (or leave tp free)")
     bad = _tp_indivisible(tp, profile.vocab, heads=heads, kv=kv, ffns=ffns)
     if tp > 1 and bad:
         ok = [t for t in divisors(n) if not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns)]
         raise ConfigError(f"fixed tp={tp} does not divide {profile.name}'s {', '.join(bad)}; tp values that "
                           f"divide them and the {n} GPUs: {ok} (or leave tp free)")
+
+
+def _block_names(profile: ModelProfile, most: int = 3) -> list[str]:
+    """The first layers of the model's blocks by FQN (by index for a profile from a config)."""
+    names = [inst for i, b in enumerate(profile.blocks) for inst in (b.instances or (f"block {i}",))]
+    return names[:most] + ([f"{len(names) - most} more"] if len(names) > most else [])
+
+
+def _no_blocks(profile: ModelProfile) -> str:
+    """Why a profile without blocks cannot be planned, in the terms of the model the user traced."""
+    # the top-level modules holding the parameters: where the layers are, named as the user wrote them
+    owners = list(dict.fromkeys(m.split(".")[0] for m in profile.pre_modules + profile.post_modules))
+    where = (f"; its parameters sit in {', '.join(owners[:6])}{', ...' if len(owners) > 6 else ''}"
+             if owners else "")
+    return (f"cannot plan {profile.name}: its trace found no blocks, so it has no layers to split into pipeline "
+            f"stages or to shard over tensor / context / expert parallelism ({len(profile.pre_ops)} ops, all "
+            f"outside any block{where}). A block is one layer of the model: a child of an nn.ModuleList or "
+            "nn.ModuleDict whose children are all modules with parameters and sub-modules, or a run of repeated "
+            "such modules in an nn.Sequential; the tracer finds them in the module tree, not in forward(). "
+            "What would work: hold the layers in an nn.ModuleList (e.g. self.layers = nn.ModuleList(...), as "
+            "transformers' and meshplan's models do) and iterate over it in forward()")
 
 
 def _tp_indivisible(tp: int, vocab: int, *, heads: int, kv: int, ffns: list[int]) -> list[str]:
@@ -167,9 +194,10 @@ def _check_fixed_values(f: Mapping[str, Any]) -> None:
 
 
 def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
-                          zero: int, dtypes: Layout) -> float:
+                          zero: int, dtypes: Layout, stack: Stack | None = None) -> float:
     """Weights + grads + optimizer of the most loaded pipeline rank, no activations (the
-    bytes per parameter of cost_models.memory, for the gradient and optimizer dtypes of `dtypes`)."""
+    bytes per parameter of cost_models.memory, for the gradient and optimizer dtypes of `dtypes` and
+    the stack's main copy of the weights)."""
     dense = sum((b.params - b.expert_params) * b.count for b in profile.blocks)
     expert = sum(b.expert_params * b.count for b in profile.blocks)
     dense_gpu = (dense / pp + profile.embedding_params) / tp
@@ -177,7 +205,7 @@ def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_s
 
     def per_param(d: int) -> float:
         return sum(state_bytes(1.0, d, zero, grad_bytes=grad_bytes(dtypes),
-                               optimizer_bytes=optimizer_bytes(dtypes)).values())
+                               optimizer_bytes=optimizer_bytes(dtypes, stack)).values())
 
     return (dense_gpu * per_param(dp_shard) + expert_gpu * per_param(edp)) / 2 ** 30
 
@@ -206,6 +234,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
         raise ConfigError(runtime_limits(Layout(offload_activations=True, recompute=f["recompute"]))[0])
     blocks = profile.layer_blocks()
     L = profile.num_layers
+    if not L:
+        raise LayoutError(_no_blocks(profile))
     attn = [b for b in blocks if b.heads]
     heads = min((b.heads for b in attn), default=1)
     kv = min((b.kv_heads for b in attn), default=1)
@@ -272,7 +302,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             continue    # the runtime runs zero=0 as DDP only without tp/cp/pp/etp
                         stats["meshes"] += 1
                         edp = max(1, dp * cp * tp // (ep * etp))
-                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero, dtypes) > \
+                        if _state_lower_bound_gb(profile, tp, pp, ep * etp, dp * cp, edp, zero, dtypes, stack) > \
                                 cluster.usable_memory_gb:
                             stats["pruned_memory"] += 1
                             continue

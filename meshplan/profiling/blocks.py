@@ -9,7 +9,9 @@ unique structure, traces that shallow model, and maps the names back.
   and buffer shapes and dtypes, and str/bool attributes (e.g. HF's `attention_type`) — never
   integer attributes such as `layer_idx`, which differ between otherwise identical layers.
 - `find_block_containers(model)`: the outermost nn.ModuleList / nn.ModuleDict / nn.Sequential
-  whose children are non-leaf modules with parameters and repeat a signature.
+  whose children are non-leaf modules with parameters and repeat a signature; failing a repeat,
+  the outermost ModuleList / ModuleDict of such modules (a one-layer model, two layers of
+  different kinds), each child then a block of its own (count 1).
 - `shrunk(model, containers)`: context manager that swaps in the representatives (same module
   objects, no copies) and restores the original lists on exit, even on error.
 - the whole model's fingerprint lives in meshplan.ir.fingerprint (planner and runtime share it).
@@ -117,9 +119,25 @@ def _is_block(module: nn.Module | None) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _layer_list(fqn: str, module: nn.Module, children: list[tuple[str, nn.Module]],
+                sigs: list[str]) -> BlockContainer | None:
+    """A list of layers none of which repeats (one layer; a hybrid model whose local and global
+    attention layers alternate, at a depth too small to repeat either kind): a ModuleList or
+    ModuleDict whose children are all blocks, none of them a container itself. Each layer is then
+    a block of its own, so its heads, FFN width and window reach the planner's divisibility checks.
+    nn.Sequential is left out: it also chains non-layer modules (a projection, an activation)
+    whose span only a repeat bounds."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not all(sigs):
+        return None
+    if any(isinstance(c, _CONTAINERS) for _, c in children):
+        return None            # a list of lists (stages, towers): its layers are one level down
+    return BlockContainer(fqn=fqn, keys=tuple(k for k, _ in children), signatures=tuple(sigs),
+                          start=0, stop=len(children), renumber=isinstance(module, nn.ModuleList))
+
+
 def _container(fqn: str, module: nn.Module) -> BlockContainer | None:
     children = list(module._modules.items())
-    if len(children) < 2:
+    if not children:
         return None
     sigs = [signature(c) if _is_block(c) else "" for _, c in children]
     counts: dict[str, int] = {}
@@ -128,7 +146,7 @@ def _container(fqn: str, module: nn.Module) -> BlockContainer | None:
             counts[s] = counts.get(s, 0) + 1
     repeated = [i for i, s in enumerate(sigs) if s and counts[s] >= 2]
     if not repeated:
-        return None
+        return _layer_list(fqn, module, children, sigs)
     if isinstance(module, nn.Sequential):
         start, stop = repeated[0], repeated[-1] + 1
     else:

@@ -10,7 +10,9 @@ How (and why this way)
   meta device fails on their `.item()` calls (reference/cpu_platform.md §8).
 - Repeated blocks are found from the module tree first (`blocks.find_block_containers`) and
   each list of blocks is swapped for one representative per unique structure, so a 126-layer
-  model is traced with one layer (`blocks.shrunk`), then the names are mapped back.
+  model is traced with one layer (`blocks.shrunk`), then the names are mapped back. A layer
+  list none of whose kinds repeats (one layer; two layers of different kinds) is still a list of
+  blocks, each its own (count 1); a model with no such list has no blocks, and the planner says so.
 - Each op gets shapes, dtype, forward/backward FLOPs (`op_costs.op_flops`), bytes, its owning
   module and the parameters it reads; blocks are then analysed by data flow
   (`block_analysis.analyse_block`).

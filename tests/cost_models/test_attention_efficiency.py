@@ -54,7 +54,7 @@ def test_reproduces_the_published_kernel_curves(curve, causal, bwd):
 def test_causal_diagonal_waste_is_one_tile_over_the_length(monkeypatch):
     """With no per-CTA overhead and many CTAs the causal penalty is the diagonal tiles alone: the
     kernel computes nt(nt+1)/2 whole tiles for n^2/2 masked entries, (1 + T/n)."""
-    monkeypatch.setattr(K, "ATTN_CTA_FIXED_TILES_FWD", 0.0)
+    monkeypatch.setitem(K.ATTN_CTA_FIXED_TILES, "fa3", (0.0, K.ATTN_CTA_FIXED_TILES["fa3"][1]))
     T = K.ATTN_TILE
     prev = math.inf
     for n in (256, 1024, 4096, 32768):

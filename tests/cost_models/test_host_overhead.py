@@ -19,6 +19,7 @@ from meshplan.cost_models.device import device_of
 from meshplan.cost_models.gpu import GPU
 from meshplan.cost_models.host import CPU_HOST
 from meshplan.ir.layout import Layout
+from meshplan.ir.stack import resolve_stack
 
 SEQ, GBS = 128, 16
 
@@ -94,7 +95,10 @@ def test_gpu_estimates_unchanged_by_host_terms(llama):
         assert dev.layer_host(llama.blocks[0], L, h, pol) == {}
     assert dev.edge_host(llama, L, h, first=True, last=True) == (0.0, 0.0)
     assert dev.pp_host_time(L, h, m=8) == 0.0
-    assert dev.step_overhead(llama, h, L, []) == K.STEP_OVERHEAD_S
+    assert dev.step_overhead(llama, h, L, [], resolve_stack("reference")) == K.STEP_OVERHEAD_S
+    # a stack that measured its own step overhead (meshplan's runtime on one H100 / H200) is priced with it
+    meshplan_stack = resolve_stack("meshplan")
+    assert dev.step_overhead(llama, h, L, [], meshplan_stack) == meshplan_stack.step_overhead_s < K.STEP_OVERHEAD_S
     assert dev.op_overhead(llama.blocks[0].ops, h, K.FITTED) == (K.FITTED.layer_overhead_s,) * 2
     # the same layout on CPU processes: every host term is charged
     c = _cpu()

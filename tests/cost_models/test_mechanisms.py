@@ -136,9 +136,10 @@ def test_a2a_cp_moves_qkv_and_output(prof, h100x16):
 
 # ---- FP8 recipes -----------------------------------------------------------------------------------
 def test_fp8_recipes_differ_by_their_quantisation_traffic(prof, h100x8):
-    """Rowwise quantises each tensor along both axes in separate passes (8 bytes per element against
-    tensorwise's fused cast-transpose 4) and its scaled-matmul kernels run at the measured share of the
-    tensorwise rate; blockwise tiles need one pass (+ fp32 scales) at the tensorwise rate."""
+    """Each recipe moves its own bytes per element of a linear's input and output gradient
+    (rowwise: each tensor quantised along both axes, measured at 16.5 against tensorwise's 5; blockwise
+    tiles need no amax pass) and its scaled-matmul kernels run at the measured share of the
+    tensorwise rate."""
     from meshplan.cost_models.compute import (
         fp8_recipe_factor,
         fp8_weight_cast_time,
@@ -148,17 +149,17 @@ def test_fp8_recipes_differ_by_their_quantisation_traffic(prof, h100x8):
     m, n, k = 8192, 4096, 4096
     base = gemm_time(m, n, k, h100x8, fp8=True)
     hbm = h100x8.gpu.hbm_tb_s * 1e12 * K.HBM_EFF
-    cast_tw = m * k * K.FP8_CAST_BYTES_PER_ELEMENT / hbm
+    cast_tw = (m * k + m * n) * K.FP8_QUANT_BYTES["tensorwise"] / hbm / 3     # a third per GEMM
     for recipe in ("rowwise", "blockwise", "tensorwise"):
-        assert math.isclose(fp8_recipe_factor(recipe), K.FP8_QUANT_BYTES[recipe] / 4.0)
+        assert math.isclose(fp8_recipe_factor(recipe), K.FP8_QUANT_BYTES[recipe] / K.FP8_QUANT_BYTES["tensorwise"])
         t = gemm_time(m, n, k, h100x8, fp8=True, recipe=recipe)
         slower_math = 2 * m * n * k / matmul_rate(h100x8, True) * (1 / K.FP8_RECIPE_GEMM_RATE[recipe] - 1)
         assert math.isclose(t - base, cast_tw * (fp8_recipe_factor(recipe) - 1) + slower_math,
                             rel_tol=1e-9, abs_tol=1e-15)
         assert math.isclose(fp8_weight_cast_time(1e9, h100x8, recipe),
                             fp8_weight_cast_time(1e9, h100x8) * fp8_recipe_factor(recipe))
-    assert fp8_recipe_factor("rowwise") == 2.0
-    assert 1.0 < fp8_recipe_factor("blockwise") < 1.02 and 1.0 < fp8_recipe_factor("mxfp8") < 1.02
+    assert fp8_recipe_factor("rowwise") == 3.3
+    assert 0.8 < fp8_recipe_factor("blockwise") < 0.82 and 0.8 < fp8_recipe_factor("mxfp8") < 0.82
     kw = dict(seq_len=4096, global_batch=32, precision="fp8")
     tw = estimate_profile(prof, h100x8, dict(tp=2, dp=4), **kw)
     rw = estimate_profile(prof, h100x8, dict(tp=2, dp=4), fp8_recipe="rowwise", **kw)
@@ -251,7 +252,8 @@ def test_rowwise_fp8_reproduces_the_measured_h100_step_difference():
     """This project's H100 measurement (benchmarks/results/gpu_suite-2026-11-24-...-fp8-runtime.md):
     torchao rowwise took 0.1681 s a step against tensorwise's 0.1379 s on one H100 (16 layers, hidden
     2048, ffn 8192, 4 x 2048 tokens). The model's difference between the two recipes is that 30 ms
-    within 10%; without the recipe's GEMM rate it would be a third of it."""
+    within 10%: almost all of it the rowwise casts (constants.FP8_QUANT_BYTES, measured on an H200),
+    the rowwise GEMMs running at 0.98 of the tensorwise rate as the H200's kernels do."""
     import meshplan as mp
     meta = mp.models.build("llama3-8b", device="meta", layers=16, hidden=2048, heads=16, kv_heads=8,
                            ffn_hidden=8192)

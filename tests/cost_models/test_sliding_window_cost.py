@@ -59,8 +59,8 @@ def test_banded_kernel_shape():
     s, n = 4096, 4096 // 128
     call = AttnCall(s, s, True, window=128)
     assert _masked_pairs(call) == 128 * 129 / 2 + (s - 128) * 128
-    per_bh = _call_cost(call, 1, 1, backward=False)      # one SM: SM-seconds in tile units
-    causal = _call_cost(AttnCall(s, s, True), 1, 1, backward=False)
+    per_bh = _call_cost(call, 1, 1, backward=False, kernel="fa3")      # one SM: SM-seconds in tile units
+    causal = _call_cost(AttnCall(s, s, True), 1, 1, backward=False, kernel="fa3")
     fixed = per_bh - (2 * n - 1)
     assert fixed > 0 and causal - fixed == pytest.approx(n * (n + 1) / 2)
     assert layer_calls(s, 64, causal=True, window=128).calls == (call,)

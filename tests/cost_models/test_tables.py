@@ -75,7 +75,9 @@ def test_in_flight_follows_the_schedule():
     assert in_flight_by_rank({"pp": 4, "dp": 2}, 2) == [2.0, 2.0, 2.0, 1.0]
     assert in_flight_by_rank({"pp": 4, "dp": 2, "schedule": "gpipe"}, 8) == [8.0] * 4
     inter = in_flight_by_rank({"pp": 4, "vp": 2, "dp": 2, "schedule": "interleaved"}, 8)
-    assert inter[0] == 4 * (1 + 3 / 8) and inter[-1] == 1.0
+    # Megatron-Core's warm-up of (p - r - 1) * 2 + (v - 1) * p chunks, plus one, over v chunks a rank
+    assert inter == [(6 + 4 + 1) / 2, (4 + 4 + 1) / 2, (2 + 4 + 1) / 2, (0 + 4 + 1) / 2]
+    assert inter[0] == 4 * (1 + 3 / 8)
 
 
 def test_linear_costs_order_bf16_and_fp8_as_the_hardware_does(llama):

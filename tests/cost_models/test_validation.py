@@ -145,15 +145,19 @@ def test_deepspeed_zero3_530b_layout_fits():
 def test_bridge_rows_take_what_their_performance_configs_ran():
     """Megatron-Bridge's performance configs for the rows they match exactly: userbuffers TP overlap
     for the Llama 3 70B / 3.1 405B H100 FP8 runs (and no recompute on 405B), the expert all-to-all
-    overlap on Qwen3-235B; its FP8 precision recipes keep the parameters in FP8."""
+    overlap on Qwen3-235B; its FP8 precision recipes keep the parameters in FP8; bf16 gradients."""
     rows = _rows()
     for rid in ("mb-2604.01-llama3-70b-h100", "mb-2604.01-llama31-405b-h100"):
         res = run_row(rows[rid], traced=False)
         assert res.estimate.layout.tp_comm_overlap and res.fits, rid
-        mem = res.estimate.memory_gb       # FP8 copies, BF16 weights of the embedding / output layer only
+        mem = res.estimate.memory_by_stage[0]    # FP8 copies, BF16 weights of the embedding only
         assert 0.0 < mem["weights"] < 0.25 * mem["fp8_cache"], rid
     assert run_row(rows["mb-2604.01-llama31-405b-h100"], traced=False).estimate.layout.recompute == "none"
     assert run_row(rows["mb-2604.01-qwen3-235b-a22b-h100"], traced=False).estimate.layout.ep_comm_overlap
+    # every Bridge performance config reduces and keeps gradients in bf16 (grad_reduce_in_fp32 = False)
+    assert all(run_row(rows[rid], traced=False).estimate.layout.grad_dtype == "bf16"
+               for rid in rows if rid.startswith("mb-"))
+    assert run_row(rows["mb-2604.01-deepseekv3-b200"], traced=False).fits
     assert "tensorwise" in stack_of(rows["mb-2604.01-llama3-70b-h100"]).fp8_param_gather
     assert "tensorwise" not in stack_of(rows["nemo2407-llama3-8b-8gpu"]).fp8_param_gather
 

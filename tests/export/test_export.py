@@ -394,12 +394,12 @@ def test_torchtitan_runs_zb_h1_as_interleaved_zero_bubble(plans):
         assert any("ZB-H1" in n for n in exp.notes)
         assert tomllib.loads(ex.export_text(zb, "torchtitan")) == exp.data
     # torch's ScheduleInterleavedZeroBubble needs n_microbatches % max(1, n_microbatches // pp) == 0
-    d = plans["uneven"].to_dict()                      # pp=8, dp=1, mbs=2: 512 // 2 = 256 micro-batches
+    d = plans["uneven"].to_dict()                      # pp=8, dp=1; at mbs=2 a micro-batch is 2 sequences
     odd = Plan.from_dict(dict(d, global_batch=2 * 9 * 2, num_microbatches=18,
-                              layout=dict(d["layout"], schedule="zb")))     # 18 micro-batches: 18 % 2 == 0
+                              layout=dict(d["layout"], schedule="zb", mbs=2)))     # 18 micro-batches: 18 % 2 == 0
     assert ex.to_torchtitan(odd)["parallelism"]["pipeline_parallel_schedule"] == "InterleavedZeroBubble"
     bad = Plan.from_dict(dict(d, global_batch=2 * 25, num_microbatches=25,
-                              layout=dict(d["layout"], schedule="zb")))     # 25 % 3 != 0
+                              layout=dict(d["layout"], schedule="zb", mbs=2)))     # 25 % 3 != 0
     with pytest.raises(ConfigError, match="multiple of"):
         bad.to_torchtitan()
 

@@ -268,12 +268,35 @@ def test_absolute_indexing_falls_back_to_a_whole_trace():
     assert [op.module for op in p.pre_ops] == ["emb"] and p.post_ops[-1].module == "head"
 
 
-def test_no_repeated_blocks_traced_whole():
+def test_layers_that_do_not_repeat_are_blocks_of_their_own():
     with torch.device("meta"):
         model = Net([Layer(mlp()), Layer(nn.Linear(32, 32))])
     p = trace(model, seq_len=8)
+    first, second = p.blocks
+    assert (first.instances, second.instances) == (("layers.0",), ("layers.1",)) and p.layers == (0, 1)
+    assert roles(first) == {"inner.0": "mlp_in", "inner.2": "mlp_out"} and len(second.linears) == 1
+    assert [op.module for op in p.pre_ops] == ["emb"] and p.post_ops[-1].module == "head"
+    assert p.total_params == n_params(model)
+
+
+class Unlisted(nn.Module):
+    """Two layers held as plain attributes, not in a list: no block to find."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(50, 32), nn.Linear(32, 50)
+        self.first, self.second = Layer(mlp()), Layer(mlp())
+
+    def forward(self, ids):
+        return self.head(self.second(self.first(self.emb(ids))))
+
+
+def test_layers_outside_any_list_traced_whole():
+    with torch.device("meta"):
+        model = Unlisted()
+    p = trace(model, seq_len=8)
     assert p.blocks == () and p.layers == ()
-    assert sum(op.kind == "linear" for op in p.pre_ops) == 4
+    assert sum(op.kind == "linear" for op in p.pre_ops) == 5
     assert p.total_params == n_params(model)
 
 

@@ -41,13 +41,13 @@ VARIANTS["tiny-swa-sinks"] = ("tiny-llama", dict(sliding_window=8, attention_sin
 # "<kind>-2l": the same model with 2 layers instead of 4. Every layer of these models has the same
 # structure and shapes, so a case that shards within a layer (TP, SP, FSDP, DDP, recompute) checks
 # the same thing on 2 layers at half the ranks' work; pipeline cases keep 4 (pp * vp stages of at
-# least one layer each). The sliding-window models keep 4: their layers alternate between two
-# kinds, and the tracer finds a block only where its kind repeats. hf-llama-2l: the transformers
-# Llama with 2 layers (HF_LAYERS).
+# least one layer each). tiny-swa-2l keeps one layer of each kind (windowed, then global): the
+# tracer makes each a block of its own. hf-llama-2l: the transformers Llama with 2 layers (HF_LAYERS).
 TWO_LAYERS = "-2l"
 VARIANTS.update({f"{kind}{TWO_LAYERS}": (base, dict(overrides, layers=2))
                  for kind, (base, overrides) in [("tiny-llama", ("tiny-llama", {})), ("tiny-gpt", ("tiny-gpt", {})),
-                                                 ("tiny-mla", VARIANTS["tiny-mla"])]})
+                                                 ("tiny-mla", VARIANTS["tiny-mla"]), ("tiny-swa", VARIANTS["tiny-swa"]),
+                                                 ("tiny-swa-sinks", VARIANTS["tiny-swa-sinks"])]})
 HF_LAYERS = {"hf-llama": 4, f"hf-llama{TWO_LAYERS}": 2}
 
 

@@ -57,8 +57,8 @@ CASES_2 = {
     "mla_tp2_sp": ("tiny-mla-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
     # sliding-window attention (numerics.VARIANTS): the band mask is local to each sequence, so TP
     # with SP runs it unchanged; the sink logits are FSDP-sharded like any other parameter
-    "swa_tp2_sp": ("tiny-swa", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
-    "swa_sinks_fsdp2": ("tiny-swa-sinks", dict(dp=2, tp=1, pp=1, zero=3, mbs=2)),
+    "swa_tp2_sp": ("tiny-swa-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2)),
+    "swa_sinks_fsdp2": ("tiny-swa-sinks-2l", dict(dp=2, tp=1, pp=1, zero=3, mbs=2)),
 }
 CASES_4 = {
     "tp2_dp2_sp": ("tiny-llama-2l", dict(tp=2, dp=2, pp=1, sp=True, zero=3, mbs=2)),

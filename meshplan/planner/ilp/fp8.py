@@ -133,14 +133,16 @@ def _policy(layout: Layout, index_in_rank: int) -> str:
     return "full" if index_in_rank < rc else "none"
 
 
-def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int | None = None) -> list[Fp8Candidate]:
+def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int | None = None,
+                   stack=None) -> list[Fp8Candidate]:
     """One candidate per linear of every layer instance, plus the output layer.
 
     Times are per training step: (forward + 2 backward GEMMs [+ a recomputed forward]) x the
     micro-batches per step, global_batch / (dp * mbs); without global_batch, pp micro-batches
     (the fewest that fill the pipeline; only the scale of the gains depends on it). Memory is per
     GPU on the module's pipeline rank, activations times the micro-batches the schedule keeps in
-    flight there.
+    flight there. `stack` (None: the reference) decides how the FP8 casts run: eager torchao's
+    unfused passes cost more than many linears gain (cost_models.compute.fp8_eager).
     """
     gpu = cluster.gpu
     if not gpu.fp8_tflops:
@@ -172,7 +174,7 @@ def fp8_candidates(profile, cluster, layout, *, seq_len: int, global_batch: int 
         start += n
 
     # the cost model's prices of every linear in BF16 and FP8 (one table, memoised per block)
-    table = LinearCostTable(profile, cluster, L, seq_len=seq_len)
+    table = LinearCostTable(profile, cluster, L, seq_len=seq_len, stack=stack)
     flight = table.in_flight(m)
     occurrence: dict[int, int] = {}
     out: list[Fp8Candidate] = []

@@ -33,9 +33,9 @@ def _stage_inputs(profile: ModelProfile, cluster, L: Layout, seq_len: int, globa
         c = table.cost(i, policy)
         times.append(c.fwd_s + c.bwd_s + c.recompute_s)
         acts.append(table.act(i, policy) / GB)
-    static = [nbytes / GB for nbytes in layer_state_bytes(profile, L)]
+    static = [nbytes / GB for nbytes in layer_state_bytes(profile, L, stack)]
     edge = edge_costs(profile, table)
-    emb_state, head_state = edge_state_bytes(profile, L)
+    emb_state, head_state = edge_state_bytes(profile, L, stack)
     flights = in_flight_by_rank(L, m)
     # multi-token prediction: one more layer of the last layer's kind per depth on the last stage
     # (its output layer and loss are in the edge costs)
