@@ -19,10 +19,9 @@ markdown table. Imports nothing from meshplan.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from gpu_rates import time_median      # device events, 3 warm-ups, the median
 
 try:
     from torch.distributed.tensor.experimental._context_parallel import _attention as A
@@ -30,23 +29,6 @@ except ImportError:                      # torch before the _context_parallel pa
     from torch.distributed.tensor.experimental import _attention as A
 
 
-def _bench(fn, dev, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _kernels(fn, dev) -> int | None:
@@ -101,16 +83,16 @@ def run(dev, heads: int, dim: int, sizes: tuple[int, ...], compiled_sizes: tuple
             grad_q.add_(dq)
             return send, torch.cat([key.flatten(), value.flatten()])
 
-        row = dict(tokens=n, whole_s=_bench(whole, dev), whole_k=_kernels(whole, dev),
-                   half_s=_bench(half, dev), half_k=_kernels(half, dev),
-                   bwd_s=_bench(backward_step, dev), bwd_k=_kernels(backward_step, dev))
+        row = dict(tokens=n, whole_s=time_median(whole, dev), whole_k=_kernels(whole, dev),
+                   half_s=time_median(half, dev), half_k=_kernels(half, dev),
+                   bwd_s=time_median(backward_step, dev), bwd_k=_kernels(backward_step, dev))
         if n in compiled_sizes:
             fn = torch.compile(lambda o, s, b, bl: _merge(o, s, b, bl, False), dynamic=False)
 
             def call(fn=fn, out=out, lse=lse, bw=bw, lw=lw):
                 return fn(out, lse, bw, lw)
 
-            row.update(compiled_s=_bench(call, dev), compiled_k=_kernels(call, dev))
+            row.update(compiled_s=time_median(call, dev), compiled_k=_kernels(call, dev))
         rows.append(row)
     return rows
 

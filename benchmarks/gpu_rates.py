@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # meshplan from
 
 
 # ---- timing ----------------------------------------------------------------------------------
-def _bench(fn, device, *, reps: int = 20, warmup: int = 3) -> float:
+def time_median(fn, device, *, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of `fn` (device events on CUDA, the wall clock elsewhere)."""
     for _ in range(warmup):
         fn()
@@ -80,16 +80,16 @@ def ceilings(device, dry: bool) -> dict:
     n = 2**14 if dry else 2**29
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    t = _bench(lambda: dst.copy_(src), device, reps=30)
+    t = time_median(lambda: dst.copy_(src), device, reps=30)
     out = {"copy_gbs": 2 * 2 * n / t / 1e9}
     del src, dst
     s = 128 if dry else 8192
     a, b = torch.randn(s, s, device=device, dtype=torch.bfloat16), torch.randn(s, s, device=device, dtype=torch.bfloat16)
-    out["bf16_matmul_tflops"] = 2 * s**3 / _bench(lambda: a @ b, device, reps=30) / 1e12
+    out["bf16_matmul_tflops"] = 2 * s**3 / time_median(lambda: a @ b, device, reps=30) / 1e12
     try:
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
         one = torch.ones((), device=device)
-        out["fp8_matmul_tflops"] = 2 * s**3 / _bench(
+        out["fp8_matmul_tflops"] = 2 * s**3 / time_median(
             lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device, reps=30) / 1e12
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out["fp8_matmul_error"] = _err(e)
@@ -124,9 +124,9 @@ def _attn_case(device, backend, batch, heads, q_len, k_len, dim, causal, reps) -
             fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
             out = fwd()
             grad = torch.randn_like(out)
-            row["fwd_s"] = _bench(fwd, device, reps=reps)
+            row["fwd_s"] = time_median(fwd, device, reps=reps)
             out = fwd()
-            row["bwd_s"] = _bench(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True),
+            row["bwd_s"] = time_median(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True),
                                   device, reps=reps)
     except Exception as e:  # noqa: BLE001 - a backend this GPU / build lacks is reported
         row["error"] = _err(e)
@@ -186,7 +186,7 @@ def cp_rows(device, dry: bool) -> list[dict]:
                 lse = torch.randn(1, heads, n, device=device)
                 blk = torch.randn(1, heads, n, dim, device=device, dtype=torch.bfloat16)
                 blk_lse = torch.randn(1, heads, n, device=device)
-                row["merge_s"] = _bench(lambda: _lse_merge(out, lse, blk, blk_lse), device, reps=10)
+                row["merge_s"] = time_median(lambda: _lse_merge(out, lse, blk, blk_lse), device, reps=10)
             steps = cp - 1
             row["rank_fwd_s"] = row["diag_fwd_s"] + steps * (row["half_fwd_s"] + row["merge_s"])
             row["rank_bwd_s"] = row["diag_bwd_s"] + steps * row["half_bwd_s"]
@@ -236,7 +236,7 @@ def gemm_rows(device, dry: bool) -> list[dict]:
         for variant, fn in variants.items():
             row = dict(shape=name, m=m, k=k, n=n, variant=variant)
             try:
-                row["s"] = _bench(fn, device, reps=3 if dry else 30)
+                row["s"] = time_median(fn, device, reps=3 if dry else 30)
                 row["tflops"] = flops / row["s"] / 1e12
             except Exception as e:  # noqa: BLE001 - a recipe this torch / GPU lacks is reported
                 row["error"] = _err(e)
@@ -280,7 +280,7 @@ def fp8_linear_rows(device, dry: bool) -> list[dict]:
                 t0 = time.perf_counter()
                 step()
                 row["compile_s"] = time.perf_counter() - t0
-                row["s"] = _bench(step, device, reps=3 if dry else 30)
+                row["s"] = time_median(step, device, reps=3 if dry else 30)
                 row["tflops"] = 3 * 2.0 * m * n * k / row["s"] / 1e12
             except Exception as e:  # noqa: BLE001
                 row["error"] = _err(e)
@@ -338,7 +338,7 @@ def host_rows(device, dry: bool) -> dict:
             loop()
         row["loop_host_s"] = (time.perf_counter() - t0) / 5
         _sync(device)
-        row["loop_s"] = _bench(loop, device, reps=5 if dry else 20)
+        row["loop_s"] = time_median(loop, device, reps=5 if dry else 20)
         try:
             offs = torch.arange(per, experts * per + 1, per, device=device, dtype=torch.int32)
 
@@ -346,7 +346,7 @@ def host_rows(device, dry: bool) -> dict:
                 h = torch._grouped_mm(xs, w1, offs=offs)[:, :ffn]
                 return torch._grouped_mm(F.silu(h).contiguous(), w2, offs=offs)
 
-            row["grouped_s"] = _bench(grouped, device, reps=5 if dry else 20)
+            row["grouped_s"] = time_median(grouped, device, reps=5 if dry else 20)
         except Exception as e:  # noqa: BLE001
             row["grouped_error"] = _err(e)
         if device.type == "cuda":
@@ -359,7 +359,7 @@ def host_rows(device, dry: bool) -> dict:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     loop()
-                row["graph_s"] = _bench(graph.replay, device, reps=20)
+                row["graph_s"] = time_median(graph.replay, device, reps=20)
             except Exception as e:  # noqa: BLE001
                 row["graph_error"] = _err(e)
         out["experts"].append(row)

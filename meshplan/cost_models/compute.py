@@ -9,6 +9,8 @@ cost_models.roofline.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.attention import AttnShape
 from meshplan.cost_models.device import device_of
@@ -16,12 +18,16 @@ from meshplan.cost_models.roofline import (
     fp8_cast_time,
     fp8_quant_bytes,
     fp8_recipe_factor,
+    fp8_weight_gathered,
     gemm_roofline,
     hbm_rate,
     matmul_rate,
+    torchao_precomputes_scales,
+    torchao_weight_cast_bytes,
 )
 
 __all__ = ["gemm_time", "attention_time", "elementwise_time", "matmul_rate", "fp8_weight_cast_time", "fp8_eager",
+           "Fp8WeightCasts", "fp8_weight_casts",
            "grad_accumulation_time", "fp8_recipe_factor", "grouped_gemm_time", "permute_time"]
 
 
@@ -43,10 +49,10 @@ def gemm_time(m: float, n: float, k: float, cluster, *, fp8: bool = False, count
     that makes small GEMMs inefficient (Calculon-style shape dependence).
 
     FP8 adds this GEMM's share of the linear's quantisation (roofline.fp8_cast_time: its input and
-    output gradient, a third per GEMM of the three a linear runs). The (k x n) weight's FP8 copy is
-    made once per step and reused by every micro-batch (Transformer Engine casts a weight on the
-    first micro-batch and caches it and its transpose; that cast is `fp8_weight_cast_time`), so it
-    is not charged here unless `weight_cast` (an operand that is not a cached weight). `recipe`
+    output gradient, a third per GEMM of the three a linear runs). The (k x n) weight's casts are
+    priced apart, as its stack runs them (`fp8_weight_casts`: once per step for Transformer Engine,
+    every micro-batch for torchao), so they are not charged here unless `weight_cast` (an operand
+    that is not a weight). `recipe`
     prices the quantisation traffic and the GEMM rate; `stack` (a meshplan.ir.stack.Stack) decides
     whether the casts run fused or as eager torchao ops (`fp8_eager`)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
@@ -110,14 +116,100 @@ def permute_time(nbytes: float, cluster) -> float:
     return device_of(cluster).permute_time(nbytes, cluster)
 
 
-def fp8_weight_cast_time(weight_elements: float, cluster, recipe: str = "tensorwise", stack=None) -> float:
-    """Once-per-step FP8 cast of `weight_elements` weights into the copies the forward and the
-    input-gradient GEMMs read (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T in
-    FP8): the recipe's bytes per element (roofline.fp8_quant_bytes), eager torchao's where `stack`
-    runs it uncompiled (`fp8_eager`)."""
+@dataclass(frozen=True)
+class Fp8WeightCasts:
+    """Seconds one GPU spends casting its FP8 linears' weights: once per step, and in each micro-batch's
+    forward and backward (where a pipeline schedule and the FSDP overlap see them)."""
+
+    step_s: float = 0.0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+
+    def per_step(self, microbatches: int) -> float:
+        return self.step_s + microbatches * (self.fwd_s + self.bwd_s)
+
+
+def fp8_weight_casts(dense: float, expert: float, cluster, layout, recipe: str = "tensorwise",
+                     stack=None, *, fp32_weights: bool | None = None) -> Fp8WeightCasts:
+    """The casts of `dense` + `expert` FP8 weight elements held by one GPU into the copies the forward
+    and input-gradient GEMMs read (Hopper FP8 GEMMs take only the TN layout, so backward needs W^T),
+    as the stack's FP8 library runs them (constants.FP8_QUANT_BYTES and what follows it):
+
+    - Transformer Engine: once per step, on the first micro-batch, cached for the rest.
+    - torchao: no cache; every micro-batch's forward casts each weight and its backward casts it
+      again, at the measured rate (eager torchao's where the stack runs it uncompiled: `fp8_eager`)
+      split between them by roofline.torchao_weight_cast_bytes, and scaled up where the linear
+      reads fp32 weights (`fp32_weights`; None: where autocast runs over fp32 parameters,
+      `_reads_fp32`). Where FSDP2 gathers the dense weights in FP8 (roofline.fp8_weight_gathered)
+      the GEMMs cast nothing: each all-gather
+      casts the GPU's fp32 shard (dense / layout.shard; again in backward when resharded after
+      forward, once a step when torch.distributed.pipelining keeps them gathered), the backward
+      copies the gathered FP8 weight into the input-gradient GEMM's layout, and precomputed scales
+      read every shard once a step."""
+    if dense + expert <= 0:
+        return Fp8WeightCasts()
+    hbm = hbm_rate(cluster)
+    per_elt = fp8_quant_bytes(recipe, eager=fp8_eager(cluster, stack))
+    if stack is None or stack.fp8_impl != "torchao":
+        return Fp8WeightCasts(step_s=(dense + expert) * per_elt / hbm)
+    local = expert
+    step = fwd = bwd = 0.0
+    if fp8_weight_gathered(layout, recipe, stack):
+        shard = dense / layout.shard
+        precomputed = torchao_precomputes_scales(stack)
+        cast = shard * K.FP8_GATHER_CAST_BYTES[precomputed] / hbm
+        if precomputed:
+            step += shard * K.FP8_GATHER_PRECOMPUTE_BYTES / hbm
+        if stack.pp_fsdp_deferred and layout.pp > 1 and not layout.reshard_after_forward:
+            step += cast                     # gathered once, kept for every micro-batch
+        else:
+            fwd += cast
+            bwd += cast if layout.reshard_after_forward else 0.0
+        bwd += dense * K.FP8_GATHERED_TRANSPOSE_BYTES / hbm
+    else:
+        local += dense
+    # the measured rate is for bf16 weights; the derived bytes scale it to the width read and split it
+    f16, b16 = torchao_weight_cast_bytes(K.BF16)
+    if fp32_weights is None:
+        fp32_weights = _reads_fp32(layout, stack)
+    f, b = torchao_weight_cast_bytes(K.FP32 if fp32_weights else K.BF16)
+    cast = local * per_elt / hbm / (f16 + b16)
+    return Fp8WeightCasts(step_s=step, fwd_s=fwd + cast * f, bwd_s=bwd + cast * b)
+
+
+def _reads_fp32(layout, stack) -> bool:
+    """Whether torchao's linears cast the fp32 parameters themselves: autocast gives the mixed
+    precision over them (Stack.master_weights "params" where no FSDP2 wrapper holds bf16 copies:
+    memory.autocast_runs), rather than FSDP2's bf16 param_dtype copies or a bf16 model."""
+    # imported here: memory imports ranks, which imports this module
+    from meshplan.cost_models.memory import autocast_runs
+    return stack.master_weights == "params" and autocast_runs(layout)
+
+
+@dataclass(frozen=True)
+class _Unsharded:
+    """The parts of a Layout fp8_weight_casts reads, for weights no FSDP shards."""
+
+    zero: int = 0
+    shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    reshard_after_forward: bool = True
+
+
+_UNSHARDED = _Unsharded()
+
+
+def fp8_weight_cast_time(weight_elements: float, cluster, recipe: str = "tensorwise", stack=None, *,
+                         layout=None, microbatches: int = 1, expert: bool = False) -> float:
+    """A step's casts of `weight_elements` FP8 weights (`fp8_weight_casts`) over `microbatches`
+    micro-batches: one linear's, dense or `expert`. Without `layout`: bf16 weights, not sharded."""
     if weight_elements <= 0:
         return 0.0
-    return weight_elements * fp8_quant_bytes(recipe, eager=fp8_eager(cluster, stack)) / hbm_rate(cluster)
+    d, e = (0.0, weight_elements) if expert else (weight_elements, 0.0)
+    if layout is None:      # bf16 weights no FSDP shards (the measured layers')
+        return fp8_weight_casts(d, e, cluster, _UNSHARDED, recipe, stack, fp32_weights=False).per_step(microbatches)
+    return fp8_weight_casts(d, e, cluster, layout, recipe, stack).per_step(microbatches)
 
 
 def grad_accumulation_time(params: float, buffer_bytes: float, cluster) -> float:

@@ -116,8 +116,11 @@ HBM_EFF = 0.80       # achieved fraction of HBM bandwidth by streaming kernels (
 # element of each of those tensors to make its copies, by scaling recipe (Layout.fp8_recipe,
 # meshplan/ir/layout.py), in fused kernels (Transformer Engine's, or torchao's under torch.compile;
 # eager torchao is FP8_EAGER_QUANT_BYTES below). x and dy are quantised every micro-batch
-# (roofline.fp8_cast_time); W once per step (compute.fp8_weight_cast_time, Transformer Engine's
-# weight cache, FP8_WEIGHT_CACHE_BYTES).
+# (roofline.fp8_cast_time). W (compute.fp8_weight_casts): Transformer Engine casts it once per step
+# (on the first micro-batch, `is_first_microbatch`) and keeps the copies (FP8_WEIGHT_CACHE_BYTES);
+# torchao keeps no cache and casts it in every micro-batch's forward and again in its backward
+# (roofline.torchao_weight_cast_bytes), or, gathered by FSDP2 in FP8, casts the shard at each all-gather
+# (FP8_GATHER_*).
 # - "tensorwise" (current scaling: torchao's default, Transformer Engine's Float8CurrentScaling):
 #   one scale serves both layouts, but it needs the tensor's amax first: an amax pass reads the bf16
 #   tensor (2), the cast reads it again (2) and writes FP8 (1), the transposed copy where a GEMM needs
@@ -173,6 +176,34 @@ FP8_GEMM_FIXED_S = 20e-6                                                        
 # because of its casts (FP8_QUANT_BYTES), not its GEMMs. MXFP8 (scales applied by Blackwell's MMA)
 # keeps the tensorwise rate: not measured.
 FP8_RECIPE_GEMM_RATE = {"tensorwise": 1.0, "rowwise": 0.98, "blockwise": 0.85, "mxfp8": 1.0}   # measured (own H200)
+# torchao's weight casts (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args): the
+# forward casts the weight (hp_tensor_to_float8_dynamic: amax, then the cast) and saves the
+# high-precision weight, not its FP8 copy, for backward, whose input-gradient GEMM casts it again
+# (cast_config_weight_for_grad_input). Under torch.compile the partitioner may keep what is cheapest
+# instead, but parameters cost it nothing to save (torch/_functorch/config.py
+# treat_parameters_as_free_to_save, on by default) and amax reductions
+# are never recomputed (partitioners.py, "reduction op"): backward keeps the forward's scale and
+# re-runs only the cast. For a weight of w bytes per element: forward amax (w) + cast (w read, 1
+# written), backward cast (w + 1); bf16 (w = 2, as the layers FP8_QUANT_BYTES was measured on): 5 + 3.
+# The measured rate (fitted on torchao layers whose every forward + backward cast W) is what both
+# together cost; a weight torchao reads in fp32 (autocast over fp32 parameters: meshplan's runtime
+# without FSDP2, Stack.master_weights "params") costs (9 + 5) / (5 + 3) of it (derived;
+# roofline.torchao_weight_cast_bytes).
+# FSDP2 all-gathering torchao's FP8 weights (roofline.fp8_weight_gathered): the GEMMs find the weight
+# already FP8 (tensor_already_casted_to_fp8) and cast nothing; each all-gather first casts the rank's
+# shard of the fp32 parameter (FSDP2's MixedPrecisionPolicy keeps the shards fp32, both torchtitan and
+# meshplan's runtime; fsdp_utils.py fsdp_pre_all_gather) and sends 1 byte per element. With the
+# scales precomputed after the optimizer step (precompute_float8_dynamic_scale_for_fsdp: one
+# _foreach_norm read of every shard, FP8_GATHER_PRECOMPUTE_BYTES once a step) a gather's cast reads 4
+# and writes 1; without, it takes the shard's amax first (hp_tensor_to_float8_dynamic with
+# reduce_amax: 4 + 4 + 1, and a scalar all-reduce per weight, not priced).
+# FP8_GATHER_CAST_BYTES is keyed by whether the scales are precomputed.
+FP8_GATHER_CAST_BYTES = {True: FP32 + FP8, False: 2 * FP32 + FP8}                   # derived (torchao code)
+FP8_GATHER_PRECOMPUTE_BYTES = FP32                                                  # derived (torchao code)
+# The gathered FP8 weight is row-major (out x in); the forward GEMM reads it transposed as is, but the
+# input-gradient GEMM needs the other layout and torchao copies it (float8_ops.py preprocess_addmm:
+# b_data.t().contiguous().t()): read 1, write 1 per element of the gathered weight, every backward.
+FP8_GATHERED_TRANSPOSE_BYTES = 2 * FP8                                              # derived (torchao code)
 # GPUs whose tensor cores take MX block scales (Blackwell, sm_100): meshplan.cluster ids
 MXFP8_GPUS = ("b200", "gb200")
 
@@ -234,7 +265,8 @@ TE_EXPERT_GEMM_HOST_S = 25e-6                                                   
 # ---- memory ---------------------------------------------------------------------------------
 # (The CUDA context, NCCL buffers and allocator fragmentation are the cluster's memory_reserved_gb.)
 # Transformer Engine keeps the FP8 copy of each weight and its transpose between the micro-batches of
-# a step (cast once on the first micro-batch, see compute.fp8_weight_cast_time): 1 + 1 bytes/param (derived).
+# a step (cast once on the first micro-batch, see compute.fp8_weight_casts): 1 + 1 bytes/param (derived).
+# (torchao keeps none: its FP8 weights live only inside one linear's forward and backward.)
 FP8_WEIGHT_CACHE_BYTES = 2
 # DeepSpeed ZeRO-3 parameter coordinator defaults (deepspeed.ai/docs/config-json, "ZeRO
 # optimizations": stage3_max_live_parameters 1e9, stage3_prefetch_bucket_size 5e8,

@@ -1,16 +1,17 @@
 """Context parallelism inside a layer: the attention calls each CP implementation runs on one GPU,
-their communication (total and exposed) and the K/V a gathering implementation keeps."""
+their communication (total and exposed), the element-wise work PyTorch's and meshplan's rings run
+around the kernels, and the K/V a gathering implementation keeps."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from meshplan.cost_models import constants as K
-from meshplan.cost_models.attention import AttnShape, layer_calls
+from meshplan.cost_models.attention import AttnCall, AttnShape, layer_calls
 from meshplan.cost_models.comm import collective_time, p2p_time
 from meshplan.cost_models.compute import elementwise_time
 from meshplan.cost_models.context import Context
-from meshplan.cost_models.device import device_of
+from meshplan.cost_models.device import device_of, is_cpu
 from meshplan.ir.profile import BlockProfile
 
 __all__ = [
@@ -20,8 +21,15 @@ __all__ = [
     "cp_comm",
     "cp_comm_type",
     "cp_kv_gathered_bytes",
+    "cp_ring_work",
+    "meshplan_cp_merge",
+    "meshplan_ring_backward",
+    "meshplan_ring_calls",
+    "meshplan_ring_forward",
+    "meshplan_ring_tensors",
     "ring_tensors",
     "ring_work_time",
+    "torch_cp_comm",
     "torch_cp_merge",
     "torch_ring_backward",
     "torch_ring_forward",
@@ -76,9 +84,15 @@ def _cp_a2a(b: BlockProfile, c: Context) -> tuple[float, float, float, float]:
 def cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float,
             kind: str | None = None) -> tuple[float, float, float, float]:
     """Context-parallel attention communication of one layer: (fwd total, fwd exposed, bwd total,
-    bwd exposed) seconds. `kind` defaults to the layout's (cp_comm_type)."""
+    bwd exposed) seconds. Stacks that bring their own CP code are priced as that code runs
+    (Stack.cp_impl "torch": torch_cp_comm; "meshplan": the runtime's ring); otherwise, or when `kind`
+    is given, by kind (Transformer Engine's implementations), `kind` defaulting to the layout's."""
     if c.layout.cp == 1 or not b.heads:
         return 0.0, 0.0, 0.0, 0.0
+    if kind is None and c.stack.cp_impl == "torch":
+        return torch_cp_comm(b, c, t_attn_fwd, t_attn_bwd)
+    if kind is None and c.stack.cp_impl == "meshplan" and not runs_dense_band(b, c):
+        return _meshplan_ring_comm(b, c, t_attn_fwd, t_attn_bwd)
     kind = kind or cp_comm_type(c.layout)
     if kind == "all_gather":
         return _cp_all_gather(b, c)
@@ -88,8 +102,10 @@ def cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float,
 
 
 def cp_kv_gathered_bytes(b: BlockProfile, c: Context) -> float:
-    """Activation bytes all-gather CP keeps beyond the local chunk: the other ranks' K and V."""
-    if c.layout.cp == 1 or not b.heads or cp_comm_type(c.layout) != "all_gather":
+    """Activation bytes all-gather CP keeps beyond the local chunk: the other ranks' K and V.
+    PyTorch's ring keeps none: autograd saves the local query, key and value of the SDPA call it
+    replaces, and its backward all-gathers K/V again (torch_cp_comm)."""
+    if c.layout.cp == 1 or not b.heads or cp_comm_type(c.layout) != "all_gather" or c.stack.cp_impl == "torch":
         return 0.0
     return 2 * K.BF16 * c.tokens * (c.layout.cp - 1) * b.kv_dim / c.layout.tp
 
@@ -99,6 +115,9 @@ def attention_shape(b: BlockProfile, c: Context) -> AttnShape:
     query heads of this TP rank, split by the layout's CP implementation (attention.layer_calls)."""
     L = c.layout
     hd = b.head_dim or 128
+    if L.cp > 1 and c.stack.cp_impl == "meshplan" and not runs_dense_band(b, c):
+        return meshplan_ring_calls(c.seq_len, L.mbs * b.heads / L.tp, L.cp, causal=b.causal,
+                                   head_dim=max(hd, b.v_head_dim or hd))
     if runs_dense_band(b, c):
         return layer_calls(c.seq_len, L.mbs * b.heads / L.tp, causal=False, cp=L.cp, cp_kind=cp_comm_type(L),
                            head_dim=hd)
@@ -281,3 +300,162 @@ def torch_cp_merge(b: BlockProfile, c: Context) -> tuple[float, float]:
     fwd = torch_ring_forward(t, c.layout.cp, compiled=compiled)
     bwd = torch_ring_backward(t, c.layout.cp, compiled=compiled)
     return ring_work_time(fwd, c.cluster), ring_work_time(bwd, c.cluster)
+
+
+def torch_cp_comm(b: BlockProfile, c: Context, t_attn_fwd: float, t_attn_bwd: float) -> tuple[float, float, float, float]:
+    """PyTorch context_parallel's communication for one layer on one rank (fwd total, fwd exposed,
+    bwd total, bwd exposed), with the all-gather rotater, torch's default (`_cp_options.rotate_method`)
+    and torchtitan's (`context_parallel_rotate_method = "allgather"`). Counted from
+    `_templated_ring_attention`, `_templated_ring_attention_backward` and the rotater classes:
+
+    - the K/V it moves are those SDPA gets: torchtitan repeats the K/V heads to the query heads
+      before SDPA (repeat_kv in its Llama attention), so K and V are each as large as Q (ring_tensors);
+    - forward: one all-gather of the packed bf16 K/V (`_AllGatherRotater`: `all_gather_single` at
+      step 0, waited for at step 1), overlapping step 0's attention (the local chunk, 1/cp of the
+      rank's attention);
+    - backward: the same all-gather again (nothing was kept), overlapping step 0's attention
+      backward; and at each of the cp steps the accumulated fp32 dK/dV sent to the next rank
+      (`_AllToAllRotater`, forced for the gradients: `permute_tensor`, an all-to-all in which each
+      rank sends its whole buffer to one peer: a point-to-point transfer). Step i's gradients are
+      waited for after step i+1's attention backward, which hides them up to that step's length; the
+      last step's are waited for after the loop, behind nothing. The all-gather and the all-to-alls
+      run in order on the group's one stream, so a step pays what its transfer outlasts its attention."""
+    L = c.layout
+    t = ring_tensors(b, c)
+    kv = t.k + t.v
+    gather = collective_time("all_gather", L.cp * K.BF16 * kv, c.cp, c.cluster)
+    dkv = p2p_time(K.FP32 * kv, c.cluster, cross_domain=c.cp.domains > 1)
+    if not c.cluster.gpu.comm_overlap:
+        t_attn_fwd = t_attn_bwd = 0.0
+    step_f, step_b = t_attn_fwd / L.cp, t_attn_bwd / L.cp
+    fwd_exp = max(0.0, gather - step_f)
+    bwd_exp = max(0.0, gather - step_b) + (L.cp - 1) * max(0.0, dkv - step_b) + dkv
+    return gather, fwd_exp, gather + L.cp * dkv, bwd_exp
+
+
+def cp_ring_work(b: BlockProfile, c: Context) -> tuple[float, float]:
+    """(forward, backward) seconds of element-wise work the stack's CP implementation runs beside
+    the attention kernels of one layer on one rank: PyTorch's ring (torch_cp_merge) or meshplan's
+    (meshplan_cp_merge); Transformer Engine's merges run inside its own CP kernels (0 here)."""
+    if c.stack.cp_impl == "torch":
+        return torch_cp_merge(b, c)
+    if c.stack.cp_impl == "meshplan":
+        return meshplan_cp_merge(b, c)
+    return 0.0, 0.0
+
+
+# ---- meshplan's ring attention (meshplan/runtime/context_parallel.py, `_RingAttention`) -------------
+# Each rank holds chunks r and 2cp-1-r of c = seq/(2cp) tokens. Step s works on the K/V of rank
+# r - s, one flash-attention call per unmasked (query chunk, key chunk) pair (`_blocks`): at step 0
+# two diagonal (causal) c x c calls and one full one, at every other step two full c x c calls, so
+# 2cp + 1 calls of c x c (4cp without a causal mask), against Transformer Engine's one call per step.
+# The kernel is FlashAttention-2 for bf16/fp16 (the memory-efficient kernel otherwise): no score
+# block is held, the kernel returns each block's output and LSE. Around each call, eagerly: under
+# torch.compile the ring's point-to-point sends break the graph ("P2P compilation disabled"), a break
+# inside its step loop leaves the loop to run eagerly, and only the per-call kernel helper is
+# compiled, alone (torch._dynamo.explain on ring_attention over a fake 2-rank group, torch 2.13):
+#   forward, per call: K and V repeated to the query heads (repeat_interleave: one copy each, GQA
+#     only); sigmoid(block_lse - lse) (2 kernels over the half's LSE rows); the block output cast
+#     to fp32; lerp_ of the fp32 running output towards it; logaddexp into the LSE: 5 kernels;
+#     once: the fp32 running output and LSE (zeros, full), torch.stack([k, v]), the final cast.
+#   backward, per call: the repeats; the LSE half made contiguous; the kernel's backward; dK/dV
+#     summed back over the head groups (GQA only); three fp32 += of dQ, dK, dV;
+#     once: fp32 dQ and dK/dV zeros, torch.stack([k, v]), the three final casts.
+#   communication: K/V (kv heads, bf16) shifted to the next rank at each of cp-1 steps, started
+#     before the step's calls and waited for after them; in backward also the fp32 dK/dV, sent after
+#     the step's calls and waited for at once (`ring.finish(ring.start_shift(dkv, ...))`), at all
+#     cp steps: nothing overlaps those.
+# A rank's query half a and key half b are tokens/2 each: a call's tensors are half the rank's.
+
+
+def meshplan_ring_calls(seq_len: float, batch_heads: float, cp: int, *, causal: bool,
+                        head_dim: float = 128.0) -> AttnShape:
+    """The flash-attention calls one rank runs for one layer of meshplan's ring (see above)."""
+    if cp < 2:
+        raise ValueError(f"meshplan's ring needs cp >= 2, got {cp}")
+    c = float(seq_len) / (2 * cp)
+    if not causal:
+        return AttnShape(batch_heads, (AttnCall(c, c, False, 4.0 * cp),), head_dim)
+    return AttnShape(batch_heads, (AttnCall(c, c, True, 2.0), AttnCall(c, c, False, 2.0 * cp - 1)), head_dim)
+
+
+def meshplan_ring_tensors(b: BlockProfile, c: Context) -> RingTensors:
+    """The ring's tensors for block `b` on one rank, K and V at the key/value heads as the runtime
+    keeps and sends them; heads of unequal query and value widths (MLA) are padded to the wider."""
+    n = c.tokens / c.layout.tp
+    w = max(b.head_dim, b.v_head_dim or b.head_dim)
+    return RingTensors(out=n * b.heads * w, q=n * b.heads * w, k=n * b.kv_heads * w, v=n * b.kv_heads * w,
+                       lse=n * b.heads)
+
+
+def _ring_calls(cp: int, causal: bool) -> int:
+    return 2 * cp + 1 if causal else 4 * cp
+
+
+def _repeats(t: RingTensors, calls: int) -> RingWork:
+    """K and V halves repeated to the query heads before each call (GQA on CUDA)."""
+    if t.k >= t.q:
+        return RingWork()
+    one = K.BF16 * (t.k + t.v) / 2 + K.BF16 * 2 * t.q / 2     # read the kv-head halves, write query-head ones
+    return RingWork(one, 2).times(calls)
+
+
+def meshplan_ring_forward(t: RingTensors, cp: int, *, causal: bool = True) -> RingWork:
+    """Element-wise work of one layer's forward through meshplan's ring on one rank."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if cp == 1:
+        return RingWork()
+    n = _ring_calls(cp, causal)
+    o, l = t.out / 2, t.lse / 2                  # one call's output elements and LSE rows
+    # the block output to fp32, lerp_ of the running output (reading the [.., 1] weight); over the
+    # LSE rows a difference, a sigmoid and a logaddexp
+    merge = RingWork((_H + _F) * o + 3 * _F * o + _F * l, 2) + RingWork((3 + 2 + 3) * _F * l, 3)
+    once = RingWork(_F * (t.out + t.lse), 2) + RingWork(2 * _H * (t.k + t.v), 1) + RingWork((_F + _H) * t.out, 1)
+    return once + (merge + _repeats(t, 1)).times(n)
+
+
+def meshplan_ring_backward(t: RingTensors, cp: int, *, causal: bool = True) -> RingWork:
+    """Element-wise work of one layer's backward through meshplan's ring on one rank."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if cp == 1:
+        return RingWork()
+    n = _ring_calls(cp, causal)
+    q, kv, l = t.q / 2, (t.k + t.v) / 2, t.lse / 2
+    per_call = RingWork(2 * _F * l, 1) + RingWork(_ACC * (q + kv), 3)
+    if t.k < t.q:                                 # dK, dV summed from the query heads to the kv heads
+        per_call = per_call + _repeats(t, 1) + RingWork(_H * (2 * q + kv), 2)   # read dK, dV at q heads
+    once = (RingWork(_F * (t.q + t.k + t.v), 2) + RingWork(2 * _H * (t.k + t.v), 1)
+            + RingWork((_F + _H) * (t.q + t.k + t.v), 3))
+    return once + per_call.times(n)
+
+
+def meshplan_cp_merge(b: BlockProfile, c: Context) -> tuple[float, float]:
+    """(forward, backward) seconds meshplan's ring adds to one layer's attention on one GPU beyond
+    the flash kernels. CPU processes are left to host.cp_host_time, which prices the ring's per-call
+    ops by their measured cost there."""
+    if c.layout.cp == 1 or not b.heads or is_cpu(c.cluster):
+        return 0.0, 0.0
+    t = meshplan_ring_tensors(b, c)
+    fwd = meshplan_ring_forward(t, c.layout.cp, causal=b.causal)
+    bwd = meshplan_ring_backward(t, c.layout.cp, causal=b.causal)
+    return ring_work_time(fwd, c.cluster), ring_work_time(bwd, c.cluster)
+
+
+def _meshplan_ring_comm(b: BlockProfile, c: Context, t_attn_fwd: float,
+                        t_attn_bwd: float) -> tuple[float, float, float, float]:
+    """meshplan's ring's communication for one layer (fwd total, fwd exposed, bwd total, bwd exposed):
+    cp-1 bf16 K/V shifts each way, hidden behind their step's calls; in backward also cp fp32 dK/dV
+    shifts, each waited for as soon as it is sent (exposed whole)."""
+    L = c.layout
+    t = meshplan_ring_tensors(b, c)
+    cross = c.cp.domains > 1
+    kv = p2p_time(K.BF16 * (t.k + t.v), c.cluster, cross_domain=cross)
+    dkv = p2p_time(K.FP32 * (t.k + t.v), c.cluster, cross_domain=cross)
+    if not c.cluster.gpu.comm_overlap:
+        t_attn_fwd = t_attn_bwd = 0.0
+    steps = L.cp - 1
+    fwd_exp = steps * max(0.0, kv - t_attn_fwd / L.cp)
+    bwd_exp = steps * max(0.0, kv - t_attn_bwd / L.cp) + L.cp * dkv
+    return steps * kv, fwd_exp, steps * kv + L.cp * dkv, bwd_exp

@@ -18,12 +18,16 @@ from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per
 from meshplan.cost_models.layer import Context
 from meshplan.cost_models.memory import (
     adam_bytes,
+    autocast_runs,
+    fp8_cache_bytes,
     fp8_copies_held,
     deepep_buffer_bytes,
     grad_bytes,
     grad_store_bytes,
     optimizer_bytes,
+    peak_gradient_bytes,
     state_bytes,
+    weight_copy_bytes,
     zero3_working_bytes,
 )
 from meshplan.cost_models.muon import muon_rank_memory, muon_rank_time
@@ -111,6 +115,13 @@ def _collective_pair(kind: str, nbytes_d: float, nbytes_e: float, g: _DPGroups, 
     return collective_time(kind, nbytes_d, dense_group or g.dp, cluster) + collective_time(kind, nbytes_e, g.edp, cluster)
 
 
+def _gather_bytes(w: RankWork) -> float:
+    """Bytes of the dense weights one ZeRO-3 all-gather of the rank's layers brings: BF16, but 1 byte
+    per element for those torchao hands FSDP2 in FP8 (w.fp8_gathered: fsdp_utils.py
+    fsdp_pre_all_gather returns the shard's FP8 data, its scale travels as metadata)."""
+    return K.PARAM_BYTES * (w.dparams - w.fp8_gathered) + K.FP8 * w.fp8_gathered
+
+
 def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float,
                        fitted: K.Fitted = K.FITTED) -> tuple[float, float]:
     """FSDP2 under torch.distributed.pipelining (Stack.pp_fsdp_deferred): a micro-batch's backward
@@ -120,7 +131,7 @@ def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m:
     forward and again for its backward. The step-end reduce-scatter has no backward left to hide
     behind; the gathers are prefetched ahead of each forward / backward as without PP."""
     units = _zero3_units(L, [blocks[i] for i in w.layers])
-    ag = units * _collective_pair("all_gather", K.PARAM_BYTES * w.dparams / units, K.PARAM_BYTES * w.eparams / units,
+    ag = units * _collective_pair("all_gather", _gather_bytes(w) / units, K.PARAM_BYTES * w.eparams / units,
                                   g, cluster)
     rs = units * _collective_pair("reduce_scatter", gb * w.dparams / units, gb * w.eparams / units, g, cluster)
     eta = _fsdp_overlap(L, cluster, fitted)
@@ -139,7 +150,7 @@ def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, g
     latency: ring all-gather / reduce-scatter take n-1 steps, which dominates at thousands of ranks
     (SC'21 Table 2's ZeRO-3 throughput falling with N)."""
     units = _zero3_units(L, [blocks[i] for i in w.layers])
-    ag = units * _collective_pair("all_gather", K.PARAM_BYTES * w.dparams / units, K.PARAM_BYTES * w.eparams / units,
+    ag = units * _collective_pair("all_gather", _gather_bytes(w) / units, K.PARAM_BYTES * w.eparams / units,
                                   g, cluster)
     rs = units * _collective_pair("reduce_scatter", gb * w.dparams / units, gb * w.eparams / units, g, cluster)
     eta = _fsdp_overlap(L, cluster, fitted)
@@ -239,10 +250,23 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
             mem[k] = mem.get(k, 0.0) + extra
     # the FP8 weight copies kept between micro-batches: the layers' (the embedding and output layer run BF16)
     fp8_held = fp8_copies_held(w.dparams - w.edge_params, w.eparams, L)
-    mem["fp8_cache"] = K.FP8_WEIGHT_CACHE_BYTES * fp8_held if fp8 else 0.0
+    mem["fp8_cache"] = fp8_cache_bytes(stack) * fp8_held if fp8 else 0.0
     if fp8 and fp8_primary and not (L.zero >= 3 and shard > 1):
         # FP8 primary weights (Megatron-Core --fp8-param-gather): no BF16 working copy beside them
         mem["weights"] = max(0.0, mem["weights"] - K.PARAM_BYTES * fp8_held)
+    if getattr(stack, "master_weights", "fp32") == "params" and autocast_runs(L):
+        # fp32 parameters (the optimizer's main copy, in "optimizer") under autocast: the weights are
+        # the bf16 copies the layers keep for backward, and the gradients exist only from the
+        # backward on (memory.weight_copy_bytes, memory.peak_gradient_bytes)
+        head = profile.head_params or (profile.embedding_params if profile.tied_embeddings else 0)
+        eager_head = head / L.tp if r == L.pp - 1 and not fused_loss(profile, L.tp) else 0.0
+        mem["weights"] = weight_copy_bytes([blocks[i] for i in w.layers], L, stack,
+                                           fp8_weights=w.fp8_weights if fp8 else 0.0, head_weights=eager_head,
+                                           in_flight=in_flight(L.schedule, m, L.pp, L.vp, r))
+        # the output layer's and final norm's gradients come first (a tied embedding's with them)
+        emb = profile.embedding_params / L.tp if r == 0 and not profile.tied_embeddings else 0.0
+        first = gs * (w.edge_params - emb) if r == L.pp - 1 else 0.0
+        mem["gradients"] = peak_gradient_bytes(mem["gradients"], first, mem["activations"] + mem["weights"], m)
     if L.moe_dispatcher == "deepep" and L.ep > 1 and any(blocks[i].is_moe for i in w.layers):
         # DeepEP's registered NVLink/RDMA buffers, one per process (memory.deepep_buffer_bytes); only
         # present where DeepEP runs, so other layouts keep their categories
@@ -337,16 +361,19 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
         dp, opt_max = _with_muon(dp, ranks, profile, L, cluster, groups, opt_max)
     mem_stages: list[dict[str, float]] = []
     for r, w in enumerate(ranks):
-        if w.twin is None:
+        # a twin holds what its twin holds but for the micro-batches in flight, and so, where the
+        # runtime's bf16 weight copies are per micro-batch (Stack.master_weights "params"), its own
+        if w.twin is None or stack.master_weights == "params":
             mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred,
                                            grad_store_bytes(L, stack),
                                            fp8_primary=L.fp8_recipe in stack.fp8_param_gather, stack=stack))
-        else:       # a twin holds what its twin holds but for the micro-batches in flight
+        else:
             mem_stages.append(dict(mem_stages[w.twin],
                                    activations=_activation_bytes(w, r, profile, L, m, ctx.tokens) / GB))
     if off is not None:     # the offloaded activations move to the host (a category apart)
         offload_memory(mem_stages, off, GB, frees_device_memory(cluster))
-    # FP8 weights are quantised once per step (first micro-batch), not per micro-batch
+    # the FP8 weight casts a stack runs once a step (Transformer Engine's cache fill; per micro-batch
+    # ones are in the ranks' forward and backward: compute.fp8_weight_casts)
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
     overhead = dev.step_overhead(profile, cluster, L, ranks, stack)
     step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead

@@ -31,8 +31,8 @@ from meshplan.cost_models.context import (
     is_fp8_linear,
     unfused_of,
 )
-from meshplan.cost_models.cp import (attention_shape, cp_comm, cp_comm_type, cp_kv_gathered_bytes, runs_dense_band,
-                                     torch_cp_merge)
+from meshplan.cost_models.cp import (attention_shape, cp_comm, cp_comm_type, cp_kv_gathered_bytes, cp_ring_work,
+                                     runs_dense_band)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.cost_models.moe_load import expected_max_std_normal, load_factor, moe_load_factor, routing_layout
 from meshplan.ir.profile import BlockProfile
@@ -109,7 +109,10 @@ def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
         # frees them once attention's forward has run)
         qkv = 0 if policy == MLA_UP and b.latent_dim else b.q_dim + b.kv_dim + b.v_dim
         shard += K.BF16 * qkv
-        if not sac:       # SAC re-runs the output projection; TE's FP8 Linear keeps its input in FP8
+        # SAC re-runs the output projection; TE's FP8 Linear keeps its input in FP8; where the
+        # projection's input is the kernel's saved output (Stack.attn_out_shared: SDPA's, not a CP
+        # ring's, whose merged output is a fresh tensor the projection copies) it is counted below
+        if not sac and not (c.stack.attn_out_shared and L.cp == 1 and policy != "selective"):
             shard += K.BF16 * b.o_dim * half
         if policy != "selective":       # the flash kernel's own saved output + LSE (selective re-runs it)
             shard += K.BF16 * b.o_dim + K.FP32 * b.heads
@@ -459,8 +462,8 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
         shape = attention_shape(b, c)
         a_fwd = attention_time(attn_flops, c.cluster, backward=False, kernel=c.attn_kernel, shape=shape, fitted=c.fitted)
         a_bwd = attention_time(attn_flops, c.cluster, backward=True, kernel=c.attn_kernel, shape=shape, fitted=c.fitted)
-        if L.cp > 1 and b.heads and c.stack.cp_impl == "torch":
-            m_f, m_b = torch_cp_merge(b, c)
+        if L.cp > 1 and b.heads:      # the CP implementation's merges and copies around the kernels
+            m_f, m_b = cp_ring_work(b, c)
             a_fwd, a_bwd = a_fwd + m_f, a_bwd + m_b
     else:
         # two batched GEMMs at matmul efficiency (no causal skipping) + memory-bound softmax passes

@@ -16,6 +16,11 @@ of the weights (`Stack.master_weights`, master_bytes):
 "fp32" is Megatron-LM's distributed optimizer (K.OPTIMIZER_BYTES) and Transformer Engine's FusedAdam
 (exp_avg_dtype=exp_avg_sq_dtype=bf16 for the "bf16" row; Megatron-Core --exp-avg-dtype/--exp-avg-sq-dtype
 bf16). "remainders" is Apex's DistributedFusedAdam under NeMo 1.x (master_bytes).
+"params" is torch.optim over fp32 parameters (meshplan's runtime): the fp32 parameters are the main
+copy, counted in the optimizer term as "fp32" counts its copy (4 + 8 = 12 with fp32 moments), and no
+bf16 parameters exist; what the "weights" term holds then is the bf16 compute copies the run makes of
+them (weight_copy_bytes), and with one micro-batch a step the gradients exist only from the backward
+on (peak_gradient_bytes).
 With `Layout.optimizer="muon"` the hidden matrices hold fp32 master + momentum, 4 + 4 = 8 bytes per
 parameter, and the embedding, head and final norm keep AdamW's bytes (cost_models/muon.py, which
 also prices the step's transient buffers).
@@ -25,8 +30,11 @@ from __future__ import annotations
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.muon import MUON_MATRIX_BYTES
+from meshplan.cost_models.ranks import _WHOLE_ON_TP
+from meshplan.ir.support import runs_as_ddp
 
-__all__ = ["master_bytes", "fp8_copies_held", "state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
+__all__ = ["master_bytes", "fp8_copies_held", "fp8_cache_bytes", "autocast_runs", "linear_weights_held",
+           "weight_copy_bytes", "peak_gradient_bytes", "state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
 # Adam's two moments in the layout's optimizer_dtype
 _MOMENT_BYTES = {"fp32": K.FP32, "bf16": K.BF16}
@@ -45,6 +53,7 @@ def master_bytes(layout, stack=None) -> float:
     of its fp32 value). So 2 bytes with fp32 moments, none with bf16 moments."""
     if getattr(stack, "master_weights", "fp32") == "remainders":
         return K.BF16 if getattr(layout, "optimizer_dtype", "fp32") == "fp32" else 0.0
+    # "fp32" and "params" (the fp32 parameters themselves are the main copy) alike
     return K.FP32
 
 
@@ -96,6 +105,80 @@ def fp8_copies_held(dense_params: float, expert_params: float, layout) -> float:
     if layout.zero >= 3 and layout.shard > 1:
         return dense_params / layout.shard + expert_params / layout.edp
     return dense_params + expert_params
+
+
+def fp8_cache_bytes(stack=None) -> float:
+    """Bytes per FP8-run weight of the FP8 copies kept between a step's micro-batches: Transformer
+    Engine's weight cache (the FP8 weight and its transpose, K.FP8_WEIGHT_CACHE_BYTES); none with
+    torchao, whose Float8Linear casts the weight in each forward and saves the high-precision weight
+    itself for backward (torchao/float8/float8_linear.py matmul_with_hp_or_float8_args; a compiled
+    block keeps the parameter too, which torch/_functorch/config.py treat_parameters_as_free_to_save
+    makes free to save: the fp32 weights were all a compiled torchao block kept of them on CPU)."""
+    return 0.0 if getattr(stack, "fp8_impl", "te") == "torchao" else K.FP8_WEIGHT_CACHE_BYTES
+
+
+def autocast_runs(layout) -> bool:
+    """Whether meshplan's runtime gives this layout its mixed precision by autocast over fp32
+    parameters rather than FSDP2's bf16 parameter copies: one data-parallel rank (runtime/ddp.py
+    data_parallel_mode: no wrapper) or DDP (ir.support.runs_as_ddp); runtime/steps.py data_parallel
+    applies ddp.autocast_forward in both cases."""
+    return layout.dp * layout.cp == 1 or runs_as_ddp(zero=layout.zero, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                                                      cp=layout.cp, ep=layout.ep, etp=layout.etp)
+
+
+def linear_weights_held(block, layout) -> float:
+    """Elements of `block`'s linear weights one GPU holds: dense ones over TP (those TP keeps whole
+    on every rank in full), routed experts over EP x ETP."""
+    n = 0.0
+    for li in block.linears:
+        if li.role in ("expert_in", "expert_out"):
+            n += li.in_features * li.out_features * li.count / (layout.ep * layout.etp)
+        else:
+            n += li.in_features * li.out_features * li.count / (1 if li.role in _WHOLE_ON_TP else layout.tp)
+    return n
+
+
+def weight_copy_bytes(blocks, layout, stack, *, fp8_weights: float = 0.0, head_weights: float = 0.0,
+                      in_flight: float = 1.0) -> float:
+    """Bytes of the bf16 compute copies of its weights a rank holds at its peak where the optimizer
+    updates the fp32 parameters themselves (Stack.master_weights="params") and autocast gives the
+    mixed precision (autocast_runs); `blocks`: the rank's layers in execution order.
+
+    Autocast casts a weight at each use (runtime/ddp.py autocast_forward) and the matmul saves the
+    bf16 copy for its backward, so a layer's linear weights are held in bf16 from its forward to its
+    backward, once per micro-batch in flight; torch.compile of the block keeps them too (the
+    partitioner saves the casts). Not held: the weights of FP8 linears (`fp8_weights`, elements:
+    torchao saves the fp32 parameter itself), those of fully recomputed layers and of layers under
+    meshplan's selective checkpointing (its policy saves only matmul outputs and re-runs the casts
+    in backward: runtime/recompute.py), the embedding (a lookup, not cast: ddp.cast_embeddings casts
+    its output) and the norms (kernels/lean.py computes with the fp32 weight). `head_weights`: the
+    output layer's elements on this rank where its matmul runs eagerly under autocast and saves the
+    copy (the fused linear + cross-entropy keeps its gradients, not the weight: kernels/linear_ce.py
+    _setup; the caller passes 0 then). Where FSDP2 runs instead, its bf16 parameters are the weights
+    term as state_bytes counts them."""
+    sac = getattr(stack, "selective_sac", False)
+    held = 0.0
+    for j, b in enumerate(blocks):
+        policy = layout.recompute_policy(j)
+        if policy == "full" or policy == "selective" and sac:
+            continue
+        held += linear_weights_held(b, layout)
+    return K.BF16 * (max(0.0, held - fp8_weights) + head_weights) * in_flight
+
+
+def peak_gradient_bytes(full: float, first: float, freed: float, microbatches: int) -> float:
+    """Gradient bytes a rank holds at its peak where the runtime frees the gradients after each
+    optimizer step (ParallelModel.zero_grad sets every p.grad to None: runtime/model.py) and the step
+    has one micro-batch: no gradient exists while the forward's activations are kept, and the backward
+    allocates them as it frees activations. `full`: all the rank's gradient bytes; `first`: those the
+    backward produces before it frees anything (the output layer's and final norm's); `freed`: the
+    activation and compute-copy bytes the backward releases. The peak is either at the backward's
+    start (activations + `first`) or at the optimizer step (all gradients, no activations): this
+    returns what it adds to the activations, max(first, full - freed). With more micro-batches the
+    earlier ones' gradients are held through the later forwards: `full`."""
+    if microbatches > 1:
+        return full
+    return min(full, max(first, full - freed))
 
 
 def zero3_working_bytes(layout, blocks, grad_elem_bytes: float) -> tuple[float, float]:

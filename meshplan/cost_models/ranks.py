@@ -15,12 +15,13 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time
 from meshplan.cost_models.compute import (
     elementwise_time,
-    fp8_weight_cast_time,
+    fp8_weight_casts,
     gemm_time,
     grad_accumulation_time,
 )
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.layer import Context, activation_bytes, is_fp8_linear, layer_cost
+from meshplan.cost_models.roofline import fp8_weight_gathered
 from meshplan.ir.layout import Layout
 from meshplan.ir.profile import ModelProfile
 from meshplan.kernels.fusion import (
@@ -174,7 +175,9 @@ class RankWork:
 
     fb: float = 0.0                 # forward + backward (+ recompute) seconds, exposed comm included
     wgrad: float = 0.0              # weight-gradient GEMMs inside the backward
-    cast: float = 0.0               # once-per-step FP8 weight cast
+    cast: float = 0.0               # once-per-step FP8 weight casts (compute.fp8_weight_casts)
+    fp8_gathered: float = 0.0       # of dparams: weights FSDP all-gathers in FP8 (roofline.fp8_weight_gathered)
+    fp8_weights: float = 0.0        # of dparams + eparams: weights whose GEMMs run in FP8 (memory.weight_copy_bytes)
     t_f: float = 0.0                # forward seconds (DP/FSDP gathers hide behind it)
     t_b: float = 0.0                # backward + recompute seconds (reduce-scatters hide behind it)
     dparams: float = 0.0            # dense parameters held (after TP)
@@ -188,21 +191,23 @@ class RankWork:
     twin: int | None = None         # an earlier pipeline rank with the same work (the estimate's copy)
 
 
-def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> float:
-    """Weights of block `b` held by one GPU that run their GEMMs in FP8 (the router stays BF16)."""
-    n = 0.0
+def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> tuple[float, float]:
+    """(dense, expert) weights of block `b` held by one GPU that run their GEMMs in FP8 (the router
+    stays BF16)."""
+    dense = expert = 0.0
     for li in b.linears:
         if not is_fp8_linear(li, ctx):
             continue
-        div = (layout.ep * layout.etp if li.role in ("expert_in", "expert_out")
-               else 1 if li.role in _WHOLE_ON_TP else layout.tp)
-        n += li.in_features * li.out_features * li.count / div
-    return n
+        if li.role in ("expert_in", "expert_out"):
+            expert += li.in_features * li.out_features * li.count / (layout.ep * layout.etp)
+        else:
+            dense += li.in_features * li.out_features * li.count / (1 if li.role in _WHOLE_ON_TP else layout.tp)
+    return dense, expert
 
 
-def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float, float]:
+def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float, tuple[float, ...]]:
     """Accumulate the rank's transformer layers into `w`; returns (forward, backward + recompute)
-    seconds and the weights held that run in FP8.
+    seconds and the (dense, expert) weights held that run in FP8, then those of fully recomputed layers.
 
     Most pipeline ranks hold the same sequence of layers (same blocks, policies and FP8 flags), and
     candidates that differ only in what the layer table does not see (dp, zero, schedule, pp
@@ -231,7 +236,7 @@ def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
     """The sums _add_layers applies: (fwd, bwd, fp8 weights, parts, comm, (wgrad, act,
     largest fully recomputed layer, dense params, expert params))."""
     w = RankWork(layers=list(layers))
-    fwd = bwd = fp8_w = 0.0
+    fwd = bwd = fp8_d = fp8_e = full_d = full_e = 0.0
     cluster = table.ctx.cluster
     dev = device_of(cluster)
     for j, i in enumerate(w.layers):
@@ -256,8 +261,11 @@ def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
         w.dparams += (b.params - b.expert_params - folded) / L.tp + folded
         w.eparams += b.expert_params / (L.ep * L.etp)
         if table.layer_fp8[i] is not False:
-            fp8_w += _fp8_weight_elements(b, L, table.ctx_of(i))
-    return fwd, bwd, fp8_w, dict(w.parts), dict(w.comm), (w.wgrad, w.act, w.largest_full, w.dparams, w.eparams)
+            d, e = _fp8_weight_elements(b, L, table.ctx_of(i))
+            fp8_d, fp8_e = fp8_d + d, fp8_e + e
+            if pol == "full":
+                full_d, full_e = full_d + d, full_e + e
+    return fwd, bwd, (fp8_d, fp8_e, full_d, full_e), dict(w.parts), dict(w.comm), (w.wgrad, w.act, w.largest_full, w.dparams, w.eparams)
 
 
 def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int) -> tuple[float, float]:
@@ -325,8 +333,19 @@ def rank_work(profile: ModelProfile, table: LayerTable, ctx: Context, layers: li
     """Pipeline rank `r` of `p` holding `layers`, for one micro-batch."""
     L = ctx.layout
     w = RankWork(layers=list(layers))
-    fwd, bwd, fp8_w = _add_layers(w, table, L)
-    w.cast = fp8_weight_cast_time(fp8_w, ctx.cluster, ctx.fp8_recipe, ctx.stack)
+    fwd, bwd, (fp8_d, fp8_e, full_d, full_e) = _add_layers(w, table, L)
+    # the weights' FP8 casts where the stack runs them: once a step (w.cast), or in each micro-batch
+    casts = fp8_weight_casts(fp8_d, fp8_e, ctx.cluster, L, ctx.fp8_recipe, ctx.stack)
+    gathered = fp8_weight_gathered(L, ctx.fp8_recipe, ctx.stack)
+    # a fully recomputed layer's forward casts its weights again, but for those FSDP gathered in FP8
+    # (Transformer Engine's recompute reads its cached copies: no fwd_s)
+    recast = fp8_weight_casts(0.0 if gathered else full_d, full_e, ctx.cluster, L, ctx.fp8_recipe,
+                              ctx.stack).fwd_s
+    w.cast = casts.step_s
+    fwd, bwd = fwd + casts.fwd_s, bwd + casts.bwd_s + recast
+    w.parts["compute"] += casts.fwd_s + casts.bwd_s + recast
+    w.fp8_gathered = fp8_d if gathered else 0.0
+    w.fp8_weights = fp8_d + fp8_e
     ef, eb = _add_edges(w, profile, ctx, r, p)
     if r == p - 1:
         mf, mb = _add_mtp(w, profile, table, ctx)

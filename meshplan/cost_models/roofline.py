@@ -8,7 +8,8 @@ from meshplan.cost_models import constants as K
 from meshplan.errors import ConfigError
 from meshplan.ir.layout import FP8_RECIPES
 
-__all__ = ["matmul_rate", "hbm_rate", "fp8_recipe_factor", "fp8_quant_bytes", "gemm_roofline", "fp8_cast_time"]
+__all__ = ["matmul_rate", "hbm_rate", "fp8_recipe_factor", "fp8_quant_bytes", "gemm_roofline", "fp8_cast_time",
+           "fp8_weight_gathered", "torchao_precomputes_scales", "torchao_weight_cast_bytes"]
 
 
 # the GEMMs one linear runs per micro-batch (forward, input gradient, weight gradient), each of which
@@ -64,6 +65,38 @@ def fp8_cast_time(m: float, n: float, k: float, cluster, recipe: str, *, weight:
     if eager:
         t += K.FP8_EAGER_LINEAR_FIXED_S[recipe]
     return t / _GEMMS_PER_LINEAR
+
+
+def fp8_weight_gathered(layout, recipe: str, stack) -> bool:
+    """Whether FSDP2 all-gathers the dense FP8 linears' weights in FP8: torchao's float8 all-gather
+    (Float8LinearConfig.enable_fsdp_float8_all_gather wraps each weight in
+    torchao/float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor, whose fsdp_pre_all_gather casts
+    the local shard and hands FSDP its FP8 bytes). torchao takes it only with tensorwise scales (its
+    Float8LinearConfig asserts so); torchtitan turns it on wherever weights are sharded
+    (export/torchtitan.py), as does meshplan's runtime for weights that TP does not shard
+    (runtime/fp8.py: a TP-sharded DTensor weight is gathered in BF16 there; meshplan's is the stack
+    with runtime_checks)."""
+    if stack is None or stack.fp8_impl != "torchao" or recipe != "tensorwise":
+        return False
+    if layout.zero < 3 or layout.shard <= 1:
+        return False
+    return not (stack.runtime_checks and layout.tp > 1)
+
+
+def torchao_precomputes_scales(stack) -> bool:
+    """Whether the stack calls torchao's precompute_float8_dynamic_scale_for_fsdp after each optimizer
+    step (torchtitan does with its FP8 all-gather): one fused amax over every FP8 weight shard and
+    one all-reduce, so each all-gather's cast reuses that scale. meshplan's runtime does not call it,
+    so every gather takes the shard's amax again (fsdp_pre_all_gather: hp_tensor_to_float8_dynamic
+    with reduce_amax)."""
+    return stack is not None and not stack.runtime_checks
+
+
+def torchao_weight_cast_bytes(width: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per element of torchao's casts of a weight stored in `width`
+    bytes (constants, "torchao's weight casts"): the forward's amax and cast, the backward's cast with
+    the saved scale."""
+    return 2 * width + K.FP8, width + K.FP8
 
 
 def gemm_roofline(m: float, n: float, k: float, cluster, *, fp8: bool = False, math_rows: float | None = None,

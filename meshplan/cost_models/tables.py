@@ -29,7 +29,7 @@ from meshplan.cost_models.comm import collective_time, group, p2p_time
 from meshplan.cost_models.compute import (
     attention_time,
     elementwise_time,
-    fp8_weight_cast_time,
+    fp8_weight_casts,
     gemm_time,
     grad_accumulation_time,
     matmul_rate,
@@ -44,7 +44,7 @@ from meshplan.cost_models.layer import (
     routing_layout,
     unfused_of,
 )
-from meshplan.cost_models.memory import fp8_copies_held, grad_store_bytes, optimizer_bytes, state_bytes
+from meshplan.cost_models.memory import fp8_cache_bytes, fp8_copies_held, grad_store_bytes, optimizer_bytes, state_bytes
 from meshplan.cost_models.pipeline import in_flight
 from meshplan.cost_models.ranks import (
     LayerTable,
@@ -210,8 +210,8 @@ class LinearCosts:
     k: float
     weights: float                  # its weights on this GPU
     bf16_s: float                   # one pass of its GEMMs in BF16 (each of the GEMMS_PER_PASS costs this)
-    fp8_s: float                    # the same in FP8, the activations' quantisation included
-    weight_cast_s: float            # the once-per-step FP8 cast of its weights (and their transpose)
+    fp8_s: float                    # the same in FP8, the activations' quantisation (and torchao's weight casts) included
+    weight_cast_s: float            # the once-per-step FP8 casts of its weights (compute.fp8_weight_casts)
     weight_cache_bytes: float       # the FP8 copy of its weights kept between micro-batches
 
 
@@ -243,12 +243,17 @@ class LinearCostTable:
                expert: bool = False) -> LinearCosts:
         c = self.cluster
         held = fp8_copies_held(0.0 if expert else weights, weights if expert else 0.0, self.layout)
+        casts = fp8_weight_casts(0.0 if expert else weights, weights if expert else 0.0, c, self.layout,
+                                 self.layout.fp8_recipe, self.stack)
+        # a micro-batch's weight casts (torchao) ride on its GEMM passes, as the estimate puts them in
+        # each micro-batch's forward and backward
+        per_pass = (casts.fwd_s + casts.bwd_s) / GEMMS_PER_PASS
         return LinearCosts(rows=rows, n=n, k=k, weights=weights,
                            bf16_s=gemm_time(rows, n, k, c, fp8=False, count=count, fitted=self.fitted),
                            fp8_s=gemm_time(rows, n, k, c, fp8=True, count=count, recipe=self.layout.fp8_recipe,
-                                           stack=self.stack, fitted=self.fitted),
-                           weight_cast_s=fp8_weight_cast_time(weights, c, self.layout.fp8_recipe, self.stack),
-                           weight_cache_bytes=K.FP8_WEIGHT_CACHE_BYTES * held)
+                                           stack=self.stack, fitted=self.fitted) + per_pass,
+                           weight_cast_s=casts.step_s,
+                           weight_cache_bytes=fp8_cache_bytes(self.stack) * held)
 
     def linear(self, block_index: int, li) -> LinearCosts:
         """Linear `li` of block `profile.blocks[block_index]`."""

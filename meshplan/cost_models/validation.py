@@ -58,6 +58,8 @@ from meshplan.errors import MeshplanError
 from meshplan.ir.stack import Stack
 from meshplan.ir.layout import Layout, split_layers
 from meshplan.ir.precision import Precision
+from meshplan.cost_models.published_configs import (BRIDGE_PERF_CONFIGS, BRIDGE_PERF_MODEL, NEMO_LAUNCHER_ATTN_KERNEL,
+                                                     NEMO_LAUNCHER_CONFIGS)
 
 __all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
 
@@ -204,9 +206,9 @@ def model_config(row: Row, preset: Callable[[str], Any] | None = None) -> dict[s
     """meshplan model config for the row (None when the architecture is not given). `preset(name)`
     returns a meshplan preset config (meshplan.models.config) whose fields fill what the row leaves
     empty (head_dim, vocab, ...); without it those rows come back incomplete or None. The model a
-    matching performance config trains (_BRIDGE_PERF_MODEL) overrides it."""
+    matching performance config trains (BRIDGE_PERF_MODEL) overrides it."""
     cfg = _row_model(row, preset)
-    return {**cfg, **_BRIDGE_PERF_MODEL.get(row.id, {})} if cfg else cfg
+    return {**cfg, **BRIDGE_PERF_MODEL.get(row.id, {})} if cfg else cfg
 
 
 def _row_model(row: Row, preset: Callable[[str], Any] | None) -> dict[str, Any] | None:
@@ -361,7 +363,7 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
         # forward to avoid per-microbatch all-gathers", parallelize_llama.py of that time)
         lay["reshard_after_forward"] = False
     _add_stack_fields(lay, row, cfg)
-    for k, v in {**_BRIDGE_PERF_CONFIGS.get(row.id, {}), **_NEMO_LAUNCHER_CONFIGS.get(row.id, {})}.items():
+    for k, v in {**BRIDGE_PERF_CONFIGS.get(row.id, {}), **NEMO_LAUNCHER_CONFIGS.get(row.id, {})}.items():
         if k == "recompute" and recompute:
             continue                  # the row's own statement wins
         lay[k] = v
@@ -370,42 +372,6 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     return lay
 
 
-# What Megatron-Bridge's performance configs set and its summary rows do not state, for the rows the
-# configs match exactly (GPU, GPU count, global batch, parallel degrees, precision):
-# NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/{deepseek/deepseek,gpt_oss/gpt_oss,qwen/qwen3}_
-# workload_base_configs.py (DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2: DeepEP dispatch, moe_a2a_overlap,
-# recompute_modules [mla_up_proj, mlp]; GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2: recompute_modules
-# [layernorm, moe_act]; QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: HybridEP dispatch). HybridEP, like
-# DeepEP, sends a token once per destination GPU within NVLink and once per destination node across it:
-# the Layout's "deepep" dispatcher prices both.
-# The model the config trains where it differs from the preset: DeepSeek-V3 with its one MTP depth
-# (pp_layout "Et*4|(t*4|)*14tmL": "m" is the MTP layer).
-_BRIDGE_PERF_MODEL: dict[str, dict[str, Any]] = {"mb-2604.01-deepseekv3-b200": dict(mtp_depth=1)}
-_BRIDGE_PERF_CONFIGS: dict[str, dict[str, Any]] = {
-    "mb-2604.01-deepseekv3-b200": dict(moe_dispatcher="deepep", ep_comm_overlap=True, recompute="mla_up"),
-    "mb-2604.01-gptoss-120b-h100": dict(recompute="norm_act"),
-    "mb-2604.01-qwen3-30b-a3b-h100": dict(moe_dispatcher="deepep"),
-    "mb-2604.01-qwen3-235b-a22b-h100": dict(ep_comm_overlap=True),
-    "mb-2604.01-llama3-70b-h100": dict(tp_comm_overlap=True),
-    "mb-2604.01-llama31-405b-h100": dict(tp_comm_overlap=True, recompute="none"),
-}
-
-
-# What NeMo-Framework-Launcher's config for the model sets and the NeMo 24.07 summary does not state:
-# conf/training/nemotron/nemotron_340b.yaml (tags 24.07-24.12; 24.12 has the summary's pp 8 / vp 12) runs
-# selective recompute and distributed_fused_adam with dtype bf16 (bf16 moments, no main weights: memory.master_bytes)
-_NEMO_LAUNCHER_CONFIGS = {"nemo2407-nemotron-340b-128gpu": dict(recompute="selective", optimizer_dtype="bf16")}
-
-
-# The attention kernel the NeMo 1.x performance runs (NeMo 24.03.01 long-sequence page, NeMo 24.07
-# performance summary) ran: FlashAttention-2, not cuDNN. Transformer Engine would pick cuDNN's fused
-# attention on Hopper (TE 1.4 attention.py: "Select FusedAttention on sm90"), but
-# NeMo-Framework-Launcher's launcher_scripts/conf/config.yaml sets env_vars NVTE_FUSED_ATTN: 0
-# ("Disable cudnn FA until we've tested it more") in every release from 24.01 through 24.07 (tags
-# 24.01, 24.03, 24.03.01, 24.05, 24.07); commit 04b8d098 (2024-08-29, "enable fused attention")
-# removed it for 24.09. With cuDNN disabled TE runs its FlashAttention backend (flash-attn 2).
-# Megatron-LM, the Model Zoo and Megatron-Bridge leave TE's choice (cuDNN on Hopper) in place.
-_NEMO_LAUNCHER_ATTN_KERNEL = "fa2"
 
 
 def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> None:
@@ -418,13 +384,9 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
         # contiguous gradient buffer is then bf16 (NeMo-Framework-Launcher conf/training/gpt3/
         # *_fp8_performance.yaml, optim.grad_sync_dtype)
         lay["grad_dtype"] = "bf16"
-        lay["attn_kernel"] = _NEMO_LAUNCHER_ATTN_KERNEL
-    if fam == "megatron-bridge":
-        # Megatron-Bridge's performance configs reduce and keep gradients in bf16: every LLM
-        # pretraining config's common settings set cfg.ddp.grad_reduce_in_fp32 = False and
-        # cfg.mixed_precision.grad_reduce_in_fp32 = False (scripts/performance/configs/*/
-        # *_llm_pretrain.py, set_*_common_configs; tags v0.2.0-v0.4.2)
-        lay["grad_dtype"] = "bf16"
+        lay["attn_kernel"] = NEMO_LAUNCHER_ATTN_KERNEL
+    if fam == "megatron-bridge":    # every Bridge LLM pretraining perf config: grad_reduce_in_fp32 = False
+        lay["grad_dtype"] = "bf16"  # (scripts/performance/configs/*/*_llm_pretrain.py, v0.2.0-v0.4.2)
     if lay["zero"] == 3:
         if fam == "deepspeed-zero3":
             lay["fsdp_impl"] = "deepspeed"

@@ -58,8 +58,13 @@ EXPERT_GEMMS = ("grouped", "per_expert")
 # master_weights, torch.optim over fp32 parameters); "remainders" Apex's DistributedFusedAdam as NeMo
 # 1.x configures it for a bf16 model (memory.master_bytes): with fp32 Adam state only the low 16 bits
 # of each fp32 main weight, whose high 16 bits are the bf16 parameter itself; with bf16 Adam state
-# nothing, the bf16 parameters being updated in place.
-MASTER_WEIGHTS = ("fp32", "remainders")
+# nothing, the bf16 parameters being updated in place; "params" no bf16 parameters at all: the
+# parameters are fp32 and the optimizer updates them (meshplan's runtime: torch.optim over the model's
+# fp32 parameters, bf16 compute by autocast where no FSDP2 wrapper casts, runtime/ddp.py
+# autocast_forward), so the "weights" a rank holds are the bf16 copies its layers keep for backward
+# and, with one micro-batch a step, its gradients exist only from the backward on
+# (memory.weight_copy_bytes, memory.peak_gradient_bytes).
+MASTER_WEIGHTS = ("fp32", "remainders", "params")
 # Who quantises FP8 linears' tensors (Stack.fp8_impl): "te" Transformer Engine's fused CUDA cast
 # kernels, the same with or without torch.compile; "torchao" torchao's float8 training, whose casts
 # are PyTorch ops that only torch.compile fuses (eager, each is a chain of separate kernels:
@@ -113,6 +118,12 @@ class Stack:
     # keeps param.grad; Megatron-Core's --grad-reduce-in-bf16 makes the buffer itself bf16 (False)
     grads_in_param_dtype: bool = False
     master_weights: str = "fp32"           # MASTER_WEIGHTS
+    # the attention output projection keeps for backward the attention kernel's output itself, not a
+    # copy: PyTorch SDPA's flash output is laid out (batch, seq, heads, head dim), so the projection's
+    # (tokens, heads x head dim) input is a view of it (meshplan's runtime without CP, eager and
+    # compiled; counted by tests/cost_models/test_meshplan_runtime_memory.py). False: Korthikanti's
+    # count, the projection's input apart from the kernel's saved output (2 bytes per element each).
+    attn_out_shared: bool = False
     runtime_checks: bool = False           # the planner applies meshplan.ir.support (meshplan's runtime)
     pp_min_microbatches: bool = False      # torch.distributed.pipelining: at least pp micro-batches a step
     # torch.distributed.pipelining drives FSDP2 under PP: each micro-batch's backward runs without
@@ -227,6 +238,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
           selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
+          # fp32 parameters updated by torch.optim, autocast where no FSDP2 casts (runtime/ddp.py),
+          # SDPA's output kept once for the output projection (cost_models/memory.py)
+          master_weights="params", attn_out_shared=True,
           compile_offloaded=False,
           # measured: one-GPU steps on an H100 (2026-11-24) and an H200 (2026-11-27) left +16 ms and
           # -5 ms beside the rest of the model (benchmarks/results/gpu_suite-*): about 5 ms

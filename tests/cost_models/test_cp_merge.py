@@ -119,8 +119,8 @@ def test_only_pytorch_context_parallel_pays_it(block):
         m_f, m_b = torch_cp_merge(block, c)
         assert m_f > 0 and m_b > 0
         torch_cost, te_cost = layer_cost(block, c, policy="none"), layer_cost(block, te, policy="none")
-        assert torch_cost.fwd_s - te_cost.fwd_s == pytest.approx(m_f, rel=1e-9)
-        assert torch_cost.bwd_s - te_cost.bwd_s == pytest.approx(m_b, rel=1e-9)
+        # compute only: the two CP implementations also communicate differently (cp.torch_cp_comm)
+        assert torch_cost.compute_s - te_cost.compute_s == pytest.approx(m_f + m_b, rel=1e-9)
     assert torch_cp_merge(block, _ctx(16384, 1)) == (0.0, 0.0)
 
 

@@ -209,10 +209,11 @@ def test_sharding_ilp_failure_is_recorded_not_swallowed(monkeypatch):
 
 
 def test_planner_chooses_bf16_adam_moments_only_when_nothing_else_fits():
-    """~4.6B parameters on one H100: fp32 Adam state does not fit (18 bytes/param), bf16 moments do
-    (14); the planner falls back to them and says so. A fixed dtype is honoured either way."""
+    """~5.4B parameters on one H100: fp32 Adam state does not fit (on the meshplan stack the fp32
+    parameters, gradients and moments held at the optimizer step, 16 bytes/param), bf16 moments do
+    (12); the planner falls back to them and says so. A fixed dtype is honoured either way."""
     cl = mp.Cluster(gpu="h100-sxm", num_gpus=1, gpus_per_node=1)
-    big = dict(layers=16, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256)
+    big = dict(layers=20, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256)
     pl = plan(big, cl, seq_len=1024, global_batch=4)
     assert pl.layout.optimizer_dtype == "bf16" and pl.estimate.fits
     assert "no layout fits with fp32 moments" in pl.notes.optimizer_note

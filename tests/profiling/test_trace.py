@@ -17,12 +17,9 @@ from meshplan.ir.fingerprint import fingerprint
 from meshplan.profiling.blocks import find_block_containers, signature
 from meshplan.ir.profile import OP_KINDS
 from meshplan.profiling.trace import trace, trace_graph
+from toy_layers import Layer, mlp, n_params
 
 T = 64  # tokens per sequence in the small traces
-
-
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def roles(block) -> dict[str, str]:
@@ -215,16 +212,6 @@ class LoopMoE(nn.Module):
         return out
 
 
-class Layer(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.norm = nn.LayerNorm(32)
-        self.inner = inner
-
-    def forward(self, x):
-        return x + self.inner(self.norm(x))
-
-
 class Net(nn.Module):
     def __init__(self, layers: list[nn.Module], by_index: bool = False):
         super().__init__()
@@ -243,10 +230,6 @@ class Net(nn.Module):
             for layer in self.layers:
                 x = layer(x)
         return self.head(x)
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
 
 
 def test_untraceable_module_names_its_fqn():

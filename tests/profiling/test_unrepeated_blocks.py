@@ -11,12 +11,9 @@ from torch import nn
 import meshplan.models as mm
 from meshplan.profiling.blocks import find_block_containers
 from meshplan.profiling.trace import trace
+from toy_layers import Layer, mlp, n_params
 
 T = 32
-
-
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def geometry(b) -> tuple:
@@ -61,16 +58,6 @@ def test_one_layer_moe_keeps_its_experts():
     assert p.total_params == n_params(model)
 
 
-class Layer(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.norm = nn.LayerNorm(32)
-        self.inner = inner
-
-    def forward(self, x):
-        return x + self.inner(self.norm(x))
-
-
 class NanoGPTLike(nn.Module):
     """Layers in a ModuleList inside a ModuleDict that also holds the embedding and final norm."""
 
@@ -91,7 +78,7 @@ def test_a_dict_of_mixed_modules_is_not_a_layer_list():
     """The ModuleDict holds an embedding and a norm beside the list: only the list's children are
     layers; a list of lists is looked into, not taken for layers itself."""
     with torch.device("meta"):
-        model = NanoGPTLike([Layer(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))])
+        model = NanoGPTLike([Layer(mlp())])
     (c,) = find_block_containers(model)
     assert c.fqn == "transformer.h" and c.representatives() == ("0",)
     p = trace(model, seq_len=8)
