@@ -376,16 +376,21 @@ def _cluster_for(device_name: str):
 
 
 def predictions(res: dict) -> dict:
-    """The cost model's seconds for every measured call, on the device the numbers came from."""
+    """The cost model's seconds for every measured call, on the device the numbers came from, for the
+    kernel on its own: without the in-step slowdown a training step adds (training_gemm_eff = 1)."""
+    import dataclasses
+
     from meshplan.cost_models import constants as K
     from meshplan.cost_models.attention import AttnCall, AttnShape
-    from meshplan.cost_models.compute import attention_time, elementwise_time
+    from meshplan.cost_models.compute import attention_time
+    from meshplan.cost_models.cp import RingTensors, merge_step, ring_work_time
     from meshplan.cost_models.device import device_of
     from meshplan.cost_models.roofline import gemm_roofline
     cluster = _cluster_for(res["device"])
     if cluster is None:
         return {}
     kernel = {"flash": "fa2", "cudnn": "cudnn"}
+    alone = dataclasses.replace(K.FITTED, training_gemm_eff=1.0)
 
     def attn(r, backward):
         if r.get("backend") not in kernel or "error" in r:
@@ -393,7 +398,7 @@ def predictions(res: dict) -> dict:
         f = attn_flops(r["batch"], r["heads"], r["q_len"], r["k_len"], r["dim"], r["causal"])
         shape = AttnShape(batch_heads=r["batch"] * r["heads"],
                           calls=(AttnCall(q_len=r["q_len"], k_len=r["k_len"], causal=r["causal"]),))
-        return attention_time(f, cluster, backward=backward, kernel=kernel[r["backend"]], shape=shape)
+        return attention_time(f, cluster, backward=backward, kernel=kernel[r["backend"]], shape=shape, fitted=alone)
 
     pred = {"cluster": cluster.gpu.id, "attention": [], "gemm": [], "cp": []}
     for r in res.get("attention", []):
@@ -405,9 +410,11 @@ def predictions(res: dict) -> dict:
         n = r["total"] // r["cp"]
         diag = dict(backend=r["backend"], batch=1, heads=r["heads"], q_len=n, k_len=n, dim=r["dim"], causal=True)
         half = dict(diag, k_len=n // 2, causal=False)
-        merge = (4 + 2 + 4) * r["heads"] * r["dim"] * n + 2 * 4 * r["heads"] * n
+        # one eager log-sum-exp merge per step, as the cost model counts torch's (cp.merge_step)
+        merge = ring_work_time(merge_step(RingTensors(out=n * r["heads"] * r["dim"], q=0, k=0, v=0,
+                                                      lse=n * r["heads"]), compiled=False), cluster)
         steps = r["cp"] - 1
-        pred["cp"].append((attn(diag, False) + steps * (attn(half, False) + elementwise_time(merge, cluster)),
+        pred["cp"].append((attn(diag, False) + steps * (attn(half, False) + merge),
                            attn(diag, True) + steps * attn(half, True)))
     dev = device_of(cluster)
     for r in res.get("gemm", []):
@@ -416,7 +423,7 @@ def predictions(res: dict) -> dict:
             continue
         fp8 = r["variant"] != "bf16"
         recipe = r["variant"].replace("_fast_accum", "") if fp8 else "tensorwise"
-        pred["gemm"].append(gemm_roofline(r["m"], r["n"], r["k"], cluster, fp8=fp8, recipe=recipe)
+        pred["gemm"].append(gemm_roofline(r["m"], r["n"], r["k"], cluster, fp8=fp8, recipe=recipe, fitted=alone)
                             + dev.gemm_fixed_s(cluster, fp8))
     pred["host_launch_s"] = K.HOST_LAUNCH_S
     return pred
@@ -431,7 +438,8 @@ def render(res: dict, pred: dict) -> str:
     lines = [f"# GPU kernel rates {res['date']} on {res['device']} (torch {res['torch']})", "",
              f"Ceilings: copy {_f(c.get('copy_gbs'), '.0f')} GB/s, BF16 matmul {_f(c.get('bf16_matmul_tflops'))} "
              f"TFLOP/s, FP8 matmul {_f(c.get('fp8_matmul_tflops'))} TFLOP/s (8192^3, random data). "
-             f"Predictions: meshplan's GPU cost model for {pred.get('cluster', 'no matching GPU')}.", "",
+             f"Predictions: meshplan's GPU cost model for {pred.get('cluster', 'no matching GPU')}, each kernel on its "
+             "own (a training step runs them at training_gemm_eff of that).", "",
              "## Attention (TFLOP/s of the masked FLOPs; pred = the model's rate for the same call)", "",
              "| backend | heads x dim | seq | batch | causal | fwd | pred fwd | bwd | pred bwd | fwd / BF16 matmul | bwd / BF16 matmul |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -28,6 +28,7 @@ __all__ = [
     "meshplan_ring_forward",
     "meshplan_ring_tensors",
     "ring_tensors",
+    "merge_step",
     "ring_work_time",
     "torch_cp_comm",
     "torch_cp_merge",
@@ -212,7 +213,7 @@ _F, _H = K.FP32, K.BF16
 _ACC = _F + _H + _F          # fp32 accumulator += bf16 block: read both, write the fp32
 
 
-def _merge_step(t: RingTensors, compiled: bool) -> RingWork:
+def merge_step(t: RingTensors, compiled: bool) -> RingWork:
     """`_SDPAMerger.step` on a block of t.out output elements: `out.to(float32)`, then
     out = out - sigmoid(block_lse - lse) * (out - block_out); lse = lse - logsigmoid(lse - block_lse)
     (the block's fp32 copy; the difference, the broadcast product and the subtraction over the output;
@@ -232,11 +233,11 @@ def torch_ring_forward(t: RingTensors, cp: int, *, compiled: bool) -> RingWork:
         return RingWork()
     kv_copy = RingWork(2 * _H * (t.k + t.v), 1)       # K/V made contiguous / packed for the all-gather
     if compiled:     # casts fused into the merges, dead packs dropped (the half-query branch: 9 bytes of the 10)
-        return kv_copy + _merge_step(t, compiled).times(cp - 1)
+        return kv_copy + merge_step(t, compiled).times(cp - 1)
     half = RingTensors(out=t.out / 2, q=t.q / 2, k=t.k, v=t.v, lse=t.lse / 2)
     # the half-query branch merges half the rows, then torch.cat rebuilds the fp32 output and the LSE
     rebuild = RingWork(2 * _F * (t.out + t.lse), 2)
-    merges = _merge_step(t, compiled).most(_merge_step(half, compiled) + rebuild).times(cp - 1)
+    merges = merge_step(t, compiled).most(merge_step(half, compiled) + rebuild).times(cp - 1)
     contiguous = RingWork(2 * _H * (t.k + t.v), 2)     # key.contiguous(), value.contiguous()
     casts = RingWork(2 * (_H + _F) * t.out, 2)         # step 0's output to fp32; results() back to bf16
     # torch.cat([key.flatten(), value.flatten()]) at every step but the last: the all-gather rotater
