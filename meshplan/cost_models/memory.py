@@ -34,7 +34,8 @@ from meshplan.cost_models.ranks import _WHOLE_ON_TP
 from meshplan.ir.support import runs_as_ddp
 
 __all__ = ["master_bytes", "fp8_copies_held", "fp8_cache_bytes", "autocast_runs", "linear_weights_held",
-           "weight_copy_bytes", "peak_gradient_bytes", "state_bytes", "grad_bytes", "grad_store_bytes", "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
+           "weight_copy_bytes", "peak_gradient_bytes", "state_bytes", "grad_bytes", "grad_store_bytes",
+           "optimizer_bytes", "adam_bytes", "zero3_working_bytes", "deepep_buffer_bytes"]
 
 # Adam's two moments in the layout's optimizer_dtype
 _MOMENT_BYTES = {"fp32": K.FP32, "bf16": K.BF16}
