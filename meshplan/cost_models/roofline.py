@@ -74,22 +74,21 @@ def fp8_weight_gathered(layout, recipe: str, stack) -> bool:
     the local shard and hands FSDP its FP8 bytes). torchao takes it only with tensorwise scales (its
     Float8LinearConfig asserts so); torchtitan turns it on wherever weights are sharded
     (export/torchtitan.py), as does meshplan's runtime for weights that TP does not shard
-    (runtime/fp8.py: a TP-sharded DTensor weight is gathered in BF16 there; meshplan's is the stack
-    with runtime_checks)."""
+    (Stack.fp8_gather_under_tp)."""
     if stack is None or stack.fp8_impl != "torchao" or recipe != "tensorwise":
         return False
     if layout.zero < 3 or layout.shard <= 1:
         return False
-    return not (stack.runtime_checks and layout.tp > 1)
+    return stack.fp8_gather_under_tp or layout.tp == 1
 
 
 def torchao_precomputes_scales(stack) -> bool:
     """Whether the stack calls torchao's precompute_float8_dynamic_scale_for_fsdp after each optimizer
     step (torchtitan does with its FP8 all-gather): one fused amax over every FP8 weight shard and
-    one all-reduce, so each all-gather's cast reuses that scale. meshplan's runtime does not call it,
-    so every gather takes the shard's amax again (fsdp_pre_all_gather: hp_tensor_to_float8_dynamic
-    with reduce_amax)."""
-    return stack is not None and not stack.runtime_checks
+    one all-reduce, so each all-gather's cast reuses that scale. Without it (meshplan's runtime) every
+    gather takes the shard's amax again (fsdp_pre_all_gather: hp_tensor_to_float8_dynamic with
+    reduce_amax). Stack.fp8_precompute_scales."""
+    return stack is not None and stack.fp8_precompute_scales
 
 
 def torchao_weight_cast_bytes(width: float) -> tuple[float, float]:

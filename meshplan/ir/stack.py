@@ -82,6 +82,12 @@ class Stack:
     cp_kinds: tuple[str, ...] = ("p2p",)   # cp_comm_type values the stack runs (ir.layout.CP_COMM_TYPES)
     fp8_recipes: tuple[str, ...] = ("tensorwise",)
     fp8_impl: str = "te"                   # FP8_IMPLS: whose kernels quantise the FP8 linears' tensors
+    # torchao FP8 under FSDP2 (fp8_impl "torchao"): whether TP-sharded weights are all-gathered in FP8 too
+    # (torchtitan; meshplan's runtime gathers a TP-sharded DTensor weight in BF16: runtime/fp8.py), and
+    # whether the stack calls precompute_float8_dynamic_scale_for_fsdp after each optimizer step
+    # (torchtitan; meshplan's runtime does not: each gather takes its shard's amax again)
+    fp8_gather_under_tp: bool = True
+    fp8_precompute_scales: bool = True
     # FP8 recipes under which the stack keeps the parameters themselves in FP8 (no BF16 working copy):
     # Megatron-Core's --fp8-param-gather, which Megatron-Bridge's MXFP8 precision recipe turns on
     # (bf16_with_mxfp8_mixed: fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
@@ -234,7 +240,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # (runtime/pipeline.py), FSDP2 / DDP, torch.compile per block on CUDA (runtime/compile.py), no TP or
     # EP overlap, PyTorch's AccumulateGrad (a separate add per micro-batch).
     Stack(name="meshplan", attention="fa2", cp_impl="meshplan", cp_kinds=("p2p",),
-          fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", recompute=("none", "selective", "norm_act", "full"),
+          fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", fp8_gather_under_tp=False,
+          fp8_precompute_scales=False, recompute=("none", "selective", "norm_act", "full"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
           selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
