@@ -184,7 +184,8 @@ def ring_blocks(cp: int, causal: bool) -> int:
 
 def cp_host_time(b, layout, cluster) -> tuple[float, float]:
     """(forward, backward) host seconds of one layer's ring attention on a CPU process, one
-    micro-batch: the K/V shifts (cp-1 forward; K/V and dK/dV, 2(cp-1), backward), each a gloo
+    micro-batch: the K/V shifts (cp-1 forward; backward cp-1 K/V and cp dK/dV shifts, the last one
+    bringing each block's gradient home: context_parallel._RingAttention.backward), each a gloo
     send/receive pair, and the ring's per-block ops besides the fused kernel the attention time
     prices (context_parallel._RingAttention: per block pair the flash kernel and the online-softmax
     merge, 5 ops and 1 view forward; the kernel's backward and 3 accumulating adds, 4 ops)."""
@@ -195,7 +196,7 @@ def cp_host_time(b, layout, cluster) -> tuple[float, float]:
     n = ring_blocks(layout.cp, getattr(b, "causal", True))
     ops_f = n * (5 * K.CPU_OP_FWD_S + 1 * K.CPU_VIEW_FWD_S)
     ops_b = n * (4 * K.CPU_OP_FWD_S)
-    return (steps * K.CPU_COLLECTIVE_HOST_S + ops_f) * s, (2 * steps * K.CPU_COLLECTIVE_HOST_S + ops_b) * s
+    return (steps * K.CPU_COLLECTIVE_HOST_S + ops_f) * s, ((2 * steps + 1) * K.CPU_COLLECTIVE_HOST_S + ops_b) * s
 
 
 def moe_loop_host_time(b, layout, cluster) -> tuple[float, float]:

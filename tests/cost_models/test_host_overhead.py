@@ -150,6 +150,12 @@ def test_cp_ring_host_time(llama):
     f2, b2 = H.cp_host_time(llama.blocks[0], Layout(cp=2, dp=2), cl)
     f4, _ = H.cp_host_time(llama.blocks[0], Layout(cp=4, dp=1), cl)
     assert 0 < f2 < f4 and b2 > f2
+    # backward sends cp-1 K/V shifts and cp dK/dV shifts (the last brings each block's gradient home)
+    sends = lambda cp, i: H.cp_host_time(llama.blocks[0], Layout(cp=cp, dp=1), cl)[i]  # noqa: E731
+    per_send = (sends(4, 0) - sends(2, 0)) / 2 - (H.ring_blocks(4, True) - H.ring_blocks(2, True)) / 2 * \
+        (5 * K.CPU_OP_FWD_S + K.CPU_VIEW_FWD_S) * H.host_slowdown(cl)
+    ops_b = lambda cp: H.ring_blocks(cp, True) * 4 * K.CPU_OP_FWD_S * H.host_slowdown(cl)  # noqa: E731
+    assert sends(4, 1) - ops_b(4) == pytest.approx(7 * per_send) and sends(2, 1) - ops_b(2) == pytest.approx(3 * per_send)
     est = _est(llama, cl, dp=2, cp=2, mbs=8)
     assert est.time_s["cp"] >= llama.num_layers * (f2 + b2)
 
