@@ -11,7 +11,7 @@ from meshplan.cost_models.attention import AttnCall, AttnShape, layer_calls
 from meshplan.cost_models.comm import collective_time, p2p_time
 from meshplan.cost_models.compute import elementwise_time
 from meshplan.cost_models.context import Context
-from meshplan.cost_models.device import device_of, is_cpu
+from meshplan.cost_models.device import device_of
 from meshplan.ir.profile import BlockProfile
 
 __all__ = [
@@ -434,9 +434,9 @@ def meshplan_ring_backward(t: RingTensors, cp: int, *, causal: bool = True) -> R
 
 def meshplan_cp_merge(b: BlockProfile, c: Context) -> tuple[float, float]:
     """(forward, backward) seconds meshplan's ring adds to one layer's attention on one GPU beyond
-    the flash kernels. CPU processes are left to host.cp_host_time, which prices the ring's per-call
-    ops by their measured cost there."""
-    if c.layout.cp == 1 or not b.heads or is_cpu(c.cluster):
+    the flash kernels. Where the device prices those ops as host work (CPU processes:
+    host.cp_host_time, by their measured cost), nothing more."""
+    if c.layout.cp == 1 or not b.heads or device_of(c.cluster).ring_ops_on_host:
         return 0.0, 0.0
     t = meshplan_ring_tensors(b, c)
     fwd = meshplan_ring_forward(t, c.layout.cp, causal=b.causal)

@@ -22,6 +22,9 @@ class Device(Protocol):
 
     kind: str
     validated_by_published_runs: bool
+    # the per-call ops around meshplan's ring attention are host work priced by measured op cost
+    # (host.cp_host_time) rather than element-wise passes on the device (cp.meshplan_cp_merge)
+    ring_ops_on_host: bool
 
     def runs_compile(self, stack) -> bool: ...
     def gemm_fixed_s(self, cluster, fp8: bool) -> float: ...

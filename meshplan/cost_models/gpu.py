@@ -22,6 +22,7 @@ class GpuDevice:
     kind = "gpu"
     # the published runs validate this device's formulas (their regimes' bands apply)
     validated_by_published_runs = True
+    ring_ops_on_host = False
 
     def runs_compile(self, stack) -> bool:
         """Whether `stack` compiles the model here (torch.compile fuses the element-wise work)."""

@@ -317,6 +317,7 @@ class CpuHostDevice:
     kind = "cpu-host"
     # validated by the CPU closing loop (benchmarks/cpu_closing_loop.py), not the published runs
     validated_by_published_runs = False
+    ring_ops_on_host = True          # cp_host_time prices the ring's per-call ops
 
     def runs_compile(self, stack) -> bool:
         """The runtime compiles on CUDA only: CPU processes run the model as traced."""
