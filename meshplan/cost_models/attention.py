@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 from meshplan.cost_models import constants as K
+from meshplan.ir.gpu_arch import gpu_generation   # the generation an attention kernel is written for
 
 __all__ = ["AttnCall", "AttnShape", "layer_calls", "shape_penalty", "call_efficiency", "sm_count", "gpu_generation",
            "generation_rate", "head_dim_rate"]
@@ -74,19 +75,6 @@ class AttnShape:
     @property
     def kernels(self) -> float:
         return sum(c.count for c in self.calls)
-
-
-def gpu_generation(gpu_id: str) -> str:
-    """The tensor-core generation an attention kernel is written for (constants.ATTN_GENERATION_RATE
-    keys): "ampere" (A100, and Ada's L40S, which runs the same mma.sync kernels), "hopper" (H100,
-    H800, H200), "blackwell" (B200, GB200, B300, GB300), "other" (AMD, CPU processes)."""
-    if gpu_id.startswith(("a100", "l40s")):
-        return "ampere"
-    if gpu_id.startswith(("h100", "h800", "h200")):
-        return "hopper"
-    if gpu_id.startswith(("b200", "gb200", "b300", "gb300")):
-        return "blackwell"
-    return "other"
 
 
 def generation_rate(gpu_id: str, *, backward: bool) -> float:

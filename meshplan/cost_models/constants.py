@@ -130,7 +130,11 @@ HBM_EFF = 0.80       # achieved fraction of HBM bandwidth by streaming kernels (
 #   less its three GEMMs at the measured tensorwise kernel rate ("GEMMs per FP8 recipe") is 0.539 ms at
 #   gate_up (x + dy + W = 386M elements) and 0.302 ms at down (210M): 5.2 bytes per element at the
 #   model's HBM rate, plus 0.02 ms per linear (least squares over the two), so the derivation stands.
-#   (Delayed scaling, the amax taken from earlier steps, would skip the amax pass: 3; not priced apart.)
+# - "delayed" (Transformer Engine's DelayedScaling, the only recipe of TE 1.x and NeMo 1.x's fp8 knobs:
+#   fp8_amax_history_len, fp8_amax_compute_algo): the scale comes from the amax history of earlier
+#   steps, known before the tensor exists, and the cast kernel records the tensor's amax for later
+#   steps as it goes (TE's fused cast-transpose kernels), so the amax pass is gone: the cast reads 2
+#   and writes 1, 3 (derived: tensorwise's derivation less its amax read).
 # - "rowwise" (torchao's rowwise recipe, per-row scales in the layout each GEMM reads): each tensor is
 #   quantised along both axes; the row-scaled copy fuses its amax into the cast (read 2, write 1), the
 #   column-scaled copy's scales span every row, so it needs its own amax pass, then a cast (2 + 2 + 1):
@@ -148,7 +152,7 @@ HBM_EFF = 0.80       # achieved fraction of HBM bandwidth by streaming kernels (
 # and the layer called alone is bound by the host (its compiled BF16 layer is 0.12 ms slower than the
 # eager one: the compiled call's guards and wrappers, which a compiled block pays once for all its
 # linears). How close the model then comes per shape: docs/cost_model_mechanisms.md ("FP8 recipes").
-FP8_QUANT_BYTES = {"tensorwise": 5.0, "rowwise": 16.5, "blockwise": 4.0 + 2 * 4 / 128,
+FP8_QUANT_BYTES = {"tensorwise": 5.0, "delayed": 3.0, "rowwise": 16.5, "blockwise": 4.0 + 2 * 4 / 128,
                    "mxfp8": 4.0 + 2 / 32}                 # tensorwise derived = measured, rowwise measured (own H200), rest derived
 # Eager torchao (Stack.fp8_impl "torchao" where the stack does not compile: Stack.compile False, or
 # meshplan's offloaded blocks): each cast is a chain of unfused PyTorch ops (abs, amax, scale, clamp,
@@ -174,8 +178,9 @@ FP8_GEMM_FIXED_S = 20e-6                                                        
 # (use_fast_accum adds 2-10% to either.) A rowwise training step runs well below its GEMMs'
 # rate (an H100 step +21.9% over tensorwise: gpu_suite-2026-11-24-nvidia-h100-80gb-hbm3-fp8-runtime.md)
 # because of its casts (FP8_QUANT_BYTES), not its GEMMs. MXFP8 (scales applied by Blackwell's MMA)
-# keeps the tensorwise rate: not measured.
-FP8_RECIPE_GEMM_RATE = {"tensorwise": 1.0, "rowwise": 0.98, "blockwise": 0.85, "mxfp8": 1.0}   # measured (own H200)
+# keeps the tensorwise rate: not measured. Delayed scaling runs the same per-tensor-scaled GEMMs as
+# tensorwise (only where the scale comes from differs).
+FP8_RECIPE_GEMM_RATE = {"tensorwise": 1.0, "delayed": 1.0, "rowwise": 0.98, "blockwise": 0.85, "mxfp8": 1.0}   # measured (own H200)
 # torchao's weight casts (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args): the
 # forward casts the weight (hp_tensor_to_float8_dynamic: amax, then the cast) and saves the
 # high-precision weight, not its FP8 copy, for backward, whose input-gradient GEMM casts it again

@@ -335,6 +335,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     fp8 = _check_precision(precision, cluster)
     if fp8:
         fp8_recipe_factor(recipe, cluster)         # unknown recipe, or MXFP8 without MX tensor cores
+        stack.check_fp8_recipe(recipe)
     stage_layers = check_layout(L, profile, cluster, seq_len=seq_len, global_batch=global_batch)
     m = global_batch // (L.dp * L.mbs)
     # forced balance prices the MoE layers at exactly their mean load (layer.routing_layout)

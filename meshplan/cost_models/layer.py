@@ -20,7 +20,6 @@ from meshplan.cost_models.compute import (
     matmul_rate,
     permute_time,
 )
-from meshplan.cost_models.attention import gpu_generation
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.context import (
     COL_ROLES,
@@ -35,6 +34,7 @@ from meshplan.cost_models.cp import (attention_shape, cp_comm, cp_comm_type, cp_
                                      runs_dense_band)
 from meshplan.cost_models.flops import attention_fwd_flops_per_token
 from meshplan.cost_models.moe_load import expected_max_std_normal, load_factor, moe_load_factor, routing_layout
+from meshplan.ir.gpu_arch import gpu_generation, orders_kernels_by_queue
 from meshplan.ir.profile import BlockProfile
 from meshplan.kernels import fusion as FU  # pure Python, no torch
 
@@ -340,6 +340,11 @@ def _tp_hidden(c: Context) -> float:
         return 0.0
     kind = c.stack.tp_overlap
     if kind == "userbuffers":
+        if c.stack.runs_ep_overlap(L) and orders_kernels_by_queue(c.cluster.gpu.id):
+            # the expert all-to-all overlap needs several hardware queues (Megatron-Bridge then sets
+            # CUDA_DEVICE_MAX_CONNECTIONS=32, as meshplan's export does); with them the userbuffers
+            # kernels lose the issue order their overlap needs before Blackwell (Stack.kernel_queues)
+            return 0.0
         return c.fitted.tp_overlap_hidden
     if kind == "async_tp":
         return (L.tp - 1) / L.tp

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from meshplan.cost_models.attention import gpu_generation
+from meshplan.ir.gpu_arch import gpu_generation
 from meshplan.ir.layout import Layout
 from meshplan.ir.precision import Precision
 

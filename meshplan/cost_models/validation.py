@@ -433,15 +433,21 @@ _UNFUSED_GRAD_ACCUMULATION = ("megatron-sc21", "mtnlg", "bloom", "deepspeed-zero
 
 def stack_options(row: Row) -> dict[str, Any]:
     """Layout fields that describe the row's software stack rather than its parallel layout: the
-    FP8 recipe where the precision column names one (an unnamed FP8 recipe of these stacks is
-    Transformer Engine's tensorwise scaling, or torchao's tensorwise for torchtitan). The rest of the
-    stack (attention kernel, gradient-accumulation fusion, compile) is `stack_of`."""
+    FP8 recipe where the precision column names one. Unnamed, it is the one the stack ran: NeMo 1.x
+    (24.03, 24.07) Transformer Engine's delayed scaling (its only recipe in TE 1.x; NeMo-Framework-
+    Launcher's training configs set fp8_amax_history_len 1024 / fp8_amax_compute_algo max), Megatron-
+    Bridge's H100 rows current scaling (its *_FP8_CS_* performance configs), torchtitan torchao's
+    tensorwise. The rest of the stack (attention kernel, gradient-accumulation fusion, compile) is
+    `stack_of`."""
     opts: dict[str, Any] = {}
     prec = row.get("precision").lower()
     for recipe in ("mxfp8", "blockwise", "rowwise"):
         if "fp8" in prec and recipe in prec.replace("block-wise", "blockwise").replace("row-wise", "rowwise"):
             opts["fp8_recipe"] = recipe
             break
+    else:
+        if "fp8" in prec and row.family in ("nemo2407", "nemo-longseq"):
+            opts["fp8_recipe"] = "delayed"
     return opts
 
 
@@ -502,10 +508,12 @@ def _convert(row: Row, est, prof, cfg: dict[str, Any], n: int, peak_tflops: floa
         return per_seq * B / t / n / (peak_tflops * 1e12) * 100
     if fam == "megatron-bridge" and cfg.get("sliding_window"):
         return _bridge_window_flops(cfg, s, B) / t / n / 1e12
-    # Megatron-Core's FLOP count halves core attention (causal) in its latent-attention branch and for
-    # the Model Zoo's rows; Bridge's GQA rows count it whole. DeepSeek-V3 on B200: 3328 tokens/s and
-    # 864 TFLOP/s are 259.6 GFLOP/token; the MTP-carrying model counted causal gives 260.0 (whole: 291.2)
-    causal = fam == "modelzoo" or (fam == "megatron-bridge" and cfg.get("attention") == "mla")
+    # The Model Zoo and Megatron-Bridge count core attention causal (half the score matrix): Bridge's
+    # training/utils/flop_utils.py (v0.2.x on: "Only half of the attention matrix is non-zero", in its
+    # GQA and its latent-attention branches). The summaries' own tokens/s agree on every row: Llama 3
+    # 8B at 8k, 744 TFLOP/s at 14451 tokens/s = 51.5 GFLOP/token (causal 51.5, whole 57.9); Qwen3-30B-A3B
+    # 23.0 (causal 23.0, whole 27.8); DeepSeek-V3 with its MTP layer 259.6 (causal 260.0, whole 291.2)
+    causal = fam in ("modelzoo", "megatron-bridge")
     flops = model_flops_per_step(prof, s, B, causal_half=causal)
     tflops = flops / t / n / 1e12
     if metric == "mfu_pct":

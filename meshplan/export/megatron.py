@@ -276,10 +276,12 @@ def megatron_export(plan: Any, model: Any = None) -> Export:
                   "--num-layers-at-end-in-bf16", str(tail)]
     a += _megatron_model(v, plan.seq_len)
     env = {}
-    if (lay.tp > 1 or lay.cp > 1) and lay.zero < 2:
-        # validate_args requires it with TP/CP before Blackwell (kernel ordering for comm overlap);
-        # Megatron-FSDP wants it unset, and only warns when combined with TP/CP
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    queues = MEGATRON_CORE.kernel_queues(lay, plan.cluster["gpu"]["id"])
+    if queues is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)
+        if queues > 1 and lay.tp_comm_overlap and lay.tp > 1:
+            v.notes.append("CUDA_DEVICE_MAX_CONNECTIONS=32 for the expert all-to-all overlap: before Blackwell "
+                           "--tp-comm-overlap then hides nothing (its kernels need one queue), as the plan prices it")
     return Export(fmt="megatron", version=VERSIONS["megatron"], args=tuple(a), env=env, notes=tuple(v.notes))
 
 

@@ -78,6 +78,7 @@ _MTP_RECIPES = {"deepseek_v3", "deepseek_v3_pretrain_config"}
 # the plan's FP8 recipe -> Megatron-Bridge's mixed-precision recipe of that scaling
 # (training/mixed_precision.py), and the BF16 layers (start, end) that recipe keeps
 _BRIDGE_FP8 = {"tensorwise": ("bf16_with_fp8_current_scaling_mixed", (1, 1)),
+               "delayed": ("bf16_with_fp8_delayed_scaling_mixed", (0, 0)),
                "blockwise": ("bf16_with_fp8_subchannel_scaling_mixed", (0, 0)),
                "mxfp8": ("bf16_with_mxfp8_mixed", (0, 0))}
 

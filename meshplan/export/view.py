@@ -35,9 +35,9 @@ VERSIONS = {
 # "hybrid" = E4M3 forward, E5M2 gradients, the format every Megatron FP8 recipe uses.
 FP8_FORMAT = "hybrid"
 FP8_RECIPE = "tensorwise"
-# the FP8 scalings Megatron-Core's --fp8-recipe / TransformerConfig.fp8_recipe take that meshplan
-# prices (Megatron-Core also has "delayed"); row-wise scaling is torchao's
-MEGATRON_FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
+# the FP8 scalings Megatron-Core's --fp8-recipe / TransformerConfig.fp8_recipe take (all of them);
+# row-wise scaling is torchao's
+MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 
 
 def megatron_fp8_recipe(layout: Any, target: str) -> str:

@@ -73,10 +73,11 @@ FSDP_IMPLS = ("fsdp2", "megatron", "deepspeed")
 # (llm-foundry attn_impl: triton). Speeds in constants.ATTN_KERNEL_RATE.
 ATTN_KERNELS = ("flash", "fa2", "cudnn", "fa3", "triton")
 # FP8 scaling recipes (precision "fp8"; cost_models/constants.py prices each): "tensorwise" one scale
-# per tensor (TE current/delayed scaling, torchao tensorwise), "rowwise" per-row scales (torchao),
-# "blockwise" 1x128 / 128x128 tiles (DeepSeek-V3, TE Float8BlockScaling), "mxfp8" 32-element blocks
-# (OCP MX, Blackwell tensor cores).
-FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+# per tensor from the tensor's own amax (TE current scaling, torchao tensorwise), "delayed" one scale
+# per tensor from the amax history of earlier steps (TE DelayedScaling, Megatron --fp8-recipe delayed),
+# "rowwise" per-row scales (torchao), "blockwise" 1x128 / 128x128 tiles (DeepSeek-V3, TE
+# Float8BlockScaling), "mxfp8" 32-element blocks (OCP MX, Blackwell tensor cores).
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
 # Context-parallel attention (Megatron-Core --cp-comm-type): "p2p" the ring of K/V blocks overlapped
 # with attention (meshplan's runtime), "all_gather" K/V gathered before attention (as Llama 3 ran
 # it), "a2a" heads exchanged for sequence (Ulysses).

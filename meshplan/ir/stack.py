@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from meshplan.errors import ConfigError
+from meshplan.ir.gpu_arch import orders_kernels_by_queue
 
 __all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
            "MASTER_WEIGHTS", "FP8_IMPLS", "resolve_stack"]
@@ -193,9 +194,33 @@ class Stack:
             return False
         return layout.recompute != "full" and not isinstance(layout.recompute, int)
 
+    def kernel_queues(self, layout, gpu_id: str) -> int | None:
+        """The CUDA_DEVICE_MAX_CONNECTIONS a Megatron-Core run of `layout` on `gpu_id` takes (None:
+        left unset). With tensor or context parallelism on GPUs before Blackwell its communication
+        overlap needs kernels in issue order, one hardware queue (Megatron-LM refuses anything else
+        there without FSDP or the expert all-to-all overlap); Megatron-FSDP wants it unset. The expert
+        all-to-all overlap needs several queues to run beside compute (Megatron-LM PR #6311 measured
+        its gain halved with one), so Megatron-Bridge sets 32 where it is on (scripts/performance/
+        perf_plugins.py), and the TP userbuffers overlap then loses its order (layer._tp_hidden)."""
+        if layout.zero >= 2 or (layout.tp == 1 and layout.cp == 1):
+            return None
+        if self.runs_ep_overlap(layout) and orders_kernels_by_queue(gpu_id):
+            return 32
+        return 1
+
     def offers_recompute(self, policy) -> bool:
         """Whether the stack runs recompute `policy` (a layer count means full recompute of N layers)."""
         return isinstance(policy, int) and "full" in self.recompute or policy in self.recompute
+
+    def check_fp8_recipe(self, recipe: str) -> None:
+        """Raise a ConfigError unless the stack runs FP8 linears with scaling `recipe` (fp8_recipes)."""
+        if recipe in self.fp8_recipes:
+            return
+        if not self.fp8_recipes:
+            raise ConfigError(f"the {self.name} stack runs no FP8; plan it with precision 'bf16', or for a stack "
+                              "with FP8 (megatron-core, torchtitan, meshplan)")
+        raise ConfigError(f"the {self.name} stack has no FP8 scaling recipe {recipe!r}; it runs "
+                          f"{', '.join(self.fp8_recipes)}: set fp8_recipe to one of them")
 
     # ---- construction ----------------------------------------------------------------------
     def replace(self, **changes: Any) -> "Stack":
@@ -228,7 +253,7 @@ class Stack:
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack(name="reference", attention="fa2", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
-          fp8_recipes=("tensorwise", "rowwise", "blockwise", "mxfp8"),
+          fp8_recipes=("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"),
           recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full"),
           tp_overlap="userbuffers", moe_dispatchers=("alltoall", "deepep"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2", "megatron", "deepspeed"),
@@ -274,7 +299,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # --overlap-moe-expert-parallel-comm, DeepEP dispatch, CUDA graphs (optional), gradient
     # accumulation fusion, distributed optimizer, Megatron-FSDP.
     Stack(name="megatron-core", attention="te", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
-          fp8_recipes=("tensorwise", "blockwise", "mxfp8"), fp8_param_gather=("mxfp8",),
+          fp8_recipes=("tensorwise", "delayed", "blockwise", "mxfp8"), fp8_param_gather=("mxfp8",),
           recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "full"),
           tp_overlap="userbuffers", ep_overlap="a2a_1f1b", moe_dispatchers=("alltoall", "deepep"),
           expert_gemm="per_expert", moe_host_sync=True,

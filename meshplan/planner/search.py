@@ -226,6 +226,15 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     n = cluster.num_gpus
     f = _check_fixed(fixed or {}, n)
     _check_fixed_values(f)
+    if Precision.FP8 in precisions:
+        recipe = f.get("fp8_recipe", Layout().fp8_recipe)
+        if recipe not in stack.fp8_recipes and "fp8_recipe" not in f and len(precisions) > 1:
+            precisions = tuple(p for p in precisions if p != Precision.FP8)    # "auto": BF16 on a stack without FP8
+        else:
+            try:
+                stack.check_fp8_recipe(recipe)
+            except ConfigError as e:
+                raise ConfigError(f"precision fp8: {e}") from None
     if f.get("offload_activations") and not stack.activation_offload:
         raise ConfigError(f"fixed offload_activations=True: the {stack.name} stack does not offload activations "
                           "to host memory; plan for stack 'meshplan' or 'megatron-core', or leave it unset")

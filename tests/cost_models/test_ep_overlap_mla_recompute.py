@@ -152,3 +152,22 @@ def test_exports_carry_the_flags_that_run_what_was_priced(deepseek):
     assert "--overlap-moe-expert-parallel-comm" in args and "--fp8-param-gather" in args
     i = args.index("--recompute-modules")
     assert args[i + 1:i + 3] == ["mla_up_proj", "mlp"]
+
+
+def test_a2a_overlap_takes_the_tp_overlap_its_kernel_queues_cost(qwen):
+    """Before Blackwell, Megatron's userbuffers TP overlap needs one hardware queue
+    (CUDA_DEVICE_MAX_CONNECTIONS=1) and the expert all-to-all overlap several: with both asked for,
+    the run sets 32 (as Megatron-Bridge does) and the TP transfers hide nothing; on Blackwell both
+    work. The Megatron-LM export sets the variable the price assumes."""
+    mc = STACKS["megatron-core"].replace(moe_host_sync=False)
+    both = dict(ep_comm_overlap=True, tp_comm_overlap=True)
+    h_tp, h_both = _qwen(qwen, mc, tp_comm_overlap=True), _qwen(qwen, mc, **both)
+    assert h_tp.time_s["tp"] < h_both.time_s["tp"] == pytest.approx(_qwen(qwen, mc, ep_comm_overlap=True).time_s["tp"])
+    lay = Layout(**dict(QWEN_XNODE, **both))
+    assert mc.kernel_queues(lay, "h100-sxm") == 32 and mc.kernel_queues(lay, "b200") == 1
+    assert mc.kernel_queues(Layout(**dict(QWEN_XNODE, tp_comm_overlap=True)), "h100-sxm") == 1
+    assert mc.kernel_queues(Layout(**dict(QWEN_XNODE, tp=1, dp=32)), "h100-sxm") is None
+    b200 = mp.Cluster.preset("dgx-b200", nodes=32)
+    kw = dict(seq_len=4096, global_batch=2048, stack=mc)
+    a2a_only = estimate_profile(qwen, b200, dict(QWEN_XNODE, ep_comm_overlap=True), **kw)
+    assert estimate_profile(qwen, b200, dict(QWEN_XNODE, **both), **kw).time_s["tp"] < a2a_only.time_s["tp"]

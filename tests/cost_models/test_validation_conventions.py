@@ -108,3 +108,21 @@ def test_pipeline_series_recovers_the_fill_drain_overhead():
     assert math.isclose(k_meas, 68, rel_tol=1e-9) and math.isclose(k_pred, 34, rel_tol=1e-9) and k_sched == 34
     # fewer than three data-parallel degrees is not a series
     assert mod.pipeline_series(xs[:2]) == []
+
+
+def test_bridge_and_model_zoo_rows_count_attention_causal(rows):
+    """Megatron-Bridge's summaries state tokens/s beside model TFLOP/s: the FLOPs per token they imply
+    must be the count the prediction is converted with (Bridge's flop_utils halves the attention score
+    matrix for GQA models too; counting it whole made Qwen3-30B-A3B look 21% faster than predicted)."""
+    checked = 0
+    for r in rows:
+        m = re.search(r"([\d.]+) tokens/s/GPU", r.get("notes"))
+        if r.family != "megatron-bridge" or not m or r.get("metric") != "tflops_per_gpu":
+            continue
+        res = VP.run_row(r, traced=False)
+        assert res.predicted is not None, r.id
+        stated = float(r.get("value")) / float(m.group(1))
+        converted = res.predicted / res.estimate.tokens_per_s_per_gpu
+        assert converted == pytest.approx(stated, rel=0.025), r.id
+        checked += 1
+    assert checked >= 8

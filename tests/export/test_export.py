@@ -185,6 +185,10 @@ def test_megatron_fp8_moe_and_fsdp(plans):
     blockwise = dataclasses.replace(plans["fp8"], layout=dataclasses.replace(plans["fp8"].layout,
                                                                              fp8_recipe="blockwise"))
     assert _flag(list(ex.megatron_export(blockwise).args), "--fp8-recipe") == "blockwise"
+    delayed = dataclasses.replace(plans["fp8"], layout=dataclasses.replace(plans["fp8"].layout, fp8_recipe="delayed"))
+    assert _flag(list(ex.megatron_export(delayed).args), "--fp8-recipe") == "delayed"
+    assert delayed.to_nemo()["trainer.plugins.fp8_recipe"] == "delayed"
+    assert delayed.to_nemo(flavor="megatron-bridge")["mixed_precision"] == "bf16_with_fp8_delayed_scaling_mixed"
     rowwise = dataclasses.replace(plans["fp8"], layout=dataclasses.replace(plans["fp8"].layout, fp8_recipe="rowwise"))
     with pytest.raises(ConfigError, match=r"no FP8 scaling 'rowwise'.*fixed=\{'fp8_recipe': 'tensorwise'\}"):
         ex.megatron_export(rowwise)
@@ -194,6 +198,13 @@ def test_megatron_fp8_moe_and_fsdp(plans):
     assert (_flag(m, "--num-experts"), _flag(m, "--moe-router-topk")) == ("8", "2")
     assert _flag(m, "--data-parallel-sharding-strategy") in ("optim_grads_params", "optim_grads")
     assert _flag(m, "--ckpt-format") == "fsdp_dtensor" and moe.env == {}   # Megatron-FSDP wants it unset
+    # the expert all-to-all overlap needs several hardware queues; before Blackwell TP's userbuffers
+    # overlap then loses its kernel order, which the plan prices and the notes say
+    a2a = _plan("mixtral-8x7b", mp.Cluster.preset("dgx-h100", nodes=4), seq_len=4096, global_batch=256, ep=8,
+                tp=2, etp=1, pp=1, zero=1, recompute="selective", ep_comm_overlap=True, tp_comm_overlap=True)
+    ov = ex.megatron_export(a2a)
+    assert "--overlap-moe-expert-parallel-comm" in ov.args and ov.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    assert any("--tp-comm-overlap then hides nothing" in n for n in ov.notes)
 
 
 @pytest.mark.parametrize("preset, fields", [

@@ -76,3 +76,22 @@ def test_bound_is_below_every_estimate_and_the_bounded_search_plans_as_the_full_
     assert plans[0].estimate.step_time_s == plans[1].estimate.step_time_s
     assert [(r.layout, r.step_time_s) for r in plans[0].runner_ups] == \
         [(r.layout, r.step_time_s) for r in plans[1].runner_ups]
+
+
+def test_search_keeps_to_the_fp8_recipes_the_stack_runs():
+    """A fixed FP8 recipe the stack does not run is refused by name (torchao has no delayed scaling);
+    "auto" precision on a stack without FP8 (llm-foundry) plans BF16 instead of failing."""
+    from meshplan.errors import ConfigError
+    from meshplan.ir.precision import Precision
+    from meshplan.planner.search import search
+    prof = profile_from_config(mp.models.config("llama3-8b"), seq_len=4096)
+    cl = mp.Cluster.preset("dgx-h100", num_gpus=8)
+    kw = dict(seq_len=4096, global_batch=64, keep=4)
+    with pytest.raises(ConfigError, match="torchtitan stack has no FP8 scaling recipe 'delayed'.*tensorwise, rowwise"):
+        search(prof, cl, precisions=(Precision.FP8,), fixed={"fp8_recipe": "delayed"}, stack="torchtitan", **kw)
+    with pytest.raises(ConfigError, match="llm-foundry stack runs no FP8"):
+        search(prof, cl, precisions=(Precision.FP8,), stack="llm-foundry", **kw)
+    auto = search(prof, cl, precisions=(Precision.BF16, Precision.FP8), stack="llm-foundry", **kw)
+    assert auto.ranked and all(e.precision == Precision.BF16 for e in auto.ranked)
+    ok = search(prof, cl, precisions=(Precision.FP8,), fixed={"fp8_recipe": "delayed"}, stack="megatron-core", **kw)
+    assert ok.ranked and all(e.layout.fp8_recipe == "delayed" for e in ok.ranked)
