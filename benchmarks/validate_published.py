@@ -167,8 +167,8 @@ REGIMES = {
     **{f"stack {st}": (lambda r, st=st: V.stack_of(r).name == st)
        for st in ("megatron-2021", "megatron-core", "torchtitan", "llm-foundry")},
     **{f"gpu {g}": (lambda r, g=g: _gen(r) == g) for g in ("ampere", "hopper", "blackwell")},
-    "fp8 tensorwise": lambda r: _fp8_recipe(r) == "tensorwise",
-    "fp8 block/row/mx recipes": lambda r: _fp8_recipe(r) not in ("", "tensorwise"),
+    "fp8 per-tensor scales": lambda r: _fp8_recipe(r) in ("tensorwise", "delayed"),
+    "fp8 block/row/mx recipes": lambda r: _fp8_recipe(r) not in ("", "tensorwise", "delayed"),
     "ep across nodes": _ep_cross_node,
     "context >= 64k": lambda r: (r.num("seq") or 0) >= 65536,
     "moe": lambda r: bool(r.num("moe_experts")) or "qwen3" in r.get("model").lower()

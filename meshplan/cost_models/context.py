@@ -19,6 +19,9 @@ __all__ = ["Context", "is_fp8_linear", "unfused_of", "LAYER_FUSIONS", "COL_ROLES
 LAYER_FUSIONS = ("rms_norm", "swiglu", "rope")
 COL_ROLES = ("attn_qkv", "mlp_in", "shared_in", "other")     # output dim split over TP
 ROW_ROLES = ("attn_out", "mlp_out", "shared_out")             # input dim split over TP
+# linears whose weights every TP rank holds whole: shared experts folded over TP, MLA's
+# down-projections (meshplan.ir.support.TP_ROLE_PLACEMENT: "replicate")
+WHOLE_ON_TP_ROLES = ("shared_folded", "attn_down")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ Multi-token prediction counts too, as Megatron-LM's `num_floating_point_operatio
 
 from __future__ import annotations
 
-from meshplan.ir.profile import BlockProfile, ModelProfile
+from meshplan.ir.profile import MOE_ROLES, BlockProfile, ModelProfile
 
 __all__ = ["layer_fwd_flops_per_token", "attention_fwd_flops_per_token", "attended_keys", "model_flops_per_step",
            "recompute_flops_per_step"]
@@ -79,8 +79,7 @@ def recompute_flops_per_step(p: ModelProfile, seq_len: int, global_batch: int, l
     if rc == "selective":
         return tokens * sum(n * attention_fwd_flops_per_token(b, seq_len) for b, n in blocks)
     if rc == "norm_moe":    # the MoE layers' GEMMs (router, experts, shared expert) run again
-        moe_roles = ("router", "expert_in", "expert_out", "shared_in", "shared_out", "shared_folded")
-        return tokens * sum(n * li.flops_per_token for b, n in blocks for li in b.linears if li.role in moe_roles)
+        return tokens * sum(n * li.flops_per_token for b, n in blocks for li in b.linears if li.role in MOE_ROLES)
     if rc == "mla_up":      # latent attention's up-projections and the dense MLPs run again
         return tokens * sum(n * li.flops_per_token for b, n in blocks for li in b.linears
                             if (b.latent_dim and li.role == "attn_qkv") or li.role in ("mlp_in", "mlp_out"))

@@ -10,6 +10,7 @@ from meshplan.cost_models import constants as K
 from meshplan.cost_models.attention import AttnShape, generation_rate, head_dim_rate, shape_penalty, sm_count
 from meshplan.cost_models.roofline import fp8_cast_time, gemm_roofline, hbm_rate, matmul_rate
 from meshplan.cost_models.pipeline import pipeline_time_lower_bound
+from meshplan.ir.profile import EXPERT_ROLES
 
 __all__ = ["GpuDevice", "GPU"]
 
@@ -102,8 +103,8 @@ class GpuDevice:
         and the two output gradients in backward."""
         if not (b.is_moe and stack.moe_host_sync and layout.moe_capacity_factor is None):
             return _NO_HOST
-        experts = [li for li in b.linears if li.role in ("expert_in", "expert_out")]
-        plain = sum(1 for op in b.ops if op.kind != "view" and op.role not in ("expert_in", "expert_out"))
+        experts = [li for li in b.linears if li.is_expert]
+        plain = sum(1 for op in b.ops if op.kind != "view" and op.role not in EXPERT_ROLES)
         if not b.ops:                  # a block priced from a config: its linears are what is known
             plain = len(b.linears) - len(experts)
         if stack.expert_gemm == "per_expert":

@@ -38,6 +38,7 @@ from meshplan.cluster import CPU_HOST_BF16_TFLOPS
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group
 from meshplan.cost_models.roofline import gemm_roofline
+from meshplan.ir.profile import EXPERT_ROLES
 from meshplan.ir.support import runs_as_ddp
 
 __all__ = ["CpuHostDevice", "CPU_HOST", "cpu_thread_share", "cpu_speed", "cpu_rate_scale", "cpu_op_overhead",
@@ -118,7 +119,7 @@ def dtensor_op_counts(b, layout) -> dict[str, int]:
     inst = _instance(b)
     for o in b.ops:
         if o.kind == "linear":
-            if o.role not in ("router", "expert_in", "expert_out"):
+            if o.role != "router" and o.role not in EXPERT_ROLES:
                 out["linear"] += 1
         elif layout.sp and o.kind == "norm":
             out["norm"] += 1
@@ -209,7 +210,7 @@ def moe_loop_host_time(b, layout, cluster) -> tuple[float, float]:
     in backward) is CPU_PY_CUSTOM_OP_S per call."""
     if not b.is_moe:
         return 0.0, 0.0
-    grouped = [li for li in b.linears if li.role in ("expert_in", "expert_out")]
+    grouped = [li for li in b.linears if li.is_expert]
     local = sum(max(1.0, li.count / layout.ep) for li in grouped)
     s = host_slowdown(cluster)
     calls = len(grouped)
@@ -412,7 +413,7 @@ class CpuHostDevice:
 
         def rank_host(r: int, w) -> float:
             moe, last = sum(1 for i in w.layers if blocks[i].is_moe), r == p - 1
-            experts = sum(1 for i in w.layers for li in blocks[i].linears if li.role in ("expert_in", "expert_out"))
+            experts = sum(1 for i in w.layers for li in blocks[i].linears if li.is_expert)
             return step_host_time(param_tensors(profile, w.layers, first=r == 0, last=last), L, cluster, sync_s=sync,
                                   partial_reduces=partial_grad_reduces(profile, w.layers, L, last=last),
                                   collectives=fsdp_collectives(L, moe, len(w.layers)) + routing_stat_reduces(L, moe),

@@ -29,8 +29,8 @@ also prices the step's transient buffers).
 from __future__ import annotations
 
 from meshplan.cost_models import constants as K
+from meshplan.cost_models.context import WHOLE_ON_TP_ROLES
 from meshplan.cost_models.muon import MUON_MATRIX_BYTES
-from meshplan.cost_models.ranks import _WHOLE_ON_TP
 from meshplan.ir.support import runs_as_ddp
 
 __all__ = ["master_bytes", "fp8_copies_held", "fp8_cache_bytes", "autocast_runs", "linear_weights_held",
@@ -132,10 +132,10 @@ def linear_weights_held(block, layout) -> float:
     on every rank in full), routed experts over EP x ETP."""
     n = 0.0
     for li in block.linears:
-        if li.role in ("expert_in", "expert_out"):
+        if li.is_expert:
             n += li.in_features * li.out_features * li.count / (layout.ep * layout.etp)
         else:
-            n += li.in_features * li.out_features * li.count / (1 if li.role in _WHOLE_ON_TP else layout.tp)
+            n += li.in_features * li.out_features * li.count / (1 if li.role in WHOLE_ON_TP_ROLES else layout.tp)
     return n
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time
+from meshplan.cost_models.context import WHOLE_ON_TP_ROLES
 from meshplan.cost_models.compute import (
     elementwise_time,
     fp8_weight_casts,
@@ -39,9 +40,6 @@ _LAYER_CACHE: dict = {}
 _RANK_CACHE: dict = {}      # (layer table, a rank's layer sequence) -> its sums (_add_layers)
 _LAYER_CACHE_MAX = 200_000
 _DIMS = ("tp", "cp", "ep")
-# linears whose weights every TP rank holds whole: shared experts folded over TP, MLA's
-# down-projections (meshplan.ir.support.TP_ROLE_PLACEMENT: "replicate")
-_WHOLE_ON_TP = ("shared_folded", "attn_down")
 
 
 def clear_layer_cache() -> None:
@@ -198,10 +196,10 @@ def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> tuple[float, float]
     for li in b.linears:
         if not is_fp8_linear(li, ctx):
             continue
-        if li.role in ("expert_in", "expert_out"):
+        if li.is_expert:
             expert += li.in_features * li.out_features * li.count / (layout.ep * layout.etp)
         else:
-            dense += li.in_features * li.out_features * li.count / (1 if li.role in _WHOLE_ON_TP else layout.tp)
+            dense += li.in_features * li.out_features * li.count / (1 if li.role in WHOLE_ON_TP_ROLES else layout.tp)
     return dense, expert
 
 
@@ -257,7 +255,7 @@ def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
         w.act += table.act(i, pol)
         if pol == "full":
             w.largest_full = max(w.largest_full, table.act(i, "none"))
-        folded = sum(li.params for li in b.linears if li.role in _WHOLE_ON_TP)   # whole on every TP rank
+        folded = sum(li.params for li in b.linears if li.role in WHOLE_ON_TP_ROLES)   # whole on every TP rank
         w.dparams += (b.params - b.expert_params - folded) / L.tp + folded
         w.eparams += b.expert_params / (L.ep * L.etp)
         if table.layer_fp8[i] is not False:
@@ -322,7 +320,7 @@ def _add_mtp(w: RankWork, profile: ModelProfile, table: LayerTable, ctx: Context
     # kept for backward: the block's activations, the embedding and both normed inputs (the
     # projection's input, 2h) and the depth's output before its norm
     w.act += D * (table.act(i, "none") + K.BF16 * T * 4 * h / (L.tp if L.sp else 1))
-    folded = sum(li.params for li in b.linears if li.role in _WHOLE_ON_TP)
+    folded = sum(li.params for li in b.linears if li.role in WHOLE_ON_TP_ROLES)
     w.dparams += D * ((b.params - b.expert_params - folded) / L.tp + folded)
     w.eparams += D * b.expert_params / (L.ep * L.etp)
     return D * (c.fwd_s + g), D * (c.bwd_s + 2 * g)

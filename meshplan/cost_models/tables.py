@@ -262,7 +262,7 @@ class LinearCostTable:
         if hit is None:
             rows, n, k, count, weights = gemm_shape(li, self.ctx)
             hit = self._linears[key] = self._costs(rows, n, k, count, weights,
-                                                   expert=li.role in ("expert_in", "expert_out"))
+                                                   expert=li.is_expert)
         return hit
 
     def head(self) -> LinearCosts:

@@ -97,7 +97,7 @@ E_PAIR = E_DENSE / 2                                                        # de
 REGIME_MIN_ROWS = 5
 REGIME_LORO = {"stack megatron-2021": (28, 0.051), "stack megatron-core": (48, 0.152),
                "stack torchtitan": (18, 0.155), "stack llm-foundry": (36, 0.064), "gpu ampere": (30, 0.053),
-               "gpu hopper": (98, 0.132), "gpu blackwell": (2, 0.124), "fp8 tensorwise": (36, 0.138),
+               "gpu hopper": (98, 0.132), "gpu blackwell": (2, 0.124), "fp8 per-tensor scales": (36, 0.138),
                "fp8 block/row/mx recipes": (2, 0.088), "ep across nodes": (4, 0.200),
                "context >= 64k": (12, 0.134), "moe": (20, 0.154)}
 # A regime with no published row takes a regime it resembles: meshplan's runtime is PyTorch-native
@@ -133,7 +133,7 @@ def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep
     REGIMES)."""
     out = [f"stack {stack}", f"gpu {regime_generation(gpu_id)}"]
     if precision == Precision.FP8:
-        out.append("fp8 tensorwise" if fp8_recipe == "tensorwise" else "fp8 block/row/mx recipes")
+        out.append("fp8 per-tensor scales" if fp8_recipe in ("tensorwise", "delayed") else "fp8 block/row/mx recipes")
     if ep_cross:
         out.append("ep across nodes")
     if seq_len >= 65536:
@@ -220,7 +220,7 @@ def routed_expert_s(profile, cluster, layout, *, seq_len: int, fp8: bool, microb
     def one_pass(b) -> float:
         t = 0.0
         for li in b.linears:
-            if li.role in ("expert_in", "expert_out"):
+            if li.is_expert:
                 rows, n, k, groups, _ = gemm_shape(li, ctx)
                 t += grouped_gemm_time(rows, n, k, cluster, groups=groups, fp8=fp8, recipe=ctx.fp8_recipe,
                                        fitted=ctx.fitted)

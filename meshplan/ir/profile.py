@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from meshplan.errors import ConfigError
 
-__all__ = ["OpInfo", "LinearInfo", "BlockProfile", "ModelProfile", "MOE_BALANCES"]
+__all__ = ["OpInfo", "LinearInfo", "BlockProfile", "ModelProfile", "MOE_BALANCES", "EXPERT_ROLES", "MOE_ROLES"]
 
 # How the model keeps its routers balanced while it trains (ModelProfile.moe_balance): the cost model
 # prices a dropless MoE layer at the busiest EP rank's load, which depends on it.
@@ -48,6 +48,11 @@ OP_KINDS = (
     "other",
 )
 
+
+# the linear roles of routed experts (a stacked weight per expert, sharded over EP x ETP), and of
+# everything a MoE layer adds to a block (router, routed and shared experts)
+EXPERT_ROLES = ("expert_in", "expert_out")
+MOE_ROLES = ("router", *EXPERT_ROLES, "shared_in", "shared_out", "shared_folded")
 
 @dataclass(frozen=True, kw_only=True)
 class OpInfo:
@@ -93,6 +98,11 @@ class LinearInfo:
     @property
     def params(self) -> int:
         return self.count * (self.in_features * self.out_features + (self.out_features if self.bias else 0))
+
+    @property
+    def is_expert(self) -> bool:
+        """A routed expert's linear (EXPERT_ROLES)."""
+        return self.role in EXPERT_ROLES
 
     @property
     def flops_per_token(self) -> float:

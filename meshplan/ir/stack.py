@@ -268,6 +268,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", fp8_gather_under_tp=False,
           fp8_precompute_scales=False, recompute=("none", "selective", "norm_act", "full"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2",),
+          # tp_comm_overlap runs PyTorch's async TP on CUDA (runtime/tensor_parallel.enable_async_tp)
+          tp_overlap="async_tp",
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
           selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
           # fp32 parameters updated by torch.optim, autocast where no FSDP2 casts (runtime/ddp.py),
