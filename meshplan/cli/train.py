@@ -192,7 +192,9 @@ def _plan(args, world_size: int | None = None):
     if getattr(args, "optimizer", None):
         fixed["optimizer"] = args.optimizer
     if getattr(args, "fp8_recipe", None) in ("tensorwise", "rowwise"):
-        fixed["fp8_recipe"] = args.fp8_recipe       # priced as run ("delayed" costs as tensorwise)
+        fixed["fp8_recipe"] = args.fp8_recipe       # priced as run
+    # "delayed" runs on Transformer Engine; the meshplan stack prices torchao's tensorwise casts for it,
+    # which cost more than delayed scaling's (constants.FP8_QUANT_BYTES): the plan errs slow
     plan = mp.plan(model, cluster, seq_len=args.seq_len, global_batch=args.global_batch, fixed=fixed,
                    precision=getattr(args, "precision", None) or Precision.BF16)
     return _with_options(dataclasses.replace(plan, model_source=args.model), args)
