@@ -121,6 +121,10 @@ class GpuDevice:
     def edge_host(self, profile, layout, cluster, *, first: bool, last: bool) -> tuple[float, float]:
         return _NO_HOST
 
+    def fsdp_copy_time(self, nbytes: float, cluster) -> float:
+        """FSDP2's copies around its collectives on the compute stream: HBM-bound passes."""
+        return self.elementwise_time(nbytes, cluster)
+
     def expert_fsdp_units(self, n_moe_layers: int, layout) -> int:
         """Units whose expert weights are gathered / reduce-scattered apart: one bucket on a GPU."""
         return 1

@@ -341,6 +341,10 @@ class CpuHostDevice:
         rate = (K.CPU_SDPA_BWD_GFLOPS_1T if backward else K.CPU_SDPA_FWD_GFLOPS_1T) * 1e9 * cpu_rate_scale(cluster)
         return flops_fwd / rate
 
+    def fsdp_copy_time(self, nbytes: float, cluster) -> float:
+        """None apart: CPU_FSDP_UNIT_HOST_S, measured per FSDP unit, holds the copies already."""
+        return 0.0
+
     def elementwise_time(self, nbytes: float, cluster) -> float:
         """bf16 element-wise ops on CPU cores run far below the copy bandwidth."""
         return nbytes / (K.CPU_ELEMENTWISE_GB_S_1T * 1e9 * cpu_rate_scale(cluster))

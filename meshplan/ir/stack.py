@@ -137,6 +137,10 @@ class Stack:
     # gradient sync or resharding, and one reduce-scatter per stage follows the last micro-batch
     # (PipelineStage.backward_maybe_with_nosync / perform_reduce_grad)
     pp_fsdp_deferred: bool = False
+    # FSDP2 copies each all-gather's output into the unsharded parameters and the gradients into the
+    # reduce-scatter buffer on the compute stream (cost_models.estimate._fsdp2_copies); FSDP1's flat
+    # parameters (llm-foundry's runs) gather into the parameters' own storage
+    fsdp_copies: bool = False
     # activations saved for backward offloaded to host memory per block (Layout.offload_activations):
     # meshplan's runtime/offload.py; Megatron-Core --cpu-offloading (Transformer Engine's
     # cpu_offload.py); not torchtitan's eager trainer (its activation offloading is an experimental
@@ -271,7 +275,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           # tp_comm_overlap runs PyTorch's async TP on CUDA (runtime/tensor_parallel.enable_async_tp)
           tp_overlap="async_tp",
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
-          selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, activation_offload=True,
+          selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, fsdp_copies=True,
+          activation_offload=True,
           # fp32 parameters updated by torch.optim, autocast where no FSDP2 casts (runtime/ddp.py),
           # SDPA's output kept once for the output projection (cost_models/memory.py)
           master_weights="params", attn_out_shared=True,
@@ -292,7 +297,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", recompute=("none", "op_sac", "full"),
           tp_overlap="async_tp", schedules=("1f1b", "interleaved", "gpipe", "zbv"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
-          pp_min_microbatches=True, pp_fsdp_deferred=True,
+          pp_min_microbatches=True, pp_fsdp_deferred=True, fsdp_copies=True,
           sources="torchtitan arXiv 2410.06511; torchtitan parallelize.py / activation_checkpoint.py"),
     # Megatron-Core + Transformer Engine (Megatron-LM, NeMo 2, Megatron-Bridge): TE attention (cuDNN
     # fused on Hopper+), CP p2p / all_gather / a2a (--cp-comm-type), TE FP8 (delayed / current

@@ -146,3 +146,26 @@ def test_fsdp_under_torch_pipelining_reduces_once_a_step(llama):
                                  stack=STACKS["reference"].replace(pp_fsdp_deferred=True), **kw)
     assert resharded.comm_s["dp"] > ours.comm_s["dp"]             # gathers for every forward and backward
     assert STACKS["meshplan"].pp_fsdp_deferred and STACKS["torchtitan"].pp_fsdp_deferred
+
+
+def test_fsdp2_copies_around_its_collectives_on_the_compute_stream(llama):
+    """FSDP2 copies each all-gather's output into the parameters (read + write the gathered bytes) and
+    the gradients into the reduce-scatter buffer (bf16 read, reduce dtype written) on the compute
+    stream: exposed time the overlap cannot hide. FSDP1's flat parameters (llm-foundry) have none, and
+    on CPU processes the measured per-unit host cost holds them already."""
+    from meshplan.cost_models.roofline import hbm_rate
+    lay = dict(dp=8, zero=3, mbs=1, recompute="full", reshard_after_forward=True)
+    kw = dict(seq_len=8192, global_batch=16)
+    tt = STACKS["torchtitan"]
+    with_, without = (estimate_profile(llama, H100, lay, stack=tt.replace(fsdp_copies=c), **kw) for c in (True, False))
+    per_mb = (2 * 2 * 2 + (2 + 4)) * llama.total_params / hbm_rate(H100)   # two gathers (reshard), one reduce-scatter
+    m = 16 // 8
+    extra = with_.time_s["dp"] - without.time_s["dp"]
+    assert extra == pytest.approx(m * per_mb, rel=0.02)
+    assert with_.comm_s["dp"] == pytest.approx(without.comm_s["dp"])
+    assert not STACKS["llm-foundry"].fsdp_copies and STACKS["meshplan"].fsdp_copies
+    cpu = mp.Cluster.preset("local-cpu")
+    tiny = mp.profile("tiny-llama", seq_len=128)
+    a, b = (estimate_profile(tiny, cpu, dict(dp=4, zero=3), seq_len=128, global_batch=16,
+                             stack=STACKS["meshplan"].replace(fsdp_copies=c)) for c in (True, False))
+    assert a.step_time_s == pytest.approx(b.step_time_s)
