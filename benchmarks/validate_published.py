@@ -38,6 +38,7 @@ from meshplan.cost_models import constants as K  # noqa: E402
 from meshplan.cost_models import validation as V  # noqa: E402
 from meshplan.cost_models.uncertainty import regime_generation  # noqa: E402
 from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, split_of  # noqa: E402
+from meshplan.ir.layout import PER_TENSOR_FP8_RECIPES  # noqa: E402
 
 # Constants re-fitted by --fit (the fields of constants.Fitted), with the bounds they may take
 # (physical ranges, not free knobs).
@@ -188,8 +189,8 @@ REGIMES = {
     **{f"stack {st}": (lambda r, st=st: V.stack_of(r).name == st)
        for st in ("megatron-2021", "megatron-core", "torchtitan", "llm-foundry")},
     **{f"gpu {g}": (lambda r, g=g: _gen(r) == g) for g in ("ampere", "hopper", "blackwell")},
-    "fp8 per-tensor scales": lambda r: _fp8_recipe(r) in ("tensorwise", "delayed"),
-    "fp8 block/row/mx recipes": lambda r: _fp8_recipe(r) not in ("", "tensorwise", "delayed"),
+    "fp8 per-tensor scales": lambda r: _fp8_recipe(r) in PER_TENSOR_FP8_RECIPES,
+    "fp8 block/row/mx recipes": lambda r: _fp8_recipe(r) not in ("", *PER_TENSOR_FP8_RECIPES),
     "ep across nodes": _ep_cross_node,
     "context >= 64k": lambda r: (r.num("seq") or 0) >= 65536,
     "moe": lambda r: bool(r.num("moe_experts")) or "qwen3" in r.get("model").lower()

@@ -31,7 +31,7 @@ import math
 from typing import Any, Mapping
 
 from meshplan.ir.gpu_arch import gpu_generation
-from meshplan.ir.layout import Layout
+from meshplan.ir.layout import PER_TENSOR_FP8_RECIPES, Layout
 from meshplan.ir.precision import Precision
 
 __all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
@@ -133,7 +133,7 @@ def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep
     REGIMES)."""
     out = [f"stack {stack}", f"gpu {regime_generation(gpu_id)}"]
     if precision == Precision.FP8:
-        out.append("fp8 per-tensor scales" if fp8_recipe in ("tensorwise", "delayed") else "fp8 block/row/mx recipes")
+        out.append("fp8 per-tensor scales" if fp8_recipe in PER_TENSOR_FP8_RECIPES else "fp8 block/row/mx recipes")
     if ep_cross:
         out.append("ep across nodes")
     if seq_len >= 65536:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from meshplan.errors import ConfigError, LayoutError
 
 __all__ = ["Layout", "SCHEDULES", "RECOMPUTE", "GRAD_DTYPES", "OPTIMIZER_DTYPES", "OPTIMIZERS", "MOE_DISPATCHERS", "FSDP_IMPLS", "ATTN_KERNELS",
-           "FP8_RECIPES", "CP_COMM_TYPES", "divisors"]
+           "FP8_RECIPES", "PER_TENSOR_FP8_RECIPES", "CP_COMM_TYPES", "divisors"]
 
 # Pipeline schedules the cost model knows. "interleaved" needs vp > 1; "zb" is ZB-H1
 # (Qi et al., ICLR'24): 1F1B memory, about a third of its bubble; "zbv" is ZB-V (zero bubble,
@@ -78,6 +78,8 @@ ATTN_KERNELS = ("flash", "fa2", "cudnn", "fa3", "triton")
 # "rowwise" per-row scales (torchao), "blockwise" 1x128 / 128x128 tiles (DeepSeek-V3, TE
 # Float8BlockScaling), "mxfp8" 32-element blocks (OCP MX, Blackwell tensor cores).
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
+# the recipes with one scale per tensor (the same GEMMs; they differ only in where the scale comes from)
+PER_TENSOR_FP8_RECIPES = ("tensorwise", "delayed")
 # Context-parallel attention (Megatron-Core --cp-comm-type): "p2p" the ring of K/V blocks overlapped
 # with attention (meshplan's runtime), "all_gather" K/V gathered before attention (as Llama 3 ran
 # it), "a2a" heads exchanged for sequence (Ulysses).

@@ -30,6 +30,7 @@ from typing import Any
 
 from meshplan.errors import ConfigError
 from meshplan.ir.gpu_arch import orders_kernels_by_queue
+from meshplan.ir.layout import FP8_RECIPES
 
 __all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
            "MASTER_WEIGHTS", "FP8_IMPLS", "resolve_stack"]
@@ -257,7 +258,7 @@ class Stack:
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack(name="reference", attention="fa2", cp_impl="te", cp_kinds=("p2p", "all_gather", "a2a"),
-          fp8_recipes=("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"),
+          fp8_recipes=FP8_RECIPES,
           recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "op_sac", "full"),
           tp_overlap="userbuffers", moe_dispatchers=("alltoall", "deepep"),
           schedules=("1f1b", "interleaved", "zb", "zbv", "gpipe"), fsdp_impls=("fsdp2", "megatron", "deepspeed"),
