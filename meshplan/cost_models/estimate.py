@@ -51,7 +51,8 @@ from meshplan.cost_models.ranks import (
 )
 from meshplan.cost_models.roofline import matmul_rate
 from meshplan.cost_models.tables import layer_table, pipeline_p2p_s, stack_unfused
-from meshplan.cost_models.uncertainty import extrapolation, imbalance_risk, plan_regimes, regime_of, step_uncertainty
+from meshplan.cost_models.uncertainty import (extrapolation, imbalance_risk, memory_pressure, plan_regimes, regime_of,
+                                              step_uncertainty)
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
 from meshplan.ir.layout import Layout, check_layout
@@ -442,6 +443,7 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
         floor, notes = extrapolation(plan_regimes(stack=stack.name, gpu_id=cluster.gpu.id, precision=precision,
                                                   fp8_recipe=recipe, ep_cross=ep_cross, seq_len=seq_len, moe=moe))
         band = max(band, floor)
+        notes += memory_pressure(peak, capacity)
     return Estimate(
         step_time_s=step, tokens_per_s_per_gpu=tokens / step / n,
         model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,

@@ -34,7 +34,8 @@ from meshplan.ir.gpu_arch import gpu_generation
 from meshplan.ir.layout import PER_TENSOR_FP8_RECIPES, Layout
 from meshplan.ir.precision import Precision
 
-__all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
+__all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "memory_pressure", "MEMORY_PRESSURE_FRAC",
+           "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
            "worst_ep_load", "routed_expert_s", "imbalance_risk", "upper_risk", "worst_case_gain", "risk_clause",
            "worst_case_words"]
 
@@ -160,6 +161,26 @@ def extrapolation(regimes: list[str]) -> tuple[float, tuple[str, ...]]:
             notes.append(f"{name}: {n} published run(s) in the validation table, held-out error {err * 100:.0f}%")
         floor = max(floor, err)
     return floor, tuple(notes)
+
+
+# Within this share of the usable memory a GPU step runs where PyTorch's caching allocator may have to
+# free its cached blocks and retry a cudaMalloc (`num_alloc_retries` in torch.cuda.memory_stats), each
+# retry a device synchronisation the cost model does not price. The two published rows with the highest
+# predicted peak are its two worst over-predictions outside context parallelism (MPT-30B at 8k on 8
+# H100s, 99% of usable memory, +34%; Megatron-Bridge 25.11 Qwen3-30B-A3B, 97%, +79%), while four other
+# rows at 95-96% are within 11%: too few to price, enough to say.
+MEMORY_PRESSURE_FRAC = 0.95
+
+
+def memory_pressure(peak_gb: float, capacity_gb: float) -> tuple[str, ...]:
+    """A note where a fitting plan's predicted peak is within MEMORY_PRESSURE_FRAC of the usable
+    memory (none otherwise, or when it does not fit: that is an error, not a note)."""
+    if capacity_gb <= 0 or not (MEMORY_PRESSURE_FRAC * capacity_gb < peak_gb <= capacity_gb):
+        return ()
+    return (f"memory: the predicted peak {peak_gb:.1f} GB is {peak_gb / capacity_gb * 100:.0f}% of the "
+            f"{capacity_gb:.1f} GB usable; the allocator may have to free and retry (unpriced device "
+            f"syncs; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True eases fragmentation), and the "
+            f"memory model's own error can tip it over: a smaller micro-batch or more recompute buys margin",)
 
 
 def _errors(regime: Mapping[str, bool]) -> dict[str, float]:

@@ -107,3 +107,22 @@ def test_a_plan_in_a_thinly_validated_regime_says_so_and_widens_its_band():
     cpu = mp.estimate("tiny-llama", mp.Cluster.preset("local-cpu"), {"dp": 4}, seq_len=128, global_batch=16,
                       stack="meshplan")
     assert cpu.extrapolation == ()
+
+
+def test_a_plan_near_the_usable_memory_says_the_allocator_may_retry():
+    import meshplan as mp
+    from meshplan.cost_models.uncertainty import MEMORY_PRESSURE_FRAC, memory_pressure
+    kw = dict(seq_len=8192, global_batch=64, stack="megatron-core")
+    base = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {"dp": 8, "recompute": "full"}, **kw)
+    hbm = base.capacity_gb + mp.Cluster.preset("dgx-h100", nodes=1).memory_reserved_gb
+    notes = {}
+    for share in (0.97, 0.80):      # the same plan on GPUs whose usable memory puts its peak at that share
+        reserved = hbm - base.peak_memory_gb / share
+        est = mp.estimate("llama3-8b", mp.Cluster(gpu="h100", nodes=1, gpus_per_node=8, memory_reserved_gb=reserved),
+                          {"dp": 8, "recompute": "full"}, **kw)
+        assert est.fits and abs(est.peak_memory_gb - base.peak_memory_gb) < 1e-9
+        notes[share] = [n for n in est.extrapolation if n.startswith("memory:")]
+    assert len(notes[0.97]) == 1 and "97% of the" in notes[0.97][0] and "expandable_segments" in notes[0.97][0]
+    assert notes[0.80] == []
+    # a plan that does not fit gets the error, not the note; the threshold is the stated share
+    assert memory_pressure(80.0, 79.0) == () and memory_pressure(MEMORY_PRESSURE_FRAC * 70.0 - 0.1, 70.0) == ()
