@@ -169,10 +169,8 @@ def _assemble(parts: list[steps.Part], dims: ParallelDims, job: steps.Job) -> Pa
     _fp8.log_precisions(precisions, job.plan)
     pipeline_stages = None
     if job.num_stages > 1:
-        from torch.distributed.pipelining import PipelineStage
         group = dims.pp_mesh.get_group()
-        pipeline_stages = [PipelineStage(p.module, p.spec.index, p.spec.num_stages, job.device, group=group)
-                           for p in parts]
+        pipeline_stages = [_pp.pipeline_stage(p.module, p.spec, job.device, group) for p in parts]
     return ParallelModel(
         plan=job.plan, dims=dims, stages=modules, specs=[p.spec for p in parts], device=job.device,
         fsdp_units=[u for p in parts for u in p.fsdp_units], loss_fn=job.options.loss_fn, tied=job.tied,

@@ -40,7 +40,7 @@ from torch import nn
 from meshplan.errors import LayoutError
 
 __all__ = ["StageSpec", "stage_specs", "build_stage_module", "stages_of_rank", "logits_of",
-           "pipeline_schedule", "check_schedule_name", "ScheduleCache"]
+           "pipeline_schedule", "check_schedule_name", "ScheduleCache", "pipeline_stage"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,6 +287,28 @@ def _sendable(t):
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def pipeline_stage(module: nn.Module, spec: StageSpec, device, group):
+    """torch.distributed.pipelining's PipelineStage for `module`, whose shape inference runs the stage
+    on zeros. torch (2.13) infers each stage's input and output metadata at the first step by running
+    the stage's forward and backward once on tensors it makes from the previous stage's metadata:
+    uninitialised memory (`TensorMeta.to_tensor`, `_PipelineStageBase._to_tensor`). Whatever bits are
+    there reach the kernels, and on CPU the Triton interpreter raises where a NaN meets a max (the MoE
+    router's top-k: "All-NaN slice encountered"), so a step failed at random. Zeros give every kernel
+    defined input; only the shapes are used."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import _TensorMeta      # (a DTensor meta is one too)
+
+    class _Stage(PipelineStage):
+        def _to_tensor(self, arg):
+            t = super()._to_tensor(arg)
+            if isinstance(arg, _TensorMeta) and (t.is_floating_point() or t.is_complex()):
+                with torch.no_grad():
+                    (t.to_local() if hasattr(t, "to_local") else t).zero_()
+            return t
+
+    return _Stage(module, spec.index, spec.num_stages, device, group=group)
 
 
 def pipeline_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn):
