@@ -347,6 +347,14 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     fp8_recipe: the FP8 scaling recipe (constants.FP8_RECIPES) of precision="fp8"; None: the layout's.
     fitted: the fitted constants (constants.Fitted); None: the shipped fit, constants.FITTED."""
     L = Layout.coerce(layout)
+    if L.tp_comm_overlap and L.tp > 1 and group(cluster, L.tp, 1).domains > 1:
+        # Both TP overlaps reach the peers' memory directly: Transformer Engine's userbuffers build the
+        # TP group from the ranks of one NVLink domain (CUDA IPC or multicast handles, MNNVL fabric
+        # handles on NVL72: userbuffers-host.cpp, create_communicator_grouped2), PyTorch's async TP
+        # runs on symmetric memory, which "does not work across network interfaces" (torch
+        # _symmetric_memory). A TP group across scale-up domains runs neither: the layout runs, and
+        # is priced, without it (exports then leave the flag off).
+        L = L.replace(tp_comm_overlap=False)
     stack = resolve_stack(stack, default="reference")
     if L.offload_activations and stack.compile and not stack.compile_offloaded:
         stack = stack.replace(compile=False)       # offloaded blocks run eagerly (Stack.compile_offloaded)

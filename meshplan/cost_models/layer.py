@@ -339,9 +339,10 @@ def _tp_hidden(c: Context) -> tuple[float, float]:
     transfers stayed exposed in the runs measured: Llama 3 70B ran ~20% faster forward and ~8% end
     to end with it (PyTorch dev-discuss, "Introducing Async Tensor Parallelism in PyTorch", 2024),
     torchtitan's 256-GPU table 829 -> 876 tokens/s (constants.ASYNC_TP_BWD_HIDDEN). None without
-    overlap, or where compute and communication share cores."""
+    overlap, or where compute and communication share cores, or where the TP group spans scale-up
+    domains: both mechanisms reach the peers' memory directly (estimate_profile turns the flag off there)."""
     L = c.layout
-    if not L.tp_comm_overlap or not c.cluster.gpu.comm_overlap or L.tp == 1:
+    if not L.tp_comm_overlap or not c.cluster.gpu.comm_overlap or L.tp == 1 or c.tp.domains > 1:
         return 0.0, 0.0
     kind = c.stack.tp_overlap
     if kind == "userbuffers":

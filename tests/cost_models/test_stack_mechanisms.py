@@ -169,3 +169,30 @@ def test_fsdp2_copies_around_its_collectives_on_the_compute_stream(llama):
     a, b = (estimate_profile(tiny, cpu, dict(dp=4, zero=3), seq_len=128, global_batch=16,
                              stack=STACKS["meshplan"].replace(fsdp_copies=c)) for c in (True, False))
     assert a.step_time_s == pytest.approx(b.step_time_s)
+
+
+def test_tp_overlap_needs_the_tp_group_inside_one_nvlink_domain():
+    """Transformer Engine's userbuffers and PyTorch's async TP reach the TP peers' memory directly, so a
+    TP group across nodes runs neither: its transfers are priced exposed, the estimate's layout (and so
+    the plan and its exports) carries the flag off, and inside a node nothing changes."""
+    gpt = mp.profile("gpt3-6.7b", seq_len=2048)
+    two_nodes = mp.Cluster.preset("dgx-h100", nodes=2)
+    kw = dict(seq_len=2048, global_batch=16, stack="megatron-core")
+    on = dict(tp=16, dp=1, pp=1, sp=True, mbs=1, recompute="full", tp_comm_overlap=True)
+    across = estimate_profile(gpt, two_nodes, on, **kw)
+    off = estimate_profile(gpt, two_nodes, {**on, "tp_comm_overlap": False}, **kw)
+    assert not across.layout.tp_comm_overlap
+    assert math.isclose(across.step_time_s, off.step_time_s, rel_tol=1e-12)
+    table = layer_table(gpt, two_nodes, Layout(**on), seq_len=2048, stack="megatron-core")
+    assert table.cost(0, "none").exposed_s["tp"] == pytest.approx(table.cost(0, "none").comm_s["tp"])
+    inside = dict(on, tp=8, dp=2)
+    within = estimate_profile(gpt, two_nodes, inside, **kw)
+    assert within.layout.tp_comm_overlap
+    assert within.time_s["tp"] < estimate_profile(gpt, two_nodes, {**inside, "tp_comm_overlap": False}, **kw).time_s["tp"]
+    model = mp.models.build("gpt3-6.7b", device="meta")
+    plan = mp.plan(model, two_nodes, seq_len=2048, global_batch=16, stack="megatron-core", fixed=on,
+                   allow_cross_domain=True)
+    assert plan.layout.tp == 16 and "--tp-comm-overlap" not in plan.to_megatron_args()
+    # without leave to cross domains, a fixed TP across nodes is refused by name
+    with pytest.raises(mp.errors.LayoutError, match="fixed tp=16 spans 2 scale-up domains of 8 GPUs"):
+        mp.plan(model, two_nodes, seq_len=2048, global_batch=16, stack="megatron-core", fixed=on)
