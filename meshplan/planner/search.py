@@ -258,12 +258,10 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
             allow_cross_domain or t <= domain)
 
     _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns, n=n)
-    for k in ("tp", "ep"):
-        if k in f and int(f[k]) > domain and not allow_cross_domain:
-            raise LayoutError(f"fixed {k}={f[k]} spans {-(-int(f[k]) // domain)} scale-up domains of {domain} GPUs "
-                              f"({cluster.name}): the planner keeps {k.upper()} inside one unless told otherwise; "
-                              f"pass allow_cross_domain=True (meshplan plan --allow-cross-domain), or fix {k} <= "
-                              f"{domain}")
+    if "tp" in f and int(f["tp"]) > domain and not allow_cross_domain:     # (a fixed ep may span domains)
+        raise LayoutError(f"fixed tp={f['tp']} spans {-(-int(f['tp']) // domain)} scale-up domains of {domain} GPUs "
+                          f"({cluster.name}): the planner keeps TP inside one unless told otherwise; pass "
+                          f"allow_cross_domain=True (meshplan plan --allow-cross-domain), or fix tp <= {domain}")
 
     stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "pruned_bound": 0, "estimates": 0,
              "runtime_excluded": 0}
