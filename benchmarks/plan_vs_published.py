@@ -42,7 +42,7 @@ from meshplan.cost_models.uncertainty import gain_band  # noqa: E402
 from meshplan.planner.explain import why_lost  # noqa: E402
 
 FIX_KEYS = ("tp", "cp", "pp", "vp", "dp", "ep", "etp", "zero", "mbs", "recompute", "schedule", "sp",
-            "tp_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward")
+            "tp_comm_overlap", "ep_comm_overlap", "flash_attention", "stage_layers", "fsdp_shard", "reshard_after_forward")
 # the run's software stack: kept in both the fixed and the free plan (not the planner's choice)
 STACK_KEYS = ("flash_attention", "tp_comm_overlap", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
               "grad_accum_fusion", "fp8_recipe", "cp_comm_type", "moe_capacity_factor", "optimizer_dtype")
