@@ -5,7 +5,7 @@ experts folded over the dense dp x cp x tp ranks as ep (x etp), virtual stages v
 size, recompute (none / norm_act / selective / full), ZeRO stage (distributed optimizer or FSDP), schedule
 (1F1B, interleaved, zero-bubble) and precision. Pruning, cheapest first:
 1. divisibility (heads, KV heads, FFN, vocab, experts, sequence, batch) and the scale-up domain
-   (TP and EP stay inside it unless `allow_cross_domain`);
+   (TP and EP stay inside it unless `allow_cross_domain` or the degree is fixed);
 2. a memory lower bound per mesh (weights + gradients + optimizer state, no activations);
 3. per mesh, recompute is tried from none to full and the micro-batch grows while it fits, so
    a mesh costs a handful of estimates, not the full cross product.
@@ -254,14 +254,11 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     domain = cluster.scaleup_domain
 
     def tp_ok(t: int) -> bool:
+        # a fixed degree is the user's leave to span domains, as a fixed ep is
         return not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns) and (
-            allow_cross_domain or t <= domain)
+            allow_cross_domain or t <= domain or "tp" in f)
 
     _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns, n=n)
-    if "tp" in f and int(f["tp"]) > domain and not allow_cross_domain:     # (a fixed ep may span domains)
-        raise LayoutError(f"fixed tp={f['tp']} spans {-(-int(f['tp']) // domain)} scale-up domains of {domain} GPUs "
-                          f"({cluster.name}): the planner keeps TP inside one unless told otherwise; pass "
-                          f"allow_cross_domain=True (meshplan plan --allow-cross-domain), or fix tp <= {domain}")
 
     stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "pruned_bound": 0, "estimates": 0,
              "runtime_excluded": 0}
