@@ -57,7 +57,8 @@ class Estimate:
     uncertainty_s: dict[str, float] = field(default_factory=dict)
     regime: dict[str, bool] = field(default_factory=dict)
     # the software stack priced (meshplan.ir.stack) and, where the layout sits in a regime the
-    # validation table covers thinly, one note per such regime (the band is at least its error)
+    # validation table covers thinly, one note per such regime (the band is at least its error); on
+    # GPUs also a note where the predicted peak is close to the usable memory (uncertainty.memory_pressure)
     stack: str = ""
     extrapolation: tuple[str, ...] = ()
     # A risk the point estimate cannot price, on the upper side only: a MoE model trained without load
