@@ -38,7 +38,7 @@ from meshplan.cost_models.offload import (
     offload_memory,
     offload_ranks,
 )
-from meshplan.cost_models.pipeline import in_flight, pipeline_time
+from meshplan.cost_models.pipeline import ep_unpaired_steps, in_flight, pipeline_time
 from meshplan.cost_models.ranks import (
     RankWork,
     clear_layer_cache,
@@ -406,10 +406,14 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     # ones are in the ranks' forward and backward: compute.fp8_weight_casts)
     dp_exposed, dp_total = max(e for _, e in dp), max(t for t, _ in dp)
     overhead = dev.step_overhead(profile, cluster, L, ranks, stack)
-    step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead
+    # the expert overlap pairs chunk-steps; its warm-up and cool-down steps run alone and show the
+    # all-to-alls it hides elsewhere (a rank's hidden share per micro-batch, 1/vp of it per step)
+    unpaired = max((ep_unpaired_steps(L.pp, L.vp, m, r) / L.vp * max(0.0, w.comm["ep"] - w.parts["ep"])
+                    for r, w in enumerate(ranks)), default=0.0) if stack.runs_ep_overlap(L) else 0.0
+    step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead + unpaired
     w = ranks[slow]
     time_s = {"compute": m * w.parts["compute"], "tp": m * w.parts["tp"], "cp": m * w.parts["cp"],
-              "ep": m * w.parts["ep"], "pp": pp_exposed, "dp": dp_exposed, "bubble": bubble,
+              "ep": m * w.parts["ep"] + unpaired, "pp": pp_exposed, "dp": dp_exposed, "bubble": bubble,
               "optimizer": opt_max, "overhead": overhead}
     if off is not None:
         time_s["offload"] = m * (off[slow].fwd_s + off[slow].bwd_s)

@@ -11,7 +11,7 @@ For uneven ranks the (p-1)*t term becomes sum(t_r) - max(t_r): the fill and drai
 
 from __future__ import annotations
 
-__all__ = ["pipeline_time", "pipeline_time_lower_bound", "in_flight"]
+__all__ = ["pipeline_time", "pipeline_time_lower_bound", "in_flight", "ep_unpaired_steps"]
 
 
 def pipeline_time(schedule: str, m: int, vp: int, rank_fb: list[float], rank_w: list[float]) -> tuple[float, float]:
@@ -69,3 +69,17 @@ def in_flight(schedule: str, m: int, p: int, vp: int, rank: int) -> float:
         warmup = (p - rank - 1) * 2 + (vp - 1) * p
         return float(m) if m == p else min(warmup + 1, m * vp) / vp
     return float(min(m, p - rank))
+
+
+def ep_unpaired_steps(pp: int, vp: int, m: int, rank: int) -> int:
+    """Chunk-steps of pipeline rank `rank` that Megatron-Core's merged 1F1B schedule (its expert
+    all-to-all overlap, --overlap-moe-expert-parallel-comm) runs with no partner: it pairs one
+    micro-batch's forward of a model chunk with another's backward, so its warm-up forwards and the
+    as many cool-down backwards run alone, their all-to-alls exposed. Counted from the schedule's
+    code (megatron/core/pipeline_parallel/schedules.py, get_schedule_table / the interleaved warm-up:
+    2(pp - 1 - rank) + (vp - 1) * pp forwards, one more with the overlap "to ensure the forward and
+    backward computations are independent in all 1f1b steps"; combined_1f1b.py without pipelining:
+    the first forward and the last backward alone), at most every one of the m * vp steps."""
+    if pp == 1:
+        return min(m, 1)
+    return min(m * vp, 2 * (pp - 1 - rank) + (vp - 1) * pp + 1)

@@ -74,6 +74,27 @@ def test_a2a_overlap_needs_a_schedule_that_pairs_micro_batches(qwen):
     assert _qwen(qwen, vp=1, stage_layers=split_layers(94, 8), ep_comm_overlap=True).step_time_s == plain.step_time_s
 
 
+def test_a2a_overlap_leaves_the_warm_up_and_cool_down_steps_unpaired():
+    """The merged schedule pairs one micro-batch's forward of a chunk with another's backward; its
+    warm-up forwards and as many cool-down backwards run alone (2(pp-1) + (vp-1)pp + 1 steps on the
+    first rank), so what the overlap hides shrinks with the micro-batch count, to nothing once every
+    step is a warm-up or cool-down one."""
+    from meshplan.cost_models.pipeline import ep_unpaired_steps
+    assert ep_unpaired_steps(8, 4, 128, 0) == 2 * 7 + 3 * 8 + 1 and ep_unpaired_steps(8, 4, 128, 7) == 25
+    assert ep_unpaired_steps(8, 4, 8, 0) == 32 and ep_unpaired_steps(1, 1, 32, 0) == 1
+    mixtral = _preset_profile("mixtral-8x7b")       # 32 layers: one per chunk at pp8 x vp4
+    lay = dict(tp=1, pp=8, vp=4, ep=8, dp=8, zero=1, mbs=1, recompute="none")
+    hidden = {}
+    for m in (128, 16, 8):
+        kw = dict(seq_len=4096, global_batch=8 * m, stack="megatron-core")
+        off = estimate_profile(mixtral, mp.Cluster.preset("dgx-h100", nodes=8), lay, **kw)
+        on = estimate_profile(mixtral, mp.Cluster.preset("dgx-h100", nodes=8), dict(lay, ep_comm_overlap=True), **kw)
+        hidden[m] = 1 - on.time_s["ep"] / off.time_s["ep"]
+    # 39 of 512 steps unpaired at m = 128, 39 of 64 at m = 16, all 32 at m = 8
+    assert hidden[16] / hidden[128] == pytest.approx((1 - 39 / 64) / (1 - 39 / 512), rel=1e-6)
+    assert hidden[8] == pytest.approx(0.0, abs=1e-12) and hidden[128] > 0.5
+
+
 def test_overlapped_compute_loses_the_communication_kernels_sms():
     """A hidden transfer still costs the share of SMs its kernels hold; a longer one shows the rest."""
     from meshplan.cost_models.layer import _ep_overlapped
