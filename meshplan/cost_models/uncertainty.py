@@ -34,8 +34,8 @@ from meshplan.ir.gpu_arch import gpu_generation
 from meshplan.ir.layout import PER_TENSOR_FP8_RECIPES, Layout
 from meshplan.ir.precision import Precision
 
-__all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "memory_pressure", "MEMORY_PRESSURE_FRAC",
-           "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
+__all__ = ["step_uncertainty", "gain_band", "plan_regimes", "extrapolation", "memory_pressure", "memory_pressed",
+           "MEMORY_PRESSURE_FRAC", "REGIME_LORO", "complexity", "prefer_simpler", "regime_of", "COMPONENT_ERROR",
            "worst_ep_load", "routed_expert_s", "imbalance_risk", "upper_risk", "worst_case_gain", "risk_clause",
            "worst_case_words"]
 
@@ -340,6 +340,15 @@ def complexity(layout: Layout, regime: Mapping[str, bool] | None = None) -> int:
     return int(n)
 
 
+def memory_pressed(e) -> bool:
+    """Whether estimate `e` carries the memory-pressure note (a GPU plan within MEMORY_PRESSURE_FRAC
+    of the usable memory: memory_pressure)."""
+    return any(n.startswith("memory:") for n in e.extrapolation)
+
+
+# Bands closer than this are the same band (the component mix of two micro-batch sizes of one mesh
+# moves the band in its fifth decimal)
+BAND_TIE = 1e-4
 # prefer_simpler looks this far down the ranking (further only for a layout with less upper-side risk)
 PREFER_SIMPLER_WINDOW = 64
 
@@ -355,7 +364,8 @@ def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW)
     an expert-parallel layout) is not better than a simpler one's by more than the band does not
     win on its point estimate. For the same reason a layout of the same complexity carrying less of
     that risk (less expert parallelism) may replace it too. Neither changes anything when no
-    estimate carries such a risk."""
+    estimate carries such a risk. Likewise a layout as simple with memory headroom may replace a
+    fastest whose GPU peak is within MEMORY_PRESSURE_FRAC of the usable memory."""
     if not ranked:
         return None, ""
     best = ranked[0]
@@ -373,7 +383,11 @@ def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW)
         # certain layout may replace the fastest; "certain" is the band's upper side, the risk
         # included (the symmetric band alone when neither carries one)
         safer = ce == cb and he < hb and _worst_load(e) < wb
-        if not (ce < cb or safer) or e.uncertainty + he > best.uncertainty + hb:
+        # or, as simple, one with memory headroom where the fastest runs within MEMORY_PRESSURE_FRAC
+        # of the usable memory (a smaller micro-batch, more recompute): its peak is no bet on the
+        # memory model's error or the allocator's fragmentation
+        roomier = ce == cb and memory_pressed(best) and not memory_pressed(e)
+        if not (ce < cb or safer or roomier) or e.uncertainty + he > best.uncertainty + hb + BAND_TIE:
             continue
         _, band, _ = gain_band(best, e)
         if worst_case_gain(best, e) <= band:
@@ -385,7 +399,8 @@ def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW)
     gain, band, diff = gain_band(best, pick)
     edge = ", ".join(f"{k} {d * 1e3:+.0f} ms" for k, d in sorted(diff.items(), key=lambda kv: -kv[1])
                      if d > 1e-3 * best.step_time_s)
-    kind = "simpler" if complexity(pick.layout, pick.regime) < cb else "less risky"
+    kind = "simpler" if complexity(pick.layout, pick.regime) < cb else \
+        "roomier" if memory_pressed(best) and not memory_pressed(pick) else "less risky"
     head = (f"chose the {kind} {pick.layout.short()} over the fastest "
             f"{best.layout.short()}: its predicted gain {gain * 100:.1f}% ")
     tail = f" (the edge rests on: {edge or 'nothing'})"

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.memory import grad_bytes, optimizer_bytes, state_bytes
 from meshplan.cost_models.offload import frees_device_memory
-from meshplan.cost_models.uncertainty import PREFER_SIMPLER_WINDOW
+from meshplan.cost_models.uncertainty import PREFER_SIMPLER_WINDOW, memory_pressed
 from meshplan.errors import ConfigError, LayoutError, MeshplanError
 from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
@@ -479,12 +479,16 @@ def _cost_mesh(profile, cluster, base: Layout, f, seq_len, global_batch, precisi
     for precision in precisions:
         fitting = len(ranked)
         for rc in _opts("recompute", f, rcs):
+            start = len(ranked)
             best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc), mbss, seq_len, global_batch, precision,
                                   ranked, rejected, stats, fp8_modules, stack)
-            if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe", "mla_up"):
+            if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe", "mla_up") \
+                    and not all(memory_pressed(e) for e in ranked[start:]):
                 break                          # cheapest recompute that fits found; more recompute only adds work
             # (not after the module policies ("norm_act", ...): selective saves more and re-runs attention
-            # instead, which at short sequences can be the cheaper recompute; both are ranked)
+            # instead, which at short sequences can be the cheaper recompute; both are ranked; nor where
+            # every fitting estimate of it runs within MEMORY_PRESSURE_FRAC of a GPU's usable memory: the
+            # next policy's headroom is then ranked too, for prefer_simpler to weigh)
         if len(ranked) > fitting or "offload_activations" in f or not stack.activation_offload or \
                 not frees_device_memory(cluster):
             continue

@@ -126,3 +126,24 @@ def test_a_plan_near_the_usable_memory_says_the_allocator_may_retry():
     assert notes[0.80] == []
     # a plan that does not fit gets the error, not the note; the threshold is the stated share
     assert memory_pressure(80.0, 79.0) == () and memory_pressure(MEMORY_PRESSURE_FRAC * 70.0 - 0.1, 70.0) == ()
+
+
+def test_the_planner_prefers_memory_headroom_inside_the_band():
+    """Of two layouts as simple, within the band of each other, the one whose GPU peak leaves
+    headroom replaces a fastest that runs within 95% of the usable memory (prefer_simpler); one
+    outside the band does not."""
+    import meshplan as mp
+    from meshplan.cost_models.uncertainty import memory_pressed, prefer_simpler
+    kw = dict(seq_len=8192, global_batch=64, stack="megatron-core")
+    lay = {"dp": 8, "recompute": "full"}
+    probe = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {**lay, "mbs": 2}, **kw)
+    hbm = probe.capacity_gb + mp.Cluster.preset("dgx-h100", nodes=1).memory_reserved_gb
+    # usable memory that puts micro-batch 2 at 97% of it and micro-batch 1 (5% less memory) below 95%
+    tight = mp.Cluster(gpu="h100", nodes=1, gpus_per_node=8, memory_reserved_gb=hbm - probe.peak_memory_gb / 0.97)
+    two, one = (mp.estimate("llama3-8b", tight, {**lay, "mbs": mbs}, **kw) for mbs in (2, 1))
+    assert two.step_time_s < one.step_time_s and memory_pressed(two) and not memory_pressed(one)
+    chosen, note = prefer_simpler([two, one])
+    assert chosen is one and note.startswith("chose the roomier")
+    # with room for both, the faster stays
+    roomy = [mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {**lay, "mbs": mbs}, **kw) for mbs in (2, 1)]
+    assert prefer_simpler(roomy)[0] is roomy[0]
