@@ -98,8 +98,8 @@ E_PAIR = E_DENSE / 2                                                        # de
 REGIME_MIN_ROWS = 5
 REGIME_LORO = {"stack megatron-2021": (28, 0.055), "stack megatron-core": (48, 0.147),
                "stack torchtitan": (18, 0.093), "stack llm-foundry": (36, 0.077), "gpu ampere": (30, 0.058),
-               "gpu hopper": (98, 0.103), "gpu blackwell": (2, 0.116), "fp8 per-tensor scales": (36, 0.108),
-               "fp8 block/row/mx recipes": (2, 0.093), "ep across nodes": (4, 0.105),
+               "gpu hopper": (98, 0.101), "gpu blackwell": (2, 0.130), "fp8 per-tensor scales": (36, 0.109),
+               "fp8 block/row/mx recipes": (2, 0.107), "ep across nodes": (4, 0.109),
                "context >= 64k": (12, 0.139), "moe": (20, 0.122)}
 # A regime with no published row takes a regime it resembles: meshplan's runtime is PyTorch-native
 # like torchtitan (FSDP2, DTensor, SDPA, torchao FP8); the stack-neutral reference is Megatron-Core's
