@@ -341,9 +341,9 @@ def complexity(layout: Layout, regime: Mapping[str, bool] | None = None) -> int:
 
 
 def memory_pressed(e) -> bool:
-    """Whether estimate `e` carries the memory-pressure note (a GPU plan within MEMORY_PRESSURE_FRAC
-    of the usable memory: memory_pressure)."""
-    return any(n.startswith("memory:") for n in e.extrapolation)
+    """Whether estimate `e` (or its dict) carries the memory-pressure note (a GPU plan within
+    MEMORY_PRESSURE_FRAC of the usable memory: memory_pressure); False where the field is absent."""
+    return any(n.startswith("memory:") for n in _as_dict(e).get("extrapolation") or ())
 
 
 # Bands closer than this are the same band (the component mix of two micro-batch sizes of one mesh
