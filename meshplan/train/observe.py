@@ -124,6 +124,10 @@ class StepMemory:
                           per_rank_gb=tuple(float(v) for v in table[:, 0]))
 
 
+# a run whose mean step is this far from the prediction (either way) says how to price the machine
+PREDICTION_OFF = 1.5
+
+
 @dataclass
 class RunSummary:
     """Accumulates the steps of one train() call; `finish` prints it and writes summary.json."""
@@ -186,10 +190,18 @@ class RunSummary:
             pred = d["mean_predicted_step_time_s"]
             lines = [(f"run summary: steps {self.start_step + 1}..{self.final_step} ({self.steps} steps), "
                       f"{self.tokens:,} tokens, {d['tokens_per_s'] or 0.0:.1f} tokens/s"),
-                     f"  step time {d['mean_step_time_s']:.3f} s" + (f" (predicted {pred:.3f} s)" if pred else ""),
-                     f"  loss: final {self.final_loss:.4f}" + (f", best {self.best_loss:.4f} at step {self.best_step}"
-                                                               if self.best_loss is not None else ""),
-                     f"  peak memory {self.peak_memory_gb:.2f} GiB (rank {self.peak_memory_rank})"]
+                     f"  step time {d['mean_step_time_s']:.3f} s" + (f" (predicted {pred:.3f} s)" if pred else "")]
+            ratio = d["mean_step_time_s"] / pred if pred else 1.0
+            if not 1 / PREDICTION_OFF < ratio < PREDICTION_OFF:
+                # a preset's rates were measured on another machine (local-cpu's on one 2-core VM: a CPU
+                # without fast bf16 matmuls runs its job ~3x slower), a calibrated profile prices this one
+                lines.append(f"  measured {ratio:.1f}x the predicted step: the plan priced the cluster it was given, "
+                             "whose rates come from another machine unless calibrated; `meshplan calibrate --quick "
+                             "--nproc <processes> --out this.json` measures this one, `--cluster this.json` plans "
+                             "with it")
+            lines += [f"  loss: final {self.final_loss:.4f}" + (f", best {self.best_loss:.4f} at step {self.best_step}"
+                                                                 if self.best_loss is not None else ""),
+                      f"  peak memory {self.peak_memory_gb:.2f} GiB (rank {self.peak_memory_rank})"]
             if self.skipped_steps:
                 lines.append(f"  skipped {len(self.skipped_steps)} steps on inf/nan gradients (fp16): "
                              f"{self.skipped_steps[:10]}; final loss scale {loss_scale:g}")

@@ -180,3 +180,26 @@ def test_lambda_lr_matches_lr_at_per_group():
         sched.step()
     set_lr(opt, 5e-5)
     assert [g["lr"] for g in opt.param_groups] == [5e-5, 5e-5]
+
+
+def test_a_run_far_from_its_prediction_says_how_to_price_this_machine(tmp_path):
+    """The run summary names `meshplan calibrate` when the mean step is 1.5x off the prediction
+    either way (a preset's rates come from another machine), and says nothing within it."""
+    import io
+
+    from meshplan.train.metrics import StepMetrics
+    from meshplan.train.observe import RunSummary
+
+    def summary(measured: float, predicted: float) -> str:
+        s = RunSummary(seq_len=128)
+        for step in (1, 2):
+            s.add(StepMetrics(step=step, loss=2.0, lr=1e-3, tokens_per_s=1.0, step_time_s=measured,
+                              predicted_step_time_s=predicted, global_batch=16))
+        out = io.StringIO()
+        s.finish(tmp_path, checkpoint=None, stream=out)
+        return out.getvalue()
+
+    far = summary(0.44, 0.134)
+    assert "measured 3.3x the predicted step" in far and "meshplan calibrate --quick" in far
+    assert "calibrate" not in summary(0.14, 0.134)
+    assert "measured 0.3x the predicted step" in summary(0.04, 0.134)
