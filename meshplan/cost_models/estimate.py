@@ -408,8 +408,8 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     overhead = dev.step_overhead(profile, cluster, L, ranks, stack)
     # the expert overlap pairs chunk-steps; its warm-up and cool-down steps run alone and show the
     # all-to-alls it hides elsewhere (a rank's hidden share per micro-batch, 1/vp of it per step)
-    unpaired = max((ep_unpaired_steps(L.pp, L.vp, m, r) / L.vp * max(0.0, w.comm["ep"] - w.parts["ep"])
-                    for r, w in enumerate(ranks)), default=0.0) if stack.runs_ep_overlap(L) else 0.0
+    unpaired = max(ep_unpaired_steps(L.pp, L.vp, m, r) / L.vp * max(0.0, w.comm["ep"] - w.parts["ep"])
+                   for r, w in enumerate(ranks)) if stack.runs_ep_overlap(L) else 0.0
     step = busy + bubble + pp_exposed + dp_exposed + opt_max + max(w.cast for w in ranks) + overhead + unpaired
     w = ranks[slow]
     time_s = {"compute": m * w.parts["compute"], "tp": m * w.parts["tp"], "cp": m * w.parts["cp"],

@@ -170,6 +170,7 @@ def extrapolation(regimes: list[str]) -> tuple[float, tuple[str, ...]]:
 # H100s, 99% of usable memory, +34%; Megatron-Bridge 25.11 Qwen3-30B-A3B, 97%, +79%), while four other
 # rows at 95-96% are within 11%: too few to price, enough to say.
 MEMORY_PRESSURE_FRAC = 0.95
+_MEMORY_NOTE = "memory: "          # how the note starts: memory_pressed finds it by this
 
 
 def memory_pressure(peak_gb: float, capacity_gb: float) -> tuple[str, ...]:
@@ -177,7 +178,7 @@ def memory_pressure(peak_gb: float, capacity_gb: float) -> tuple[str, ...]:
     memory (none otherwise, or when it does not fit: that is an error, not a note)."""
     if capacity_gb <= 0 or not (MEMORY_PRESSURE_FRAC * capacity_gb < peak_gb <= capacity_gb):
         return ()
-    return (f"memory: the predicted peak {peak_gb:.1f} GB is {peak_gb / capacity_gb * 100:.0f}% of the "
+    return (f"{_MEMORY_NOTE}the predicted peak {peak_gb:.1f} GB is {peak_gb / capacity_gb * 100:.0f}% of the "
             f"{capacity_gb:.1f} GB usable; the allocator may have to free and retry (unpriced device "
             f"syncs; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True eases fragmentation), and the "
             f"memory model's own error can tip it over: a smaller micro-batch or more recompute buys margin",)
@@ -343,7 +344,7 @@ def complexity(layout: Layout, regime: Mapping[str, bool] | None = None) -> int:
 def memory_pressed(e) -> bool:
     """Whether estimate `e` (or its dict) carries the memory-pressure note (a GPU plan within
     MEMORY_PRESSURE_FRAC of the usable memory: memory_pressure); False where the field is absent."""
-    return any(n.startswith("memory:") for n in _as_dict(e).get("extrapolation") or ())
+    return any(n.startswith(_MEMORY_NOTE) for n in _as_dict(e).get("extrapolation") or ())
 
 
 # Bands closer than this are the same band (the component mix of two micro-batch sizes of one mesh
