@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from meshplan.cost_models.constants import NVLS_MIN_GPUS, P2P_EFF, XGMI_EFF
 
-__all__ = ["Group", "group", "collective_time", "p2p_time", "intra_busbw", "dedup_copies", "dedup_all_to_all_time"]
+__all__ = ["Group", "group", "collective_time", "flat_ring_time", "p2p_time", "intra_busbw", "dedup_copies", "dedup_all_to_all_time"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -105,7 +105,27 @@ def collective_time(kind: str, nbytes: float, g: Group, cluster) -> float:
             return t
         per_nic = nbytes / g.per_domain                            # each NIC carries its rail's share
         t += _factor(kind, D) * per_nic / nic + _latency(cluster, kind, D, cluster.net_latency_us)
+        if g.per_domain > 1:                   # NCCL's tuner runs whichever algorithm is faster
+            t = min(t, flat_ring_time(kind, nbytes, g, cluster))
     return t
+
+
+def flat_ring_time(kind: str, nbytes: float, g: Group, cluster) -> float:
+    """Seconds for a ring collective through every rank of a group spanning domains, as NCCL runs
+    it. Each channel's ring enters and leaves a domain through one NIC and the g = per_domain
+    channels use the g NICs side by side, so every scale-up link and every NIC carry the same
+    share of the buffer at once: busbw = min(the domain's ring busbw, g x B_nic) (cost_models.md
+    §7: for 2 nodes of 8 H100 with 8x400G, ~470 GB/s busbw expected, NVIDIA/nccl #2409 citing
+    nccl-tests #309). The two-level sum in collective_time is slower whenever neither leg limits
+    alone. Latency as NCCL's tuning model counts it: every step of the ring, the ones crossing the
+    network at the network's per-hop latency (src/graph/tuning.cc)."""
+    kind = _as_run(kind, cluster)
+    n, D = g.size, g.domains
+    bw = min(intra_busbw(cluster, g.per_domain, "ring"), g.per_domain * cluster.nic_gb_s) * 1e9
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    inter = 2 * (D - 1) if kind == "all_reduce" else D - 1
+    lat = cluster.base_latency_us + (steps - inter) * cluster.scaleup_latency_us + inter * cluster.net_latency_us
+    return _factor(kind, n) * nbytes / bw + lat * 1e-6
 
 
 def p2p_time(nbytes: float, cluster, *, cross_domain: bool) -> float:

@@ -39,8 +39,9 @@ def moe_load_factor(b: BlockProfile, c: Context) -> float:
 
     Layout.moe_capacity_factor (read with getattr: absent means dropless) c > 0: every expert is padded
     to (or dropped at) c times its mean rows (Megatron-Core --moe-expert-capacity-factor c
-    --moe-pad-expert-input-to-capacity), so every rank runs c times the mean; forced balance
-    (--moe-router-force-load-balancing) is c = 1."""
+    --moe-pad-expert-input-to-capacity), so every rank runs c times the mean; forced balance by
+    round-robin (meshplan's moe_force_balance: routing_layout) is c = 1. Megatron-Core's
+    --moe-router-force-load-balancing draws random logits instead: independent tokens, this floor."""
     if not b.is_moe:
         return 1.0
     return load_factor(b.experts, b.topk, c)
@@ -60,15 +61,18 @@ def load_factor(E: int, k: float, c: Context) -> float:
     return 1.0 + (ep / (ep - 1)) ** 0.5 * expected_max_std_normal(ep) * s
 
 
-def routing_layout(layout, moe_balance: str):
+def routing_layout(layout, moe_balance: str, stack=None):
     """`layout` as its MoE layers are priced for a model routing with `moe_balance`
-    (ModelProfile.moe_balance). Forced balance (round-robin over the experts: Megatron-Core
-    --moe-router-force-load-balancing, meshplan's moe_force_balance) hands every expert exactly its
+    (ModelProfile.moe_balance) on `stack`. Forced balance as round-robin over the experts (meshplan's
+    moe_force_balance; Stack.forced_balance "round_robin", the default) hands every expert exactly its
     mean rows, whatever the router: `load_factor`'s capacity factor 1.0, without the statistical
-    excess of a router balanced only in expectation (the layer cost cache keys on that field, so
-    the two are never confused). A layout that sets its own capacity factor, any other balance: as is."""
-    if moe_balance == "forced" and hasattr(layout, "moe_capacity_factor") and layout.moe_capacity_factor is None:
+    excess of a router balanced only in expectation (the layer cost cache keys on that field, so the
+    two are never confused). As random logits (Megatron-Core --moe-router-force-load-balancing) the
+    tokens route independently and the dispatch stays dropless: the layout as is, priced at that
+    statistical excess (the floor `load_factor` computes) with the dropless dispatch's host wait.
+    A layout that sets its own capacity factor, any other balance: as is."""
+    if moe_balance == "forced" and hasattr(layout, "moe_capacity_factor") and layout.moe_capacity_factor is None \
+            and getattr(stack, "forced_balance", "round_robin") == "round_robin":
         import dataclasses
         return dataclasses.replace(layout, moe_capacity_factor=1.0)
     return layout
-

@@ -95,7 +95,7 @@ def layer_table(profile: ModelProfile, cluster, layout: Layout | dict, *, seq_le
     stack = resolve_stack(stack, default="reference")
     fp8 = precision == Precision.FP8
     unfused = stack_unfused(profile, cluster, stack)
-    ctx = Context.build(cluster, routing_layout(L, profile.moe_balance), seq_len, fp8, unfused,
+    ctx = Context.build(cluster, routing_layout(L, profile.moe_balance, stack), seq_len, fp8, unfused,
                         fp8_recipe=fp8_recipe or L.fp8_recipe, stack=stack, fitted=fitted)
     return LayerTable(profile, cluster, ctx.layout, seq_len, ctx, layer_fp8_flags(profile, fp8, fp8_modules), unfused)
 

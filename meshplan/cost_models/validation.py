@@ -407,17 +407,14 @@ def _add_stack_fields(lay: dict[str, Any], row: Row, cfg: dict[str, Any]) -> Non
 
 def _moe_capacity(notes: str) -> float | None:
     """The MoE routing a row's notes name, as a capacity factor (cost_models.layer.moe_load_factor):
-    forced balance (Megatron --moe-router-force-load-balancing) gives every expert its mean rows, as
-    does a capacity factor c with padding (--moe-expert-capacity-factor c
-    --moe-pad-expert-input-to-capacity) at c; None (dropless) otherwise. Until Layout has a
-    moe_capacity_factor field every row is priced dropless."""
-    n = notes.lower()
-    m = re.search(r"capacity factor ([0-9.]+) with padding", n)
-    if m:
-        return float(m.group(1))
-    if "force-load-balancing" in n or "forced balanc" in n:
-        return 1.0
-    return None
+    a capacity factor c with padding (--moe-expert-capacity-factor c --moe-pad-expert-input-to-
+    capacity) pads every expert to c times its mean rows; None (dropless) otherwise. Megatron's forced
+    balance (--moe-router-force-load-balancing; "forced-balance", "force-balanced" in the notes) is
+    dropless too: it draws random router logits and dispatches as usual (router.py
+    apply_random_logits), priced as tokens routed independently (the megatron-core stack's
+    Stack.forced_balance)."""
+    m = re.search(r"capacity factor ([0-9.]+) with padding", notes.lower())
+    return float(m.group(1)) if m else None
 
 
 # Stacks that add each micro-batch's weight gradients into the gradient buffer in a separate pass

@@ -121,8 +121,8 @@ class Layout:
     moe_dispatcher: str = "alltoall"   # MoE token dispatch (MOE_DISPATCHERS)
     # MoE routing: None = dropless (an aux-loss-balanced router; the busiest EP rank gets more than the
     # mean: cost_models.layer.moe_load_factor); c > 0 = every expert padded / dropped to c x its mean
-    # rows (Megatron --moe-expert-capacity-factor c --moe-pad-expert-input-to-capacity); forced
-    # balance (--moe-router-force-load-balancing) is 1.0. meshplan's runtime routes dropless.
+    # rows (Megatron --moe-expert-capacity-factor c --moe-pad-expert-input-to-capacity); round-robin
+    # forced balance (meshplan's moe_force_balance) is priced as 1.0. meshplan's runtime routes dropless.
     moe_capacity_factor: float | None = None
     fsdp_impl: str = "fsdp2"        # zero=3 implementation (FSDP_IMPLS)
     attn_kernel: str = "flash"      # flash-attention implementation (ATTN_KERNELS)

@@ -26,8 +26,9 @@ __all__ = ["OpInfo", "LinearInfo", "BlockProfile", "ModelProfile", "MOE_BALANCES
 #                  transformers' router_aux_loss_coef with output_router_logits)
 #   "expert_bias"  auxiliary-loss-free balancing: a per-expert bias steering top-k, updated from the
 #                  loads every step (DeepSeek-V3; meshplan's moe_expert_bias)
-#   "forced"       routing ignores the router: round-robin, exactly equal loads (benchmarking mode,
-#                  Megatron-Core --moe-router-force-load-balancing; meshplan's moe_force_balance)
+#   "forced"       routing ignores the router (benchmarking mode): meshplan's moe_force_balance
+#                  round-robin, exactly equal loads; Megatron-Core --moe-router-force-load-balancing
+#                  random logits, equal in expectation (Stack.forced_balance)
 #   "none"         nothing balances the router: an untrained one can send most tokens to few experts
 #   "unknown"      not recorded (a model meshplan cannot read it from); priced as balanced
 MOE_BALANCES = ("aux_loss", "expert_bias", "forced", "none", "unknown")

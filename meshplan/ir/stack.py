@@ -55,6 +55,13 @@ TP_OVERLAPS = ("none", "userbuffers", "async_tp")
 EP_OVERLAPS = ("none", "a2a_1f1b")
 # Stack.expert_gemm values
 EXPERT_GEMMS = ("grouped", "per_expert")
+# How a stack's benchmarking "forced balance" routes (Stack.forced_balance, for a profile whose
+# moe_balance is "forced"): "round_robin" hands every expert exactly its mean rows (meshplan's
+# moe_force_balance); "random_logits" replaces the router's logits by random ones and dispatches as
+# usual (Megatron-Core --moe-router-force-load-balancing: router.py apply_random_logits), so tokens
+# route independently and uniformly in expectation, the dispatch stays dropless (its split sizes are
+# read on the host) and the busiest rank carries the statistical excess (cost_models.moe_load).
+FORCED_BALANCES = ("round_robin", "random_logits")
 # How the optimizer keeps the main copy of the bf16 parameters (Stack.master_weights): "fp32" a full
 # fp32 copy beside them (Megatron-Core's distributed optimizer, Transformer Engine's FusedAdam with
 # master_weights, torch.optim over fp32 parameters); "remainders" Apex's DistributedFusedAdam as NeMo
@@ -113,6 +120,7 @@ class Stack:
     # token_dispatcher cuda_sync_point "before_ep_alltoall", TEGroupedMLP tokens_per_expert.tolist(),
     # DeepEP's and HybridEP's received-count waits), so the host cannot run ahead of the GPU there
     moe_host_sync: bool = False
+    forced_balance: str = "round_robin"    # FORCED_BALANCES
     grad_accum_fusion: bool = True         # wgrad GEMM adds into the fp32 gradient buffer (beta = 1)
     # "selective" as PyTorch selective activation checkpointing over every op of the block, saving
     # the matmul and reduced-collective outputs (meshplan's runtime/recompute.py): the norms and the
@@ -163,7 +171,8 @@ class Stack:
     def __post_init__(self) -> None:
         for name, allowed in (("attention", ATTENTION_IMPLS), ("cp_impl", CP_IMPLS), ("tp_overlap", TP_OVERLAPS),
                               ("ep_overlap", EP_OVERLAPS), ("expert_gemm", EXPERT_GEMMS),
-                              ("master_weights", MASTER_WEIGHTS), ("fp8_impl", FP8_IMPLS)):
+                              ("master_weights", MASTER_WEIGHTS), ("fp8_impl", FP8_IMPLS),
+                              ("forced_balance", FORCED_BALANCES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"stack {self.name!r}: {name}={getattr(self, name)!r}; use one of {allowed}")
         bad = [p for p in self.recompute if p not in RECOMPUTE_POLICIES]
@@ -310,7 +319,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "delayed", "blockwise", "mxfp8"), fp8_param_gather=("mxfp8",),
           recompute=("none", "selective", "norm_act", "norm_moe", "mla_up", "full"),
           tp_overlap="userbuffers", ep_overlap="a2a_1f1b", moe_dispatchers=("alltoall", "deepep"),
-          expert_gemm="per_expert", moe_host_sync=True,
+          expert_gemm="per_expert", moe_host_sync=True, forced_balance="random_logits",
           schedules=("1f1b", "interleaved"), fsdp_impls=("megatron", "fsdp2"), activation_offload=True,
           offload_composes=False,
           sources="Megatron-LM arguments.py (--recompute-modules, --cp-comm-type, --tp-comm-overlap, "

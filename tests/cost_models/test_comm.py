@@ -86,13 +86,49 @@ def test_spanning_domains_slower_than_inside_one(h100, kind):
     assert two_nodes > inside
 
 
-def test_hierarchical_all_reduce_formula(h100):
+def _two_level(h100, S):
     # 16 ranks = 8 per node x 2 nodes: intra ring on 8 + inter ring on 2 over S/8 per NIC
     g = h100.gpu
-    want = (2 * 7 / 8 * S / (g.nvls_busbw_gb_s * 1e9) + _lat(h100, 14)
+    return (2 * 7 / 8 * S / (g.nvls_busbw_gb_s * 1e9) + _lat(h100, 14)
             + 2 * 1 / 2 * (S / 8) / (h100.nic_gb_s * 1e9)
             + (h100.base_latency_us + 2 * h100.net_latency_us) * 1e-6)
-    assert collective_time("all_reduce", S, Group(16, 8, 2), h100) == pytest.approx(want, rel=1e-12)
+
+
+def _flat_ring(h100, kind, S, n, per, D):
+    bw = min(h100.gpu.scaleup_busbw_gb_s, per * h100.nic_gb_s) * 1e9
+    steps, inter = (2 * (n - 1), 2 * (D - 1)) if kind == "all_reduce" else (n - 1, D - 1)
+    lat = h100.base_latency_us + (steps - inter) * h100.scaleup_latency_us + inter * h100.net_latency_us
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return factor * S / bw + lat * 1e-6
+
+
+def test_all_reduce_across_nodes_takes_the_faster_of_two_level_and_flat_ring(h100):
+    got = collective_time("all_reduce", S, Group(16, 8, 2), h100)
+    assert got == pytest.approx(min(_two_level(h100, S), _flat_ring(h100, "all_reduce", S, 16, 8, 2)), rel=1e-12)
+    # small buffers: latency decides, and the two-level form's fewer ring steps win
+    small = 4096.0
+    assert collective_time("all_reduce", small, Group(16, 8, 2), h100) == pytest.approx(
+        min(_two_level(h100, small), _flat_ring(h100, "all_reduce", small, 16, 8, 2)), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_flat_ring_across_nodes_runs_nvlink_and_nics_side_by_side(h100, kind):
+    # FSDP over 4 nodes of 8: NCCL's ring channels cross each node boundary on their own NIC, so the
+    # 8 NICs together match NVLink and the buffer moves at the slower of the two, not their sum
+    cl = Cluster.preset("dgx-h100", nodes=8)
+    g = group(cl, 64, 1)
+    assert g == Group(64, 8, 8)
+    big = 10 * S                        # a 13B model's bf16 weights: bandwidth-bound
+    got = collective_time(kind, big, g, cl)
+    assert got == pytest.approx(_flat_ring(cl, kind, big, 64, 8, 8), rel=1e-12)
+    factor = 2 * 63 / 64 if kind == "all_reduce" else 63 / 64
+    busbw = factor * big / got / 1e9
+    assert busbw > 0.9 * min(cl.gpu.scaleup_busbw_gb_s, 8 * cl.nic_gb_s)
+    # one rank per node: every hop crosses the network, nothing runs side by side (the two-level
+    # form alone, its inter-node ring on the whole buffer per NIC)
+    lat = (cl.base_latency_us + (14 if kind == "all_reduce" else 7) * cl.net_latency_us) * 1e-6
+    want = (2 * 7 / 8 if kind == "all_reduce" else 7 / 8) * S / (cl.nic_gb_s * 1e9) + lat
+    assert collective_time(kind, S, Group(8, 1, 8), cl) == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("kind", KINDS)

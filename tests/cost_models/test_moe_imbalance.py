@@ -92,3 +92,38 @@ def test_expert_compute_and_all_to_all_run_at_the_busiest_ranks_pace():
     # a padded capacity factor above 1 costs more than dropless routing's expected imbalance
     padded = layer_cost(BLOCK, _ctx(_with_capacity(lay, 1.25)), policy="none")
     assert padded.compute_s > dropless.compute_s
+
+
+def test_forced_balance_is_round_robin_for_meshplan_and_random_logits_for_megatron():
+    """meshplan's moe_force_balance hands each expert exactly its mean rows (capacity 1.0, no
+    excess); Megatron-Core's --moe-router-force-load-balancing draws random logits and dispatches as
+    usual: the statistical excess stays and so does the dropless dispatch's host wait."""
+    from meshplan.cost_models.moe_load import routing_layout
+    from meshplan.cost_models.tables import layer_table
+    from meshplan.cost_models.validation import _moe_capacity
+    from meshplan.ir.stack import STACKS
+
+    lay = Layout(tp=1, dp=16, ep=8, mbs=1)
+    assert routing_layout(lay, "forced").moe_capacity_factor == 1.0
+    assert routing_layout(lay, "forced", STACKS["meshplan"]).moe_capacity_factor == 1.0
+    assert routing_layout(lay, "forced", STACKS["megatron-core"]).moe_capacity_factor is None
+    assert routing_layout(lay, "aux_loss").moe_capacity_factor is None
+
+    forced = dataclasses.replace(MOE, moe_balance="forced")
+
+    def moe_fwd(stack, profile):
+        t = layer_table(profile, CLUSTER, lay, seq_len=2048, stack=stack)
+        i = next(i for i, b in enumerate(profile.layer_blocks()) if b.is_moe)
+        return t.cost(i, "none").fwd_s
+    # Megatron's forced balance costs what its dropless routing does (random logits: the same floor)
+    assert moe_fwd("megatron-core", forced) == pytest.approx(moe_fwd("megatron-core", MOE), rel=1e-9)
+    # and more than round-robin would: the busiest rank's excess and the host wait
+    padded = dataclasses.replace(lay, moe_capacity_factor=1.0)
+    t_pad = layer_table(MOE, CLUSTER, padded, seq_len=2048, stack="megatron-core")
+    i = next(i for i, b in enumerate(MOE.layer_blocks()) if b.is_moe)
+    assert moe_fwd("megatron-core", forced) > t_pad.cost(i, "none").fwd_s
+
+    # published rows: the forced-balance notes are dropless; only a padded capacity factor sets one
+    assert _moe_capacity("dropless with --moe-router-force-load-balancing") is None
+    assert _moe_capacity("forced-balance; NNODES=32") is None
+    assert _moe_capacity("token drop, capacity factor 1.25 with padding") == 1.25
