@@ -371,6 +371,19 @@ def _sum_shared_head_grads(modules: dict, placements: dict[str, str], tp_mesh) -
         linear.register_forward_hook(lambda m, args, out, _s=start: _SumColumnGrads.apply(out, _s, group))
 
 
+def check_async_tp_hosts(tp_ranks: list[int], local_world_size: int) -> None:
+    """Refuse async TP over a TP group whose ranks sit on more than one host. Symmetric memory maps
+    the peers' buffers through CUDA IPC, which reaches only the GPUs of one host: the rendezvous would
+    fail deep inside torch. torchrun numbers ranks host by host, `local_world_size` to a host."""
+    hosts = sorted({r // local_world_size for r in tp_ranks})
+    if len(hosts) > 1:
+        raise LayoutError(
+            f"tp_comm_overlap with a tensor-parallel group of {len(tp_ranks)} ranks on {len(hosts)} hosts "
+            f"({local_world_size} processes per host): async TP runs on symmetric memory, which reaches only "
+            f"the GPUs of one host. Use tp <= {local_world_size}, or tp_comm_overlap=False (plans made for "
+            "the cluster with --cluster already turn it off for a TP group across nodes)")
+
+
 def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:
     """Async tensor parallelism (the plan's `tp_comm_overlap`) with PyTorch's own machinery:
     symmetric memory on the TP group and inductor's micro-pipeline TP pass, which rewrites each
@@ -385,6 +398,10 @@ def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:
     """
     if tp_mesh.size() == 1 or tp_mesh.device_type != "cuda":
         return False
+    import os
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        check_async_tp_hosts(tp_mesh.mesh.flatten().tolist(), int(local))
     import torch._inductor.config as inductor_config
     from torch.distributed import _symmetric_memory as symm_mem
     inductor_config._micro_pipeline_tp = True

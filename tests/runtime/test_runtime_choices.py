@@ -74,3 +74,16 @@ def test_partial_recompute_counts_layers_per_pipeline_rank():
     second = apply_recompute(model, ["layers.2"], lay, first_index=1)     # rank 0, chunk 1
     assert first == ["layers.0"] and second == []
     assert apply_recompute(model, ["layers.2"], Layout(recompute="none")) == []
+
+
+def test_async_tp_refuses_a_tp_group_across_hosts():
+    """Symmetric memory reaches only one host's GPUs: a hand-written layout with tp_comm_overlap and a
+    TP group spanning hosts is refused before torch's rendezvous would fail."""
+    from meshplan.errors import LayoutError
+    from meshplan.runtime.tensor_parallel import check_async_tp_hosts
+    check_async_tp_hosts([8, 9, 10, 11, 12, 13, 14, 15], 8)          # one host (the second)
+    check_async_tp_hosts([0, 1], 2)
+    with pytest.raises(LayoutError, match=r"16 ranks on 2 hosts.*tp <= 8.*tp_comm_overlap=False"):
+        check_async_tp_hosts(list(range(16)), 8)
+    with pytest.raises(LayoutError, match="on 2 hosts"):
+        check_async_tp_hosts([3, 4], 4)                              # two ranks, straddling a boundary
