@@ -346,6 +346,12 @@ def _layout(row: Row, cfg: dict[str, Any], n: int) -> dict[str, Any] | str:
     if fam == "megatron-sc21" and "Table 1" in row.source and not row.num("mbs") and not row.num("vp"):
         # Table 1 runs: micro-batch and interleaving from the paper's own launch script
         mbs, vp = _SC21_TABLE1.get((cfg["layers"], cfg["hidden"], tp, pp), (mbs, vp))
+    elif fam == "megatron-sc21" and "Table 1 530B config" in row.get("model") and not row.num("vp"):
+        # Table 2's PTD-P runs of the Table 1 530B model split it as Table 1 does (model-parallel size
+        # 280 = tp8 x pp35) and ran its interleaving too: their fitted pipeline overhead is 28.6
+        # micro-batch slots (validate_published's scaling series), fewer than the 34 that a
+        # non-interleaved 1F1B on 35 stages idles at the least
+        vp = _SC21_TABLE1.get((cfg["layers"], cfg["hidden"], tp, pp), (mbs, vp))[1]
     if fam == "torchtitan" and pp > 1:
         # torchtitan as benchmarked (2024, parallelize_llama.py / pipeline_llama.py): the local batch is
         # split into experimental.pipeline_parallel_microbatches micro-batches, by default the PP
