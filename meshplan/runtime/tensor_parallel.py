@@ -67,6 +67,8 @@ blocks, CUDA only); on CPU they are synchronous.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -381,7 +383,7 @@ def check_async_tp_hosts(tp_ranks: list[int], local_world_size: int) -> None:
             f"tp_comm_overlap with a tensor-parallel group of {len(tp_ranks)} ranks on {len(hosts)} hosts "
             f"({local_world_size} processes per host): async TP runs on symmetric memory, which reaches only "
             f"the GPUs of one host. Use tp <= {local_world_size}, or tp_comm_overlap=False (plans made for "
-            "the cluster with --cluster already turn it off for a TP group across nodes)")
+            "a cluster by meshplan.plan already turn it off for a TP group across nodes)")
 
 
 def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:
@@ -398,7 +400,6 @@ def enable_async_tp(stage: nn.Module, blocks: list[str], tp_mesh) -> bool:
     """
     if tp_mesh.size() == 1 or tp_mesh.device_type != "cuda":
         return False
-    import os
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local:
         check_async_tp_hosts(tp_mesh.mesh.flatten().tolist(), int(local))
