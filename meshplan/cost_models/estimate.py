@@ -15,7 +15,7 @@ from meshplan.cost_models.comm import collective_time, group
 from meshplan.cost_models.compute import fp8_recipe_factor
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
-from meshplan.cost_models.layer import Context
+from meshplan.cost_models.layer import Context, moe_host_exposed
 from meshplan.cost_models.memory import (
     adam_bytes,
     autocast_runs,
@@ -51,7 +51,8 @@ from meshplan.cost_models.ranks import (
 )
 from meshplan.cost_models.roofline import matmul_rate
 from meshplan.cost_models.tables import layer_table, pipeline_p2p_s, stack_unfused
-from meshplan.cost_models.uncertainty import (extrapolation, imbalance_risk, memory_pressure, plan_regimes, regime_of,
+from meshplan.cost_models.uncertainty import (extrapolation, imbalance_risk, memory_pressure, moe_host_risk, plan_regimes,
+                                              regime_of,
                                               step_uncertainty)
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
@@ -421,12 +422,24 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     time_s["compute"] += step - sum(time_s.values())
     comm_s = {"tp": m * w.comm["tp"], "cp": m * w.comm["cp"], "ep": m * w.comm["ep"], "pp": pp_total, "dp": dp_total}
     return _assemble(profile, cluster, L, step=step, time_s=time_s, comm_s=comm_s, mem_stages=mem_stages, m=m,
-                     seq_len=seq_len, global_batch=global_batch, precision=precision, stack=stack, recipe=recipe)
+                     seq_len=seq_len, global_batch=global_batch, precision=precision, stack=stack, recipe=recipe,
+                     moe_host_s=m * _moe_host_per_microbatch(w, blocks, ctx, L))
+
+
+def _moe_host_per_microbatch(w: RankWork, blocks, ctx: Context, L: Layout) -> float:
+    """Seconds one micro-batch of rank `w` waits for the host in its MoE layers (layer.moe_host_exposed:
+    forward and backward, the forward again where the whole layer is recomputed)."""
+    total = 0.0
+    for i in w.layers:
+        if blocks[i].is_moe:
+            f, b = moe_host_exposed(blocks[i], ctx)
+            total += f + b + (f if L.recompute == "full" else 0.0)
+    return total
 
 
 def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s: dict, comm_s: dict,
               mem_stages: list[dict], m: int, seq_len: int, global_batch: int, precision: str,
-              stack: Stack, recipe: str) -> Estimate:
+              stack: Stack, recipe: str, moe_host_s: float = 0.0) -> Estimate:
     """Throughput, FLOP rates, memory peak, bottleneck and uncertainty band around a step time."""
     # offloaded activations (HOST_CATEGORY) live in host memory: checked against the host's, not the GPU's
     totals = [sum(v for k, v in s.items() if k != HOST_CATEGORY) for s in mem_stages]
@@ -456,6 +469,8 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
                                                   fp8_recipe=recipe, ep_cross=ep_cross, seq_len=seq_len, moe=moe))
         band = max(band, floor)
         notes += memory_pressure(peak, capacity)
+        host_x, host_notes = moe_host_risk(moe_host_s, step)
+        band, notes = (band ** 2 + host_x ** 2) ** 0.5, notes + host_notes
     return Estimate(
         step_time_s=step, tokens_per_s_per_gpu=tokens / step / n,
         model_tflops_per_gpu=model_tflops, hardware_tflops_per_gpu=hw_tflops,

@@ -40,7 +40,7 @@ from meshplan.kernels import fusion as FU  # pure Python, no torch
 
 # re-exported: callers import the per-layer pieces from here
 __all__ = ["Context", "LayerCost", "layer_cost", "gemm_shape", "activation_bytes", "unfused_of", "cp_comm", "cp_comm_type",
-           "cp_kv_gathered_bytes", "attention_shape", "moe_load_factor", "routing_layout", "expected_max_std_normal",
+           "cp_kv_gathered_bytes", "attention_shape", "moe_load_factor", "moe_host_exposed", "routing_layout", "expected_max_std_normal",
            "NORM_ACT", "NORM_MOE", "MLA_UP", "OP_SAC", "is_fp8_linear", "LAYER_FUSIONS"]
 
 _COL, _ROW = COL_ROLES, ROW_ROLES
@@ -427,7 +427,7 @@ def _ep_pairs_exposed(b: BlockProfile, c: Context, compute_fwd: float, compute_b
             + _ep_overlapped(c, disp, moe_f) + _ep_overlapped(c, comb, attn_b))
 
 
-def _moe_host_exposed(b: BlockProfile, c: Context) -> tuple[float, float]:
+def moe_host_exposed(b: BlockProfile, c: Context) -> tuple[float, float]:
     """(forward, backward) seconds the GPU waits for the host in a MoE layer whose dispatch makes the
     host wait once per layer (Device.moe_host_wait). The EP overlap schedule does not hide it: the
     host issues both paired micro-batches' kernels, and the wait is on its path either way
@@ -486,7 +486,7 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
     o_fwd, o_bwd = device_of(c.cluster).op_overhead(b.ops, c.cluster, c.fitted)
     compute_fwd = g_fwd + a_fwd + e_fwd + o_fwd
     compute_bwd = 2 * g_fwd + a_bwd + 2 * e_fwd + o_bwd   # dgrad + wgrad GEMMs
-    h_fwd, h_bwd = _moe_host_exposed(b, c)
+    h_fwd, h_bwd = moe_host_exposed(b, c)
     compute_fwd, compute_bwd = compute_fwd + h_fwd, compute_bwd + h_bwd
 
     tp_one = _tp_comm(b, c)

@@ -59,6 +59,7 @@ class Estimate:
     # the software stack priced (meshplan.ir.stack) and, where the layout sits in a regime the
     # validation table covers thinly, one note per such regime (the band is at least its error); on
     # GPUs also a note where the predicted peak is close to the usable memory (uncertainty.memory_pressure)
+    # and one where MoE layers wait on the host for a large share of the step (uncertainty.moe_host_risk)
     stack: str = ""
     extrapolation: tuple[str, ...] = ()
     # A risk the point estimate cannot price, on the upper side only: a MoE model trained without load

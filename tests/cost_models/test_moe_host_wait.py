@@ -107,3 +107,29 @@ def test_fp8_current_scaling_casts_each_experts_slice():
 def test_expert_gemm_values_are_checked():
     with pytest.raises(ConfigError, match="expert_gemm"):
         Stack(name="x", expert_gemm="batched")
+
+
+def test_a_plan_whose_moe_layers_wait_on_the_host_says_so_and_widens_its_band(qwen30):
+    """Where the dropless dispatch's host wait is a large share of the step, the estimate says so and
+    its band grows by that share (uncertainty.moe_host_risk): the model's least validated MoE part.
+    Padded dispatch and stacks that do not sync carry neither."""
+    from meshplan.cost_models.uncertainty import MOE_HOST_NOTE_FRAC, X_MOE_HOST
+    dropless = _est(qwen30, MCORE, ep_comm_overlap=False)
+    padded = _est(qwen30, MCORE, moe_capacity_factor=1.0)
+    notes = [n for n in dropless.extrapolation if n.startswith("MoE host wait")]
+    assert len(notes) == 1 and "% of the step" in notes[0]
+    share = float(notes[0].split("ms, ")[1].split("%")[0]) / 100
+    assert share >= MOE_HOST_NOTE_FRAC
+    assert dropless.uncertainty >= X_MOE_HOST * share - 0.01
+    assert not any(n.startswith("MoE host wait") for n in padded.extrapolation)
+    torch_native = _est(qwen30, "torchtitan")
+    assert not any(n.startswith("MoE host wait") for n in torch_native.extrapolation)
+
+
+def test_moe_host_risk_is_the_waits_share_and_notes_it_from_the_threshold():
+    from meshplan.cost_models.uncertainty import MOE_HOST_NOTE_FRAC, X_MOE_HOST, moe_host_risk
+    assert moe_host_risk(0.0, 10.0) == (0.0, ())
+    small, notes = moe_host_risk(0.5 * MOE_HOST_NOTE_FRAC * 10.0, 10.0)
+    assert small == pytest.approx(X_MOE_HOST * 0.5 * MOE_HOST_NOTE_FRAC) and notes == ()
+    big, notes = moe_host_risk(3.0, 10.0)
+    assert big == pytest.approx(X_MOE_HOST * 0.3) and len(notes) == 1 and "3000 ms, 30% of the step" in notes[0]
