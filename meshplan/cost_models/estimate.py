@@ -15,7 +15,7 @@ from meshplan.cost_models.comm import collective_time, group
 from meshplan.cost_models.compute import fp8_recipe_factor
 from meshplan.cost_models.device import device_of
 from meshplan.cost_models.flops import model_flops_per_step, recompute_flops_per_step
-from meshplan.cost_models.layer import Context, moe_host_exposed
+from meshplan.cost_models.layer import Context
 from meshplan.cost_models.memory import (
     adam_bytes,
     autocast_runs,
@@ -51,9 +51,8 @@ from meshplan.cost_models.ranks import (
 )
 from meshplan.cost_models.roofline import matmul_rate
 from meshplan.cost_models.tables import layer_table, pipeline_p2p_s, stack_unfused
-from meshplan.cost_models.uncertainty import (extrapolation, imbalance_risk, memory_pressure, moe_host_risk, plan_regimes,
-                                              regime_of,
-                                              step_uncertainty)
+from meshplan.cost_models.uncertainty import (extrapolation, imbalance_risk, memory_pressure, moe_host_risk,
+                                              plan_regimes, regime_of, step_uncertainty)
 from meshplan.errors import ConfigError
 from meshplan.ir.estimate import GB, PRECISIONS, TIME_KEYS, Estimate
 from meshplan.ir.layout import Layout, check_layout
@@ -423,18 +422,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     comm_s = {"tp": m * w.comm["tp"], "cp": m * w.comm["cp"], "ep": m * w.comm["ep"], "pp": pp_total, "dp": dp_total}
     return _assemble(profile, cluster, L, step=step, time_s=time_s, comm_s=comm_s, mem_stages=mem_stages, m=m,
                      seq_len=seq_len, global_batch=global_batch, precision=precision, stack=stack, recipe=recipe,
-                     moe_host_s=m * _moe_host_per_microbatch(w, blocks, ctx, L))
-
-
-def _moe_host_per_microbatch(w: RankWork, blocks, ctx: Context, L: Layout) -> float:
-    """Seconds one micro-batch of rank `w` waits for the host in its MoE layers (layer.moe_host_exposed:
-    forward and backward, the forward again where the whole layer is recomputed)."""
-    total = 0.0
-    for i in w.layers:
-        if blocks[i].is_moe:
-            f, b = moe_host_exposed(blocks[i], ctx)
-            total += f + b + (f if L.recompute == "full" else 0.0)
-    return total
+                     moe_host_s=m * w.moe_host)
 
 
 def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s: dict, comm_s: dict,

@@ -61,6 +61,7 @@ class LayerCost:
     comm_s: dict             # dim -> total comm seconds (fwd + bwd [+ recompute])
     exposed_s: dict          # dim -> exposed comm seconds
     compute_s: float         # pure compute (fwd + bwd + recompute), no comm
+    host_s: float = 0.0      # of compute_s: the GPU waiting on the host in a MoE layer (moe_host_exposed)
 
 
 def activation_bytes(b: BlockProfile, c: Context, *, policy: str) -> float:
@@ -536,4 +537,5 @@ def layer_cost(b: BlockProfile, c: Context, *, policy: str) -> LayerCost:
                      comm_s=comm, exposed_s=exposed,
                      compute_s=compute_fwd + compute_bwd + (compute_fwd if policy == "full" else
                                                             recompute if policy == "selective" else
-                                                            rc_compute))
+                                                            rc_compute),
+                     host_s=h_fwd + h_bwd + (h_fwd if policy == "full" else 0.0))

@@ -183,6 +183,7 @@ class RankWork:
     edge_params: float = 0.0        # of dparams: the embedding, output layer and final norm (never FP8)
     act: float = 0.0                # activation bytes stored per micro-batch
     largest_full: float = 0.0       # the largest fully recomputed layer's bytes, rebuilt in backward
+    moe_host: float = 0.0           # of the compute: the GPU waiting on the host in MoE layers (LayerCost.host_s)
     layers: list[int] = field(default_factory=list)
     parts: dict = field(default_factory=lambda: {"compute": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0})
     comm: dict = field(default_factory=lambda: {k: 0.0 for k in _DIMS})
@@ -227,12 +228,13 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
     w.largest_full = max(w.largest_full, scalars[2])
     w.dparams += scalars[3]
     w.eparams += scalars[4]
+    w.moe_host += scalars[5]
     return fwd, bwd, fp8_w
 
 
 def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
     """The sums _add_layers applies: (fwd, bwd, fp8 weights, parts, comm, (wgrad, act,
-    largest fully recomputed layer, dense params, expert params))."""
+    largest fully recomputed layer, dense params, expert params, MoE host wait))."""
     w = RankWork(layers=list(layers))
     fwd = bwd = fp8_d = fp8_e = full_d = full_e = 0.0
     cluster = table.ctx.cluster
@@ -248,6 +250,7 @@ def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
             bwd += hb
             w.parts[k] += hf + hb
         w.wgrad += c.wgrad_s
+        w.moe_host += c.host_s
         w.parts["compute"] += c.compute_s
         for k in _DIMS:
             w.parts[k] += c.exposed_s[k]
@@ -263,7 +266,7 @@ def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
             fp8_d, fp8_e = fp8_d + d, fp8_e + e
             if pol == "full":
                 full_d, full_e = full_d + d, full_e + e
-    return fwd, bwd, (fp8_d, fp8_e, full_d, full_e), dict(w.parts), dict(w.comm), (w.wgrad, w.act, w.largest_full, w.dparams, w.eparams)
+    return fwd, bwd, (fp8_d, fp8_e, full_d, full_e), dict(w.parts), dict(w.comm), (w.wgrad, w.act, w.largest_full, w.dparams, w.eparams, w.moe_host)
 
 
 def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int) -> tuple[float, float]:
