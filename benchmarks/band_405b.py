@@ -68,7 +68,8 @@ def main(argv=None) -> int:
             gain, band, diff = gain_band(cand, e)
             edge = ", ".join(f"{k} {d * 1e3:+.0f} ms" for k, d in sorted(diff.items(), key=lambda kv: -kv[1])
                              if abs(d) > 1e-3 * cand.step_time_s)
-            verdict = "survives (gain > band)" if gain > band else "inside the band"
+            verdict = "survives (gain > band)" if gain > band else \
+                "loses (beyond the band)" if -gain > band else "inside the band"
             p(f"{name:28s} {e.step_time_s:10.3f}s {who:>8s} {gain * 100:+6.1f}% {band * 100:6.1f}%  {verdict}; {edge}")
         p(f"  {name}: recompute {e.layout.recompute}, {e.peak_memory_gb:.1f} GB, band of its own step "
           f"+/-{e.uncertainty * 100:.0f}%")

@@ -36,7 +36,7 @@ from _report import emit  # noqa: E402
 
 from meshplan.cost_models import constants as K  # noqa: E402
 from meshplan.cost_models import validation as V  # noqa: E402
-from meshplan.cost_models.uncertainty import regime_generation  # noqa: E402
+from meshplan.cost_models.uncertainty import band_coverage, regime_generation  # noqa: E402
 from meshplan.cost_models.validation import DEFAULT_CSV, NOT_FITTED, load_rows, split_of  # noqa: E402
 from meshplan.ir.layout import PER_TENSOR_FP8_RECIPES  # noqa: E402
 
@@ -326,6 +326,13 @@ def loso_report(p, rows, traced, profiles, by_src, *, quick: bool) -> dict:
     p(f"LOSO rows worse than 15%: {len(bad)} of {len(all_rows)}; worse than 25%: "
       f"{sum(abs(x.error) > 0.25 for x in all_rows)}" + (": " + ", ".join(
           f"{x.row.id} ({x.error * 100:+.0f}%)" for x in bad) if bad else ""))
+    # the estimates' own bands against their held-out errors: is a confident estimate right?
+    within, within2 = band_coverage((x.error, x.estimate.uncertainty) for x in all_rows)
+    beyond = sorted((x for x in all_rows if abs(x.error) > 2 * x.estimate.uncertainty),
+                    key=lambda x: -abs(x.error) / x.estimate.uncertainty)
+    p(f"LOSO error against each estimate's own band: within it {within * 100:.0f}% of rows, within twice it "
+      f"{within2 * 100:.0f}%" + (": beyond twice: " + ", ".join(
+          f"{x.row.id} ({x.error * 100:+.0f}% vs +/-{x.estimate.uncertainty * 100:.0f}%)" for x in beyond) if beyond else ""))
     # by mechanism: the held-out error of rows leaning on each mechanism (uncertainty.py cites these)
     by_tag = defaultdict(list)
     for src, xs in loso.items():

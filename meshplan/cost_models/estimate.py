@@ -444,7 +444,7 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
     hw_tflops = hflops / step / n / 1e12
     ep_cross = L.ep > 1 and group(cluster, L.ep, L.etp).domains > 1
     regime = regime_of(L, seq_len=seq_len, precision=precision, ep_cross_domain=ep_cross)
-    band, band_s = step_uncertainty(time_s, regime)
+    band, band_s = step_uncertainty(time_s, regime, comm_s)
     # a router nothing balances: priced balanced, its worst case widens the band's upper side
     high, worst = imbalance_risk(profile, cluster, L, seq_len=seq_len, fp8=precision == Precision.FP8, microbatches=m,
                                  ep_s=time_s["ep"], step=step)

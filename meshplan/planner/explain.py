@@ -11,6 +11,8 @@ __all__ = ["explain", "why_lost", "balance_note"]
 _NAMES = {"compute": "compute", "tp": "exposed TP comm", "cp": "exposed CP comm", "ep": "expert all-to-all",
           "pp": "pipeline p2p", "dp": "exposed DP comm", "bubble": "pipeline bubble", "optimizer": "optimizer step",
           "overhead": "fixed overhead", "offload": "offload copies"}
+# the band's parts: a collective's error covers what shows and what it hides (uncertainty.hidden)
+_RISK_NAMES = dict(_NAMES, tp="TP comm", cp="CP comm", dp="DP comm")
 
 
 def why_lost(loser: Estimate, best: Estimate) -> str:
@@ -99,7 +101,7 @@ def explain(plan) -> str:
         pm = (f"+{(est.uncertainty + est.uncertainty_high) * 100:.1f}%/-{est.uncertainty * 100:.1f}%"
               if est.uncertainty_high else f"+/-{est.uncertainty * 100:.1f}%")
         p(f"  uncertainty band {pm} ({lo:.3f}-{hi:.3f} s), from the validation error "
-          f"of: " + ", ".join(f"{_NAMES.get(k, k)} {v * 1e3:.1f} ms" for v, k in worst)
+          f"of: " + ", ".join(f"{_RISK_NAMES.get(k, k)} {v * 1e3:.1f} ms" for v, k in worst)
           + (f"; less-validated regimes: {', '.join(flags)}" if flags else ""))
     for line in est.extrapolation:
         p(f"  extrapolates: {line}")

@@ -71,6 +71,15 @@ CP_MIN_TOKENS_PER_RANK = 1024
 # 12 covers every published vp the validation data expresses (NeMo: Nemotron-4 340B pp8 vp12); no cap
 # costs 20-34% more estimates on the largest cases and picks splits such as pp2 vp47 (judgement)
 MAX_VP: int | None = 12        # None: no cap beyond one layer per chunk
+# Where the layers split evenly for no vp above 1 (Llama 3 405B's 126 layers over pp4, pp8 or pp16),
+# the search tries each vp whose chunks, split as evenly as possible (split_layers; Megatron-LM's
+# --pipeline-model-parallel-layout, a torchtitan module list per stage), leave the busiest rank no
+# more layers than the plain pipeline does: interleaving then adds no imbalance the schedule does not
+# already have. Meta's 405B layout is such a split (tp8 pp16 vp4: 64 chunks of 2 or 1 layers, Llama 3
+# paper Table 4); trying every vp up to MAX_VP there instead doubled the estimates where the layer
+# count has few divisors (DeepSeek-V3's 61 layers at 2,048 GPUs: 16,467 against 7,945), so these go
+# up to MAX_UNEVEN_VP chunks per rank. (judgement)
+MAX_UNEVEN_VP = 4
 # schedules with one model chunk per pipeline rank: a fixed one keeps vp = 1 (never rewritten)
 SINGLE_CHUNK_SCHEDULES = ("1f1b", "zb", "gpipe")
 # The planner chooses among (uncertainty.prefer_simpler) and explains with (runner-ups) at most
@@ -87,6 +96,19 @@ class SearchResult:
     # layouts the runtime cannot run (meshplan.ir.support), fastest first, with the first reason
     unsupported: list[tuple[Estimate, str]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+
+
+
+def vp_options(layers: int, pp: int, max_vp: int | None = None) -> list[int]:
+    """The virtual stages per pipeline rank the search tries: every vp up to one layer per chunk
+    (and MAX_VP) that splits the layers evenly; where none above 1 does, every vp whose nearly even
+    chunks leave a rank at most the layers the plain pipeline's busiest rank holds (ceil(L / pp))."""
+    cap = min(layers // pp, (max_vp if max_vp is not None else MAX_VP) or layers)
+    even = [v for v in range(1, cap + 1) if layers % (pp * v) == 0]
+    if any(v > 1 for v in even):
+        return even
+    plain = -(-layers // pp)
+    return [v for v in range(1, min(cap, MAX_UNEVEN_VP) + 1) if v * -(-layers // (pp * v)) <= plain]
 
 
 def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
@@ -293,8 +315,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     stats["pruned_divisibility"] += 1
                     continue
                 vps = [1] if pp == 1 or f.get("schedule") in SINGLE_CHUNK_SCHEDULES else \
-                    [2] if f.get("schedule") == "zbv" else \
-                    [v for v in range(1, min(L // pp, MAX_VP or L) + 1) if L % (pp * v) == 0] or [1]
+                    [2] if f.get("schedule") == "zbv" else vp_options(L, pp)
                 for vp in _opts("vp", f, vps):
                     scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])
                     if pp > 1:

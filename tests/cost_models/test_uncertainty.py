@@ -4,6 +4,7 @@ more complex one is inside the band."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 from meshplan.cluster import Cluster
@@ -147,3 +148,31 @@ def test_the_planner_prefers_memory_headroom_inside_the_band():
     # with room for both, the faster stays
     roomy = [mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {**lay, "mbs": mbs}, **kw) for mbs in (2, 1)]
     assert prefer_simpler(roomy)[0] is roomy[0]
+
+
+def test_a_hidden_collective_adds_its_own_error():
+    # 0.05 s of DP comm shows out of 0.4 s: the 0.35 s hidden carry X_HIDDEN beside X_DP on what shows
+    t = {"compute": 1.0, "dp": 0.05}
+    exposed_only, _ = U.step_uncertainty(t, {})
+    band, contrib = U.step_uncertainty(t, {}, {"dp": 0.4})
+    assert abs(contrib["dp"] - math.hypot(U.X_DP * 0.05, U.X_HIDDEN * 0.35)) < 1e-12 and band > exposed_only
+    assert U.hidden(t, {"dp": 0.4, "ep": 0.3}) == {"dp": 0.4 - 0.05}    # only the step's components
+    assert U.hidden(t, {"dp": 0.01}) == {}                               # nothing hidden
+
+
+def test_two_layouts_hiding_different_amounts_differ_by_that_risk():
+    # the same exposed times; one layout leans on 0.5 s more of hidden DP comm
+    a = {"time_s": {"compute": 1.0, "dp": 0.05}, "comm_s": {"dp": 0.1}, "step_time_s": 1.05, "regime": {}}
+    b = {"time_s": {"compute": 1.0, "dp": 0.05}, "comm_s": {"dp": 0.6}, "step_time_s": 1.05, "regime": {}}
+    gain, band, diff = U.gain_band(a, b)
+    assert gain == 0 and diff["dp"] == 0
+    expect = ((U.E_PAIR * 1.05) ** 2 + (U.X_HIDDEN * 0.5) ** 2) ** 0.5 / 1.05
+    assert abs(band - expect) < 1e-12
+    # an estimate's dict without comm_s (written before the field was read) prices what shows only
+    del a["comm_s"], b["comm_s"]
+    assert abs(U.gain_band(a, b)[1] - U.E_PAIR) < 1e-12
+
+
+def test_band_coverage_counts_errors_within_one_and_two_bands():
+    assert U.band_coverage([(0.05, 0.1), (-0.15, 0.1), (0.3, 0.1), (-0.1, 0.1)]) == (0.5, 0.75)
+    assert all(math.isnan(v) for v in U.band_coverage([]))
