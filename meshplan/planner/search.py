@@ -98,7 +98,6 @@ class SearchResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-
 def vp_options(layers: int, pp: int, max_vp: int | None = None) -> list[int]:
     """The virtual stages per pipeline rank the search tries: every vp up to one layer per chunk
     (and MAX_VP) that splits the layers evenly; where none above 1 does, every vp whose nearly even
