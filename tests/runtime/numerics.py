@@ -49,6 +49,8 @@ VARIANTS.update({f"{kind}{TWO_LAYERS}": (base, dict(overrides, layers=2))
                                                  ("tiny-mla", VARIANTS["tiny-mla"]), ("tiny-swa", VARIANTS["tiny-swa"]),
                                                  ("tiny-swa-sinks", VARIANTS["tiny-swa-sinks"])]})
 HF_LAYERS = {"hf-llama": 4, f"hf-llama{TWO_LAYERS}": 2}
+# 5 layers: pp2 vp2 splits them unevenly (2, 1, 1, 1), as the search does for 126-layer Llama 3 405B
+VARIANTS["tiny-llama-5l"] = ("tiny-llama", dict(layers=5))
 
 
 def _build(kind: str, **kw):

@@ -41,6 +41,7 @@ CASES_2 = {
     "gpt_dp2_ddp_tied": ("tiny-gpt-2l", dict(dp=2, tp=1, pp=1, zero=0, mbs=4)),
     "pp2_1f1b": ("tiny-llama", dict(pp=2, vp=1, schedule="1f1b", tp=1, dp=1, mbs=2)),
     "pp2_vp2_interleaved": ("tiny-llama", dict(pp=2, vp=2, schedule="interleaved", tp=1, dp=1, mbs=2)),
+    "pp2_vp2_interleaved_uneven": ("tiny-llama-5l", dict(pp=2, vp=2, schedule="interleaved", tp=1, dp=1, mbs=2)),
     "pp2_zbv": ("tiny-llama", dict(pp=2, vp=2, schedule="zbv", tp=1, dp=1, mbs=2)),
     "recompute_full": ("tiny-llama-2l", dict(dp=2, tp=1, pp=1, mbs=2, recompute="full")),
     "recompute_selective_tp2_sp": ("tiny-llama-2l", dict(tp=2, sp=True, dp=1, pp=1, mbs=2, recompute="selective")),
