@@ -3,6 +3,7 @@ the layout a model's routing mode is priced with."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from statistics import NormalDist
 
 from meshplan.cost_models.context import Context
@@ -73,6 +74,5 @@ def routing_layout(layout, moe_balance: str, stack=None):
     A layout that sets its own capacity factor, any other balance: as is."""
     if moe_balance == "forced" and hasattr(layout, "moe_capacity_factor") and layout.moe_capacity_factor is None \
             and getattr(stack, "forced_balance", "round_robin") == "round_robin":
-        import dataclasses
-        return dataclasses.replace(layout, moe_capacity_factor=1.0)
+        return replace(layout, moe_capacity_factor=1.0)
     return layout

@@ -337,14 +337,11 @@ def band_coverage(pairs) -> tuple[float, float]:
     return (sum(e <= b for e, b in pairs) / len(pairs), sum(e <= 2 * b for e, b in pairs) / len(pairs))
 
 
-def _est_fields(e) -> tuple[dict[str, float], dict[str, bool], float]:
+def _est_fields(e) -> tuple[dict[str, float], dict[str, bool], float, dict[str, float]]:
+    """(time_s, regime, step, hidden seconds) of an Estimate or its dict (one without comm_s, written
+    before the field was read, hides nothing)."""
     d = _as_dict(e)
-    return d["time_s"], d.get("regime") or {}, d["step_time_s"]
-
-
-def _hidden_fields(e) -> dict[str, float]:
-    d = _as_dict(e)
-    return hidden(d["time_s"], d.get("comm_s"))
+    return d["time_s"], d.get("regime") or {}, d["step_time_s"], hidden(d["time_s"], d.get("comm_s"))
 
 
 def gain_band(best, other) -> tuple[float, float, dict[str, float]]:
@@ -357,10 +354,9 @@ def gain_band(best, other) -> tuple[float, float, dict[str, float]]:
     everything else.
     The per-component dict is the signed time `other` spends beyond `best` in each component: where
     the edge comes from."""
-    tb, rb, Tb = _est_fields(best)
-    to, ro, To = _est_fields(other)
+    tb, rb, Tb, hb = _est_fields(best)
+    to, ro, To, ho = _est_fields(other)
     xb, xo = _errors(rb), _errors(ro)
-    hb, ho = _hidden_fields(best), _hidden_fields(other)
     var = (E_PAIR * Tb) ** 2
     diff = {}
     for k in set(tb) | set(to):
@@ -395,8 +391,8 @@ def worst_case_gain(best, other) -> float:
     balances can reach (tiny-moe came within 2% of it, see above), not a random error, so it is
     compared whole, not folded into the band in quadrature. Equal to the gain of `gain_band` when
     neither carries such a risk."""
-    _, _, tb = _est_fields(best)
-    _, _, to = _est_fields(other)
+    _, _, tb, _ = _est_fields(best)
+    _, _, to, _ = _est_fields(other)
     return to * (1 + upper_risk(other)) / (tb * (1 + upper_risk(best))) - 1
 
 
