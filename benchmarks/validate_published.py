@@ -187,7 +187,7 @@ def _ep_cross_node(row) -> bool:
 # family, expert parallelism across nodes, long context, MoE), to see what a new regime costs
 REGIMES = {
     **{f"stack {st}": (lambda r, st=st: V.stack_of(r).name == st)
-       for st in ("megatron-2021", "megatron-core", "torchtitan", "llm-foundry")},
+       for st in ("megatron-2021", "megatron-deepspeed", "megatron-core", "torchtitan", "llm-foundry")},
     **{f"gpu {g}": (lambda r, g=g: _gen(r) == g) for g in ("ampere", "hopper", "blackwell")},
     "fp8 per-tensor scales": lambda r: _fp8_recipe(r) in PER_TENSOR_FP8_RECIPES,
     "fp8 block/row/mx recipes": lambda r: _fp8_recipe(r) not in ("", *PER_TENSOR_FP8_RECIPES),

@@ -184,10 +184,13 @@ def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, g
 
 
 def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
-             pp_deferred: bool = False, fitted: K.Fitted = K.FITTED, copies: bool = False) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel communication per step on one pipeline rank."""
+             pp_deferred: bool = False, fitted: K.Fitted = K.FITTED, copies: bool = False,
+             overlap: bool = True) -> tuple[float, float]:
+    """(total, exposed) seconds of data-parallel communication per step on one pipeline rank; with
+    `overlap` False (Stack.dp_overlap) the gradient reduction and ZeRO-1/2's gathers wait for the
+    pipeline to drain and hide behind nothing."""
     gb = grad_bytes(L)
-    eta = fitted.dp_overlap_eff if cluster.gpu.comm_overlap else 0.0
+    eta = fitted.dp_overlap_eff if cluster.gpu.comm_overlap and overlap else 0.0
     if L.zero == 0:
         ar = _collective_pair("all_reduce", gb * w.dparams, gb * w.eparams, g, cluster, dense_group=g.full)
         return ar, max(0.0, ar - eta * w.t_b)
@@ -379,13 +382,13 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     dev = device_of(cluster)
     bubble = dev.pipeline_bubble(cluster, L, busy, bubble)
     slow = max(range(L.pp), key=lambda r: ranks[r].fb)
-    pp_exposed, pp_total = pipeline_p2p_s(profile, cluster, L, m, ctx.tokens)   # host work included
+    pp_exposed, pp_total = pipeline_p2p_s(profile, cluster, L, m, ctx.tokens, stack)   # host work included
     groups, blocks = _DPGroups(cluster, L), profile.layer_blocks()
     deferred = stack.pp_fsdp_deferred and L.pp > 1
     dp: list[tuple[float, float]] = []
     for w in ranks:     # a rank's data-parallel traffic follows its work: a twin's is the same
         dp.append(dp[w.twin] if w.twin is not None else _dp_comm(w, blocks, L, groups, cluster, m, deferred,
-                                                                  ctx.fitted, stack.fsdp_copies))
+                                                                  ctx.fitted, stack.fsdp_copies, stack.dp_overlap))
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
     if L.optimizer == "muon":       # the owner exchange (exposed DP traffic) and Newton-Schulz
         dp, opt_max = _with_muon(dp, ranks, profile, L, cluster, groups, opt_max)

@@ -170,20 +170,26 @@ def in_flight_by_rank(layout: Layout | dict, microbatches: int) -> list[float]:
 
 
 def pipeline_p2p_s(profile: ModelProfile, cluster, layout: Layout, microbatches: int,
-                   tokens: float) -> tuple[float, float]:
+                   tokens: float, stack: Stack | None = None) -> tuple[float, float]:
     """(exposed, total) seconds of pipeline p2p per step: every micro-batch's activations cross every
     stage boundary forward and back; fill and drain put (pp * vp - 1) round trips on the critical
-    path. The exposed part includes the sends' and receives' host work (Device.pp_host_time)."""
+    path. Where the stack's sends block the compute stream (Stack.pp_blocking_p2p), a middle stage
+    also stops for its four transfers of every micro-batch (receive and send the activation, receive
+    and send its gradient). The exposed part includes the sends' and receives' host work
+    (Device.pp_host_time)."""
     L, m = layout, microbatches
     p, v = L.pp, L.vp
     if p == 1:
         exposed, total = 0.0, 0.0
     else:
-        size = K.BF16 * tokens * profile.hidden / (L.tp if L.sp else 1)
+        sliced = L.sp or (stack is not None and stack.pp_scatter_gather)
+        size = K.BF16 * tokens * profile.hidden / (L.tp if sliced else 1)
         cross = group(cluster, p, L.tp * L.cp * L.dp).domains > 1   # neighbouring stages in other domains
         hop = p2p_time(size, cluster, cross_domain=cross)
         total = 2 * m * v * hop                     # each micro-batch crosses every boundary fwd and bwd
         exposed = 2 * (p * v - 1) * hop             # fill and drain put the hops on the critical path
+        if stack is not None and stack.pp_blocking_p2p:
+            exposed += 4 * m * v * hop
         total = max(total, exposed)                 # with m < p the fill/drain hops are all there is
     return exposed + device_of(cluster).pp_host_time(L, cluster, m), total
 

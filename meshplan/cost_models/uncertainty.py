@@ -21,7 +21,7 @@ A risk on the upper side only (`Estimate.uncertainty_high`: a MoE router nothing
 judged at its worst: a layout whose gain does not survive its own worst case is not "faster".
 
 Derivation of the constants (validate_published as of 2026-11-24; its current results file is
-benchmarks/results/validate_published-2026-11-27.txt,
+benchmarks/results/validate_published-2026-11-28.txt,
 "LOSO error by mechanism"): for rows leaning on mechanism k, the held-out error beyond the dense
 rows' error, sqrt(MAPE_k^2 - MAPE_dense^2), divided by the mean share of the step the mechanism's
 component takes in those rows, is the relative error of that component.
@@ -103,13 +103,14 @@ X_EP_CROSS_NODE = 1.0                                                        # m
 E_PAIR = E_DENSE / 2                                                        # derived
 
 # ---- regimes the validation table covers thinly (leave-one-regime-out) ------------------------
-# benchmarks/results/validate_published-2026-11-27.txt, "leave-one-regime-out": for each regime of
+# benchmarks/results/validate_published-2026-11-28.txt, "leave-one-regime-out": for each regime of
 # benchmarks/validate_published.py REGIMES, the published rows in it and the mean error on them when
 # none of them fitted the constants. A plan in a regime with fewer than REGIME_MIN_ROWS rows
 # extrapolates: its band is at least that regime's held-out error (measured).
 REGIME_MIN_ROWS = 5
-REGIME_LORO = {"stack megatron-2021": (28, 0.051), "stack megatron-core": (48, 0.135),
-               "stack torchtitan": (18, 0.097), "stack llm-foundry": (36, 0.082), "gpu ampere": (30, 0.051),
+REGIME_LORO = {"stack megatron-2021": (24, 0.056), "stack megatron-deepspeed": (4, 0.170),
+               "stack megatron-core": (48, 0.119),
+               "stack torchtitan": (18, 0.097), "stack llm-foundry": (36, 0.082), "gpu ampere": (30, 0.047),
                "gpu hopper": (98, 0.095), "gpu blackwell": (2, 0.139), "fp8 per-tensor scales": (36, 0.106),
                "fp8 block/row/mx recipes": (2, 0.072), "ep across nodes": (4, 0.110),
                "context >= 64k": (12, 0.138), "moe": (20, 0.115)}

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshplan.cluster import Cluster
+from meshplan.cluster.constants import EDR100_BUSBW_GB_S
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.errors import MeshplanError
@@ -169,9 +170,15 @@ def _gpu(row: Row) -> str | None:
     return None
 
 
+# Network busbw per GPU where a source's cluster is not its GPU's usual server (cluster.gpus):
+# BLOOM trained on Jean Zay, "8 GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath links"
+# (bigscience/bloom model card, Hardware), 100 Gb/s Omni-Path, so half a 100 Gb/s link per GPU where a
+# DGX A100 has a 200 Gb/s HDR NIC per GPU; a 100 Gb/s link at the nccl-tests rate of cluster.constants
+_NETWORK_GB_S = {"bloom": 4 * EDR100_BUSBW_GB_S / 8}
+
 # Families by the software stack that ran them (meshplan.ir.stack presets)
-_STACK_OF = {"megatron-sc21": "megatron-2021", "korthikanti": "megatron-2021", "mtnlg": "megatron-2021",
-             "bloom": "megatron-2021", "opt": "megatron-2021", "deepspeed-zero3": "megatron-2021",
+_STACK_OF = {"megatron-sc21": "megatron-2021", "korthikanti": "megatron-2021", "mtnlg": "megatron-deepspeed",
+             "bloom": "megatron-deepspeed", "opt": "megatron-2021", "deepspeed-zero3": "megatron-2021",
              "mcore-readme": "megatron-core", "nemo2407": "megatron-core", "nemo-longseq": "megatron-core",
              "modelzoo": "megatron-core", "megatron-bridge": "megatron-core", "mosaic": "llm-foundry",
              "torchtitan": "torchtitan"}
@@ -561,7 +568,7 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     if key not in profiles:
         profiles[key] = profile_fn(cfg)
     prof = profiles[key]
-    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=8 if n >= 8 else n)
+    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=8 if n >= 8 else n, nic_gb_s=_NETWORK_GB_S.get(row.family))
     lay = {**lay, **stack_options(row)}     # the software stack's conventions are layout fields
     candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
     for cand in candidates:

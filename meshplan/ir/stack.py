@@ -15,7 +15,8 @@ Presets (each default from the stack's own documentation or source, cited at the
 | `meshplan`      | meshplan's own runtime (`meshplan.parallelize`, `meshplan train`)           |
 | `torchtitan`    | PyTorch-native: FSDP2, DTensor TP (+ async TP), torch.compile, torchao FP8, PyTorch context parallelism, torch.distributed.pipelining |
 | `megatron-core` | Megatron-Core with Transformer Engine (Megatron-LM today, NeMo 2, Megatron-Bridge) |
-| `megatron-2021` | Megatron-LM as of 2021-22 (SC'21, Korthikanti et al., MT-NLG, BLOOM's Megatron-DeepSpeed): no flash attention, unfused gradient accumulation |
+| `megatron-2021` | Megatron-LM as of 2021-22 (SC'21, Korthikanti et al.): no flash attention, unfused gradient accumulation |
+| `megatron-deepspeed` | Megatron-DeepSpeed (BLOOM, MT-NLG): those layers under DeepSpeed's pipeline engine (blocking p2p, gradient all-reduce after the pipeline drains) |
 | `llm-foundry`   | MosaicML llm-foundry: PyTorch FSDP, the Triton FlashAttention port          |
 | `reference`     | the stack-neutral baseline the fitted constants describe: FlashAttention-2-class attention, fused element-wise kernels, everything else as the layout says |
 
@@ -146,6 +147,20 @@ class Stack:
     # gradient sync or resharding, and one reduce-scatter per stage follows the last micro-batch
     # (PipelineStage.backward_maybe_with_nosync / perform_reduce_grad)
     pp_fsdp_deferred: bool = False
+    # each TP rank sends only its 1/tp slice of the activation to the next stage, which all-gathers
+    # it over the TP group (Megatron-LM 2021 scatter_gather_tensors_in_pipeline, SC'21 Sec. 4.1;
+    # DeepSpeed's PipelineEngine pipe_partitioned / grad_partitioned, on by default); with sequence
+    # parallelism every stack sends the 1/tp sequence shard anyway
+    pp_scatter_gather: bool = False
+    # pipeline sends and receives block the compute stream at every micro-batch: DeepSpeed's
+    # PipelineEngine (runtime/pipe/p2p.py send/recv refuse async_op; TrainSchedule exchanges before
+    # each forward and backward), so every slot of the pipeline pays its transfers, not only the
+    # fill and drain (cost_models.tables.pipeline_p2p_s)
+    pp_blocking_p2p: bool = False
+    # the data-parallel gradient reduction (and ZeRO-1/2's parameter all-gather) overlaps the last
+    # micro-batch's backward (first forward); False: it runs after the pipeline has drained, as
+    # DeepSpeed's TrainSchedule issues ReduceTiedGrads / ReduceGrads / OptimizerStep after its last step
+    dp_overlap: bool = True
     # FSDP2 copies each all-gather's output into the unsharded parameters and the gradients into the
     # reduce-scatter buffer on the compute stream (cost_models.estimate._fsdp2_copies); FSDP1's flat
     # parameters (llm-foundry's runs) gather into the parameters' own storage
@@ -330,8 +345,17 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # 83b1e42f30, selective recompute from Korthikanti et al.
     Stack(name="megatron-2021", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
           recompute=("none", "selective", "full"), schedules=("1f1b", "interleaved"),
-          fsdp_impls=("deepspeed",), grad_accum_fusion=False,
-          sources="Megatron-LM at cdde43385e (SC'21); Korthikanti et al. arXiv 2205.05198"),
+          fsdp_impls=("deepspeed",), grad_accum_fusion=False, pp_scatter_gather=True,
+          sources="Megatron-LM at cdde43385e (SC'21; arguments.py --no-scatter-gather-tensors-in-pipeline); "
+                  "Korthikanti et al. arXiv 2205.05198"),
+    # Megatron-DeepSpeed (BLOOM's bigscience-workshop fork, MT-NLG): Megatron-LM 2021's layers under
+    # DeepSpeed's PipelineEngine (runtime/pipe/engine.py, schedule.py, p2p.py): blocking p2p with the
+    # activations partitioned over TP, the gradient all-reduce after the last micro-batch, 1F1B only
+    Stack(name="megatron-deepspeed", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
+          recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("deepspeed",), grad_accum_fusion=False,
+          pp_scatter_gather=True, pp_blocking_p2p=True, dp_overlap=False,
+          sources="microsoft/DeepSpeed deepspeed/runtime/pipe/{engine,schedule,p2p}.py, runtime/config.py "
+                  "(pipe_partitioned, grad_partitioned default True); bigscience-workshop/Megatron-DeepSpeed"),
     # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD)
     Stack(name="llm-foundry", attention="triton", cp_impl="te", cp_kinds=(), fp8_recipes=(),
           recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("fsdp2",),

@@ -78,7 +78,7 @@ class MeshBound:
                     total, tokens = self._layer_sum(key, cand, mbs, precision)
                     m = self.global_batch // (lay.dp * mbs)
                     # the exposed pipeline p2p, its host work included
-                    pp_exposed = pipeline_p2p_s(self.profile, self.cluster, lay, m, tokens)[0]
+                    pp_exposed = pipeline_p2p_s(self.profile, self.cluster, lay, m, tokens, self.stack)[0]
                     best = min(best, pipeline_floor_s(self.cluster, lay, m, total + acc) + pp_exposed)
             return best
         except MeshplanError:

@@ -315,6 +315,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     continue
                 vps = [1] if pp == 1 or f.get("schedule") in SINGLE_CHUNK_SCHEDULES else \
                     [2] if f.get("schedule") == "zbv" else vp_options(L, pp)
+                if "schedule" not in f and "interleaved" not in stack.schedules:
+                    vps = [1]           # the stack runs one model chunk per pipeline rank
                 for vp in _opts("vp", f, vps):
                     scheds = ["1f1b"] if pp == 1 else (["interleaved"] if vp > 1 else ["1f1b", "zb"])
                     if pp > 1:
