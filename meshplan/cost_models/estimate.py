@@ -8,7 +8,6 @@ including the exposed TP/CP/EP communication inside each layer (meshplan.cost_mo
 
 from __future__ import annotations
 
-import copy
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time, group
@@ -241,15 +240,10 @@ def _activation_bytes(w: RankWork, r: int, profile: ModelProfile, L: Layout, m: 
     return activ
 
 
-def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
-                 fp8: bool, pp_deferred: bool = False, grad_store: float | None = None,
-                 fp8_primary: bool = False, stack: Stack | None = None) -> dict[str, float]:
-    """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
-    keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
-    reduce-scatter. grad_store: bytes per held gradient (memory.grad_store_bytes; None: the
-    reduction's dtype). fp8_primary: the stack keeps the parameters themselves in FP8
-    (Stack.fp8_param_gather), so the FP8 copies replace the BF16 working weights. stack: the
-    optimizer's main copy of the weights (memory.master_bytes; None: fp32)."""
+def _state_memory(w: RankWork, blocks, L: Layout, pp_deferred: bool = False, grad_store: float | None = None,
+                  stack: Stack | None = None) -> dict[str, float]:
+    """Bytes by category of what a pipeline rank holds whatever its place in the schedule: weights,
+    gradients and optimizer state, ZeRO-3's gathered layers (the same on twin ranks: `_ranks`)."""
     shard = L.shard
     gb, ob = grad_bytes(L), optimizer_bytes(L, stack)    # main weights + Adam moments in L.optimizer_dtype
     gs = gb if grad_store is None else grad_store
@@ -267,6 +261,23 @@ def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, 
         # the unsharded gradients of every layer of the stage, held from the first backward to the
         # step's reduce-scatter (in the parameters' bf16; FSDP2 casts to the reduce dtype per bucket)
         mem["gradients"] += K.PARAM_BYTES * (w.dparams + w.eparams) - sd["gradients"] - se["gradients"]
+    return mem
+
+
+def _rank_memory(w: RankWork, r: int, profile: ModelProfile, blocks, L: Layout, m: int, tokens: float,
+                 fp8: bool, pp_deferred: bool = False, grad_store: float | None = None,
+                 fp8_primary: bool = False, stack: Stack | None = None,
+                 state: dict[str, float] | None = None) -> dict[str, float]:
+    """GiB by category on pipeline rank r. pp_deferred: FSDP2 under torch.distributed.pipelining
+    keeps the stage's unsharded gradients (and, without resharding, weights) until the step's
+    reduce-scatter. grad_store: bytes per held gradient (memory.grad_store_bytes; None: the
+    reduction's dtype). fp8_primary: the stack keeps the parameters themselves in FP8
+    (Stack.fp8_param_gather), so the FP8 copies replace the BF16 working weights. stack: the
+    optimizer's main copy of the weights (memory.master_bytes; None: fp32). state: the rank's
+    `_state_memory` where already known (a twin's)."""
+    shard = L.shard
+    gs = grad_bytes(L) if grad_store is None else grad_store
+    mem = dict(state) if state is not None else _state_memory(w, blocks, L, pp_deferred, grad_store, stack)
     mem["activations"] = _activation_bytes(w, r, profile, L, m, tokens)
     if L.optimizer == "muon":       # AdamW's part, and the step's buffers (cost_models/muon.py)
         for k, extra in muon_rank_memory(w, r, profile, blocks, L, adam_bytes=adam_bytes(L, stack),
@@ -320,17 +331,14 @@ def _ranks(profile: ModelProfile, cluster, L: Layout, stage_layers, seq_len: int
     seen: dict[tuple, int] = {}
     out: list[RankWork] = []
     for r in range(L.pp):
-        key = (r == 0, r == L.pp - 1, tuple(map(table.layer_key, layers[r])))
+        key = (r == 0, r == L.pp - 1, table.keys_of(layers[r]))
         first = seen.get(key)
         if first is None:
             seen[key] = r
             out.append(rank_work(profile, table, ctx, layers[r], r, L.pp, grad_accum_fusion=grad_accum_fusion,
                                  grad_buffer_bytes=grad_store_bytes(L, stack)))
         else:
-            w = out[first]
-            twin = copy.copy(w)     # the same work: only the layer indices and the twin differ
-            twin.layers, twin.parts, twin.comm, twin.twin = list(layers[r]), dict(w.parts), dict(w.comm), first
-            out.append(twin)
+            out.append(out[first].twin_at(first, layers[r]))     # the same work at other layer indices
     return out, ctx
 
 
@@ -393,13 +401,17 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     if L.optimizer == "muon":       # the owner exchange (exposed DP traffic) and Newton-Schulz
         dp, opt_max = _with_muon(dp, ranks, profile, L, cluster, groups, opt_max)
     mem_stages: list[dict[str, float]] = []
+    states: dict[int, dict[str, float]] = {}
     for r, w in enumerate(ranks):
         # a twin holds what its twin holds but for the micro-batches in flight, and so, where the
         # runtime's bf16 weight copies are per micro-batch (Stack.master_weights "params"), its own
         if w.twin is None or stack.master_weights == "params":
-            mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred,
-                                           grad_store_bytes(L, stack),
-                                           fp8_primary=L.fp8_recipe in stack.fp8_param_gather, stack=stack))
+            gs = grad_store_bytes(L, stack)
+            if w.twin is None:
+                states[r] = _state_memory(w, blocks, L, deferred, gs, stack)
+            mem_stages.append(_rank_memory(w, r, profile, blocks, L, m, ctx.tokens, fp8, deferred, gs,
+                                           fp8_primary=L.fp8_recipe in stack.fp8_param_gather, stack=stack,
+                                           state=states[r if w.twin is None else w.twin]))
         else:
             mem_stages.append(dict(mem_stages[w.twin],
                                    activations=_activation_bytes(w, r, profile, L, m, ctx.tokens) / GB))

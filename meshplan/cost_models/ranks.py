@@ -9,7 +9,7 @@ a step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshplan.cost_models import constants as K
 from meshplan.cost_models.comm import collective_time
@@ -147,6 +147,11 @@ class LayerTable:
         """What layer i's costs depend on besides the layout and its policy: its block and FP8 flag."""
         return self._keys[i]
 
+    def keys_of(self, layers) -> tuple:
+        """layer_key of each of `layers`, in order."""
+        keys = self._keys
+        return tuple([keys[i] for i in layers])
+
     def cost(self, i: int, policy: str):
         lk = (self.profile.layers[i], policy, self.layer_fp8[i])
         hit = self._local.get(lk)
@@ -189,6 +194,15 @@ class RankWork:
     comm: dict = field(default_factory=lambda: {k: 0.0 for k in _DIMS})
     twin: int | None = None         # an earlier pipeline rank with the same work (the estimate's copy)
 
+    def twin_at(self, first: int, layers) -> "RankWork":
+        """This work (pipeline rank `first`'s) for another rank holding `layers`: the same blocks in
+        the same place, so only the layer indices differ; marked as `first`'s twin. A shallow copy
+        built directly (copy.copy's reduce protocol costs more than the estimate around it)."""
+        out = object.__new__(RankWork)
+        out.__dict__.update(self.__dict__)
+        out.layers, out.parts, out.comm, out.twin = list(layers), dict(self.parts), dict(self.comm), first
+        return out
+
 
 def _fp8_weight_elements(b, layout: Layout, ctx: Context) -> tuple[float, float]:
     """(dense, expert) weights of block `b` held by one GPU that run their GEMMs in FP8 (the router
@@ -212,29 +226,43 @@ def _add_layers(w: RankWork, table: LayerTable, L: Layout) -> tuple[float, float
     candidates that differ only in what the layer table does not see (dp, zero, schedule, pp
     where the per-rank sequence repeats) hold it again: the sums are computed once per sequence
     and reused (the same additions in the same order, so the result is the same)."""
-    key = (table.key, L.recompute, tuple(map(table.layer_key, w.layers)))
+    key = (table.key, L.recompute, table.keys_of(w.layers))
     hit = _RANK_CACHE.get(key)
     if hit is None:
         if len(_RANK_CACHE) > _LAYER_CACHE_MAX:
             _RANK_CACHE.clear()
         hit = _RANK_CACHE[key] = _sum_layers(w.layers, table, L)
-    fwd, bwd, fp8_w, parts, comm, scalars = hit
-    for k, v in parts.items():
+    for k, v in hit.parts.items():
         w.parts[k] += v
-    for k, v in comm.items():
+    for k, v in hit.comm.items():
         w.comm[k] += v
-    w.wgrad += scalars[0]
-    w.act += scalars[1]
-    w.largest_full = max(w.largest_full, scalars[2])
-    w.dparams += scalars[3]
-    w.eparams += scalars[4]
-    w.moe_host += scalars[5]
-    return fwd, bwd, fp8_w
+    w.wgrad += hit.wgrad
+    w.act += hit.act
+    w.largest_full = max(w.largest_full, hit.largest_full)
+    w.dparams += hit.dparams
+    w.eparams += hit.eparams
+    w.moe_host += hit.moe_host
+    return hit.fwd, hit.bwd, hit.fp8_weights
 
 
-def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
-    """The sums _add_layers applies: (fwd, bwd, fp8 weights, parts, comm, (wgrad, act,
-    largest fully recomputed layer, dense params, expert params, MoE host wait))."""
+class _LayerSums(NamedTuple):
+    """What a rank's sequence of transformer layers adds up to (_sum_layers, for _add_layers)."""
+
+    fwd: float                      # forward seconds
+    bwd: float                      # backward + recompute seconds
+    fp8_weights: tuple              # (dense, expert) FP8 weights, then those of fully recomputed layers
+    parts: dict                     # exposed seconds by RankWork.parts key
+    comm: dict                      # total communication seconds by dimension
+    wgrad: float
+    act: float
+    largest_full: float             # the largest fully recomputed layer's activation bytes
+    dparams: float
+    eparams: float
+    moe_host: float
+
+
+def _sum_layers(layers: list[int], table: LayerTable, L: Layout) -> _LayerSums:
+    """The sums _add_layers applies."""
     w = RankWork(layers=list(layers))
     fwd = bwd = fp8_d = fp8_e = full_d = full_e = 0.0
     cluster = table.ctx.cluster
@@ -266,7 +294,8 @@ def _sum_layers(layers: list[int], table: LayerTable, L: Layout):
             fp8_d, fp8_e = fp8_d + d, fp8_e + e
             if pol == "full":
                 full_d, full_e = full_d + d, full_e + e
-    return fwd, bwd, (fp8_d, fp8_e, full_d, full_e), dict(w.parts), dict(w.comm), (w.wgrad, w.act, w.largest_full, w.dparams, w.eparams, w.moe_host)
+    return _LayerSums(fwd, bwd, (fp8_d, fp8_e, full_d, full_e), dict(w.parts), dict(w.comm), w.wgrad, w.act,
+                      w.largest_full, w.dparams, w.eparams, w.moe_host)
 
 
 def _add_edges(w: RankWork, profile: ModelProfile, ctx: Context, r: int, p: int) -> tuple[float, float]:
