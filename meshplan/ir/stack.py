@@ -33,7 +33,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.gpu_arch import orders_kernels_by_queue
 from meshplan.ir.layout import FP8_RECIPES
 
-__all__ = ["Stack", "STACKS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
+__all__ = ["Stack", "STACKS", "PARALLEL_DIMS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
            "MASTER_WEIGHTS", "FP8_IMPLS", "resolve_stack"]
 
 # Attention implementations: "fa2" FlashAttention-2 class on every GPU (PyTorch SDPA's flash
@@ -54,6 +54,8 @@ TP_OVERLAPS = ("none", "userbuffers", "async_tp")
 # "a2a_1f1b" (Megatron --overlap-moe-expert-parallel-comm: one micro-batch's all-to-all runs while
 # another's attention/experts compute, under interleaved 1F1B).
 EP_OVERLAPS = ("none", "a2a_1f1b")
+# Stack.parallel_dims values: tensor, context, expert and pipeline parallelism
+PARALLEL_DIMS = ("tp", "cp", "ep", "pp")
 # Stack.expert_gemm values
 EXPERT_GEMMS = ("grouped", "per_expert")
 # How a stack's benchmarking "forced balance" routes (Stack.forced_balance, for a profile whose
@@ -102,6 +104,9 @@ class Stack:
     # Megatron-Core's --fp8-param-gather, which Megatron-Bridge's MXFP8 precision recipe turns on
     # (bf16_with_mxfp8_mixed: fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
     fp8_param_gather: tuple[str, ...] = ()
+    # the parallel dimensions beside data parallelism / ZeRO the stack runs (PARALLEL_DIMS); the
+    # planner keeps the others at 1
+    parallel_dims: tuple[str, ...] = ("tp", "cp", "ep", "pp")
     recompute: tuple[str, ...] = ("none", "selective", "full")   # policies offered (RECOMPUTE_POLICIES)
     tp_overlap: str = "none"               # TP_OVERLAPS: the mechanism Layout.tp_comm_overlap switches on
     ep_overlap: str = "none"               # EP_OVERLAPS
@@ -190,6 +195,9 @@ class Stack:
                               ("forced_balance", FORCED_BALANCES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"stack {self.name!r}: {name}={getattr(self, name)!r}; use one of {allowed}")
+        odd = [d for d in self.parallel_dims if d not in PARALLEL_DIMS]
+        if odd:
+            raise ConfigError(f"stack {self.name!r}: parallel_dims {odd} unknown; known: {PARALLEL_DIMS}")
         bad = [p for p in self.recompute if p not in RECOMPUTE_POLICIES]
         if bad:
             raise ConfigError(f"stack {self.name!r}: recompute policies {bad} unknown; known: {RECOMPUTE_POLICIES}")
@@ -271,7 +279,8 @@ class Stack:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Stack":
         d = dict(d)
-        for k in ("cp_kinds", "fp8_recipes", "fp8_param_gather", "recompute", "moe_dispatchers", "schedules", "fsdp_impls"):
+        for k in ("cp_kinds", "fp8_recipes", "fp8_param_gather", "parallel_dims", "recompute", "moe_dispatchers",
+                  "schedules", "fsdp_impls"):
             if k in d:
                 d[k] = tuple(d[k])
         try:
@@ -344,6 +353,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # scores materialised (no flash kernel), gradient accumulation in a separate pass before commit
     # 83b1e42f30, selective recompute from Korthikanti et al.
     Stack(name="megatron-2021", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
+          parallel_dims=("tp", "pp"),      # context parallelism and MoE layers came to Megatron later
           recompute=("none", "selective", "full"), schedules=("1f1b", "interleaved"),
           fsdp_impls=("deepspeed",), grad_accum_fusion=False, pp_scatter_gather=True,
           sources="Megatron-LM at cdde43385e (SC'21; arguments.py --no-scatter-gather-tensors-in-pipeline); "
@@ -352,12 +362,13 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # DeepSpeed's PipelineEngine (runtime/pipe/engine.py, schedule.py, p2p.py): blocking p2p with the
     # activations partitioned over TP, the gradient all-reduce after the last micro-batch, 1F1B only
     Stack(name="megatron-deepspeed", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
-          recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("deepspeed",), grad_accum_fusion=False,
+          parallel_dims=("tp", "pp"), recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("deepspeed",), grad_accum_fusion=False,
           pp_scatter_gather=True, pp_blocking_p2p=True, dp_overlap=False,
           sources="microsoft/DeepSpeed deepspeed/runtime/pipe/{engine,schedule,p2p}.py, runtime/config.py "
                   "(pipe_partitioned, grad_partitioned default True); bigscience-workshop/Megatron-DeepSpeed"),
-    # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD)
-    Stack(name="llm-foundry", attention="triton", cp_impl="te", cp_kinds=(), fp8_recipes=(),
+    # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD; Composer's FSDP is
+    # its only model parallelism, the benchmark table's "FSDP-only (no TP/PP used)")
+    Stack(name="llm-foundry", attention="triton", cp_impl="te", cp_kinds=(), fp8_recipes=(), parallel_dims=(),
           recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("fsdp2",),
           sources="mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml"),
 )}

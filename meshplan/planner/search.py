@@ -30,7 +30,7 @@ from meshplan.ir.estimate import Estimate
 from meshplan.ir.layout import Layout, divisors, split_layers
 from meshplan.ir.precision import Precision
 from meshplan.ir.profile import ModelProfile
-from meshplan.ir.stack import Stack, resolve_stack
+from meshplan.ir.stack import PARALLEL_DIMS, Stack, resolve_stack
 from meshplan.ir.support import runs_as_ddp, runtime_limits
 from meshplan.planner.bound import MeshBound, policies_of
 from meshplan.profiling.traits import model_traits
@@ -193,6 +193,10 @@ def _tp_indivisible(tp: int, vocab: int, *, heads: int, kv: int, ffns: list[int]
             if v % tp] + [f"FFN width {w}" for w in sorted(set(ffns)) if w % tp]
 
 
+_DIM_NAMES = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
+              "pp": "pipeline parallelism"}
+
+
 def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
     if key in fixed:
         return [fixed[key]]
@@ -256,6 +260,12 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                 stack.check_fp8_recipe(recipe)
             except ConfigError as e:
                 raise ConfigError(f"precision fp8: {e}") from None
+    for dim in PARALLEL_DIMS:
+        if dim not in stack.parallel_dims and f.get(dim, 1) != 1:
+            raise ConfigError(f"fixed {dim}={f[dim]}: the {stack.name} stack runs no {_DIM_NAMES[dim]} "
+                              f"(it runs {', '.join(stack.parallel_dims) or 'data parallelism / FSDP only'}); "
+                              f"leave {dim} unset or plan for a stack that runs it, e.g. 'megatron-core'")
+    runs = {d: d in stack.parallel_dims for d in PARALLEL_DIMS}
     if f.get("offload_activations") and not stack.activation_offload:
         raise ConfigError(f"fixed offload_activations=True: the {stack.name} stack does not offload activations "
                           "to host memory; plan for stack 'meshplan' or 'megatron-core', or leave it unset")
@@ -293,18 +303,18 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     todo: list[tuple[Layout, str | None]] = []     # (candidate, why the runtime cannot run it)
     # the gradient and optimizer dtypes every candidate has (the memory bound prices them)
     dtypes = Layout(**{k: f[k] for k in ("grad_dtype", "optimizer_dtype", "optimizer") if k in f})
-    for tp in _opts("tp", f, (t for t in divisors(n) if t <= 64)):
+    for tp in _opts("tp", f, (t for t in divisors(n) if t <= 64 and (t == 1 or runs["tp"]))):
         if not tp_ok(tp):
             stats["pruned_divisibility"] += 1
             continue
-        for cp in _opts("cp", f, (c for c in divisors(n // tp) if c <= 32)):
+        for cp in _opts("cp", f, (c for c in divisors(n // tp) if c <= 32 and (c == 1 or runs["cp"]))):
             # CP needs 2*cp equal chunks (load-balanced causal split); below 1k tokens per rank the
             # search does not try it (the ring's per-step latency outweighs the saving), unless asked
             short = seq_len // cp < CP_MIN_TOKENS_PER_RANK and "cp" not in f
             if (n // tp) % cp or (cp > 1 and (seq_len % (2 * cp) or short)):
                 stats["pruned_divisibility"] += 1
                 continue
-            for pp in _opts("pp", f, (p for p in divisors(n // (tp * cp)) if p <= L)):
+            for pp in _opts("pp", f, (p for p in divisors(n // (tp * cp)) if p <= L and (p == 1 or runs["pp"]))):
                 if (n // (tp * cp)) % pp:
                     continue
                 dp = n // (tp * cp * pp)
@@ -322,7 +332,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                     if pp > 1:
                         scheds = [x for x in scheds if x in stack.schedules] or scheds[:1]
                     eps = [1]
-                    if experts:
+                    if experts and runs["ep"]:
                         fold = dp * cp * tp
                         eps = [e for e in divisors(experts) if fold % e == 0 and (allow_cross_domain or e <= domain)]
                     for ep, schedule, zero in itertools.product(

@@ -52,6 +52,20 @@ def test_plans_search_only_what_the_stack_runs(moe_prof):
     assert not {"norm_moe", "op_sac"} & set(_recompute_options(moe_prof, 2, 4096, STACKS["meshplan"]))
 
 
+def test_plans_use_only_the_parallel_dims_the_stack_runs(moe_prof):
+    big = mp.Cluster.preset("dgx-h100", nodes=8)
+    # llm-foundry's model parallelism is FSDP alone: a 70B model is sharded, never split
+    pl = mp.plan("llama3-70b", big, seq_len=4096, global_batch=512, stack="llm-foundry")
+    assert (pl.layout.tp, pl.layout.cp, pl.layout.pp, pl.layout.ep) == (1, 1, 1, 1) and pl.layout.zero == 3
+    # Megatron-LM 2021 had no context parallelism and no MoE layers: experts stay replicated
+    old = mp.plan(moe_prof, big, seq_len=4096, global_batch=512, stack="megatron-2021")
+    assert old.layout.cp == 1 and old.layout.ep == 1
+    with pytest.raises(ConfigError, match="llm-foundry stack runs no tensor parallelism"):
+        mp.plan("llama3-8b", big, seq_len=4096, global_batch=512, stack="llm-foundry", fixed=dict(tp=2))
+    with pytest.raises(ConfigError, match="parallel_dims"):
+        STACKS["megatron-core"].replace(parallel_dims=("tp", "sp"))
+
+
 def test_plan_records_its_stack_and_prices_like_estimate():
     cl = mp.Cluster.preset("dgx-h100", nodes=1)
     kw = dict(seq_len=8192, global_batch=64)
