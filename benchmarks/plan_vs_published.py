@@ -33,9 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from meshplan.api import plan  # noqa: E402
-from meshplan.cluster import Cluster  # noqa: E402
 from meshplan.ir.layout import Layout  # noqa: E402
-from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows, stack_of  # noqa: E402
+from meshplan.cost_models.validation import DEFAULT_CSV, _gpu, load_rows, row_cluster, stack_of  # noqa: E402
 from validate_published import model_config, run_row  # noqa: E402
 from meshplan.errors import MeshplanError  # noqa: E402
 from meshplan.cost_models.uncertainty import gain_band  # noqa: E402
@@ -77,7 +76,7 @@ def compare_row(r, profiles: dict, keep: tuple[str, ...] = ()) -> Comparison | N
         return None
     lay = res.layout
     prof = profiles[repr(sorted(cfg.items()))]
-    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=min(8, n))
+    cluster = row_cluster(r)
     precision = res.estimate.precision
     full = Layout.from_dict(lay).to_dict()
     # what the software stack could do is not the planner's choice: keep it as published

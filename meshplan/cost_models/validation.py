@@ -62,7 +62,7 @@ from meshplan.ir.precision import Precision
 from meshplan.cost_models.published_configs import (BRIDGE_PERF_CONFIGS, BRIDGE_PERF_MODEL, NEMO_LAUNCHER_ATTN_KERNEL,
                                                      NEMO_LAUNCHER_CONFIGS)
 
-__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options"]
+__all__ = ["Row", "load_rows", "run_row", "RowResult", "split_of", "DEFAULT_CSV", "EQ3_FAMILIES", "stack_options", "row_cluster", "stack_of"]
 
 # shipped with the package (meshplan/data, identical to the project's shared data folder)
 DEFAULT_CSV = Path(__file__).resolve().parents[1] / "data" / "published_runs.csv"
@@ -175,6 +175,15 @@ def _gpu(row: Row) -> str | None:
 # (bigscience/bloom model card, Hardware), 100 Gb/s Omni-Path, so half a 100 Gb/s link per GPU where a
 # DGX A100 has a 200 Gb/s HDR NIC per GPU; a 100 Gb/s link at the nccl-tests rate of cluster.constants
 _NETWORK_GB_S = {"bloom": 4 * EDR100_BUSBW_GB_S / 8}
+
+def row_cluster(row: Row) -> Cluster | None:
+    """The cluster a row ran on: its GPU and count, 8 GPUs per server, the source's network where it
+    is not the GPU's usual server's (_NETWORK_GB_S). None where the row does not name them."""
+    gpu, n = _gpu(row), row.num("num_gpus")
+    if not (gpu and n):
+        return None
+    return Cluster(gpu=gpu, num_gpus=n, gpus_per_node=min(8, n), nic_gb_s=_NETWORK_GB_S.get(row.family))
+
 
 # Families by the software stack that ran them (meshplan.ir.stack presets)
 _STACK_OF = {"megatron-sc21": "megatron-2021", "korthikanti": "megatron-2021", "mtnlg": "megatron-deepspeed",
@@ -568,7 +577,7 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     if key not in profiles:
         profiles[key] = profile_fn(cfg)
     prof = profiles[key]
-    cluster = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=8 if n >= 8 else n, nic_gb_s=_NETWORK_GB_S.get(row.family))
+    cluster = row_cluster(row)
     lay = {**lay, **stack_options(row)}     # the software stack's conventions are layout fields
     candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
     for cand in candidates:

@@ -511,11 +511,14 @@ def _cost_mesh(profile, cluster, base: Layout, f, seq_len, global_batch, precisi
     for precision in precisions:
         fitting = len(ranked)
         for rc in _opts("recompute", f, rcs):
-            start = len(ranked)
+            start, refused = len(ranked), len(rejected)
             best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc), mbss, seq_len, global_batch, precision,
                                   ranked, rejected, stats, fp8_modules, stack)
+            # ZeRO-3 gathers and reduce-scatters the weights for every micro-batch: where memory stopped
+            # the micro-batch growing, more recompute buys a larger one and fewer of those collectives
+            capped = base.zero >= 3 and len(rejected) > refused
             if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe", "mla_up") \
-                    and not all(memory_pressed(e) for e in ranked[start:]):
+                    and not all(memory_pressed(e) for e in ranked[start:]) and not capped:
                 break                          # cheapest recompute that fits found; more recompute only adds work
             # (not after the module policies ("norm_act", ...): selective saves more and re-runs attention
             # instead, which at short sequences can be the cheaper recompute; both are ranked; nor where

@@ -132,7 +132,7 @@ def plans() -> dict[str, Plan]:
         "layout": _plan("llama3-70b", H100x64, seq_len=4096, global_batch=512, tp=8, pp=4, vp=2,
                         recompute="full", stage_layers=(9, 10, 10, 10, 10, 10, 10, 11)),
         "moe": _plan("mixtral-8x7b", mp.Cluster.preset("dgx-h100", nodes=4), seq_len=4096, global_batch=256,
-                     ep=8, tp=2, etp=1, pp=2, vp=1, schedule="1f1b", zero=3),
+                     ep=8, tp=2, etp=1, pp=2, vp=1, schedule="1f1b", zero=3, recompute="none"),
     }
 
 
