@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from meshplan.cost_models.estimate import estimate_profile
@@ -33,25 +34,13 @@ from meshplan.ir.profile import ModelProfile
 from meshplan.ir.stack import PARALLEL_DIMS, Stack, resolve_stack
 from meshplan.ir.support import runs_as_ddp, runtime_limits
 from meshplan.planner.bound import MeshBound, policies_of
+from meshplan.planner.fixed import (FIXABLE, PASSED_THROUGH, SINGLE_CHUNK_SCHEDULES, check_fixed,
+                                    check_fixed_against_model, check_fixed_dims, check_fixed_values, no_blocks,
+                                    tp_indivisible)
 from meshplan.profiling.traits import model_traits
 
 __all__ = ["SearchResult", "search", "FIXABLE"]
 
-# execution choices a user may fix that the search otherwise leaves at their defaults: the software
-# stack (kept as given, e.g. to score a published run on its own framework's conventions) and the
-# Adam moments' dtype (bf16 changes the optimizer's numerics: the user's call, or plan()'s fallback
-# when nothing fits with fp32 moments; never a silent speed choice), and the optimizer (Muon, too,
-# changes the numerics: only when asked)
-# (moe_capacity_factor: the MoE routing mode, dropless or padded to a capacity; cost_models.layer.moe_load_factor)
-# (offload_activations: fixed True offloads every candidate; left free, the search offloads a mesh only
-# where nothing fits on it without: _cost_mesh)
-PASSED_THROUGH = tuple(k for k in (
-    "sp", "tp_comm_overlap", "ep_comm_overlap", "flash_attention", "attn_kernel", "grad_dtype", "fsdp_impl", "moe_dispatcher",
-    "fp8_recipe", "cp_comm_type", "grad_accum_fusion", "optimizer_dtype", "optimizer", "moe_capacity_factor",
-    "offload_activations")
-    if k in {f.name for f in fields(Layout)})
-FIXABLE = ("tp", "cp", "ep", "etp", "pp", "vp", "dp", "zero", "mbs", "recompute", "schedule", "stage_layers",
-           "fsdp_shard", "reshard_after_forward") + PASSED_THROUGH
 RECOMPUTE_ORDER = ("none", "norm_act", "norm_moe", "mla_up", "selective", "op_sac", "full")
 # "norm_act" (re-run the norms and the routed experts' activation: element-wise work only) is offered
 # where its memory saving is large or selective's recompute is dear: on MoE models (it drops the
@@ -61,6 +50,7 @@ RECOMPUTE_ORDER = ("none", "norm_act", "norm_moe", "mla_up", "selective", "op_sa
 # selective's recompute costs, so it is not tried there (fewer estimates). (judgement, not fitted)
 NORM_ACT_MIN_SEQ = 8192
 MAX_MBS = 8
+MAX_MBS_ZERO3 = 16
 # The search skips CP below this many tokens per CP rank unless cp is fixed: the ring's cp-1
 # latency-bound steps then cost more than the attention they split (judgement, not fitted).
 CP_MIN_TOKENS_PER_RANK = 1024
@@ -80,8 +70,6 @@ MAX_VP: int | None = 12        # None: no cap beyond one layer per chunk
 # count has few divisors (DeepSeek-V3's 61 layers at 2,048 GPUs: 16,467 against 7,945), so these go
 # up to MAX_UNEVEN_VP chunks per rank. (judgement)
 MAX_UNEVEN_VP = 4
-# schedules with one model chunk per pipeline rank: a fixed one keeps vp = 1 (never rewritten)
-SINGLE_CHUNK_SCHEDULES = ("1f1b", "zb", "gpipe")
 # The planner chooses among (uncertainty.prefer_simpler) and explains with (runner-ups) at most
 # this many of the fastest fitting estimates; the search's bound keeps every estimate that can
 # enter them
@@ -110,112 +98,15 @@ def vp_options(layers: int, pp: int, max_vp: int | None = None) -> list[int]:
     return [v for v in range(1, min(cap, MAX_UNEVEN_VP) + 1) if v * -(-layers // (pp * v)) <= plain]
 
 
-def _check_fixed(fixed: Mapping[str, Any], n: int) -> dict[str, Any]:
-    unknown = sorted(set(fixed) - set(FIXABLE))
-    if unknown:
-        raise ConfigError(f"cannot fix {unknown}; fixable keys: {', '.join(FIXABLE)}")
-    f = dict(fixed)
-    prod = 1
-    named = []
-    for k in ("tp", "cp", "pp", "dp"):
-        if k in f:
-            prod *= int(f[k])
-            named.append(f"{k}={f[k]}")
-    if n % prod:
-        if len(named) == 1:
-            k = named[0].split("=")[0]
-            raise ConfigError(f"fixed {named[0]} does not divide the {n} GPUs; {k} must divide the GPU count: "
-                              f"use one of {divisors(n)}")
-        raise ConfigError(f"fixed {' = '.join([' * '.join(named), str(prod)])} does not divide the {n} GPUs; "
-                          "the degrees tp*cp*pp*dp must multiply to the GPU count")
-    if all(k in f for k in ("tp", "cp", "pp", "dp")) and prod != n:
-        raise ConfigError(f"fixed {' * '.join(named)} = {prod}, but the cluster has {n} GPUs")
-    if "vp" in f and int(f["vp"]) > 1 and int(f.get("pp", 2)) == 1:
-        raise ConfigError("fixed vp > 1 contradicts fixed pp = 1: virtual stages need pipeline parallelism")
-    if f.get("schedule") == "interleaved" and int(f.get("vp", 2)) == 1:
-        raise ConfigError("fixed schedule='interleaved' contradicts fixed vp = 1")
-    if f.get("schedule") in SINGLE_CHUNK_SCHEDULES and int(f.get("vp", 1)) > 1:
-        raise ConfigError(f"fixed schedule={f['schedule']!r} runs one model chunk per pipeline rank and "
-                          f"contradicts fixed vp = {f['vp']}; use schedule='interleaved' (or 'zbv', vp=2)")
-    return f
-
-
-def _check_fixed_against_model(f: Mapping[str, Any], profile: ModelProfile, experts: int, *, heads: int, kv: int,
-                               ffns: list[int], n: int) -> None:
-    """Fixed degrees the model's shapes rule out, named in its terms (else the search would find no
-    candidate and report that nothing fits)."""
-    ep, etp = int(f.get("ep", 1)), int(f.get("etp", 1))
-    if (ep > 1 or etp > 1) and not experts:
-        raise ConfigError(f"fixed ep={ep}, etp={etp}: {profile.name} has no routed experts (its trace found no "
-                          "router top-k feeding expert weights), so there is nothing to shard over ep / etp; "
-                          "use ep=1, etp=1 (or leave them free)")
-    if ep > 1 and experts % ep:
-        raise ConfigError(f"fixed ep={ep} does not divide the {experts} experts of {profile.name}; "
-                          f"use one of {divisors(experts)}")
-    tp = int(f.get("tp", 1))
-    if tp > 1 and not any(b.heads for b in profile.layer_blocks()):
-        # heads default to 1 for the divisibility checks, which rules tp > 1 out: say why instead
-        raise ConfigError(f"fixed tp={tp}: the trace found no attention in {profile.name}'s blocks "
-                          f"({', '.join(_block_names(profile))}; attention is an SDPA call or softmax(q·kᵀ)·v), "
-                          "and meshplan plans tensor parallelism over attention heads, so there are none to "
-                          "split; use tp=1 (or leave tp free)")
-    bad = _tp_indivisible(tp, profile.vocab, heads=heads, kv=kv, ffns=ffns)
-    if tp > 1 and bad:
-        ok = [t for t in divisors(n) if not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns)]
-        raise ConfigError(f"fixed tp={tp} does not divide {profile.name}'s {', '.join(bad)}; tp values that "
-                          f"divide them and the {n} GPUs: {ok} (or leave tp free)")
-
-
-def _block_names(profile: ModelProfile, most: int = 3) -> list[str]:
-    """The first layers of the model's blocks by FQN (by index for a profile from a config)."""
-    names = [inst for i, b in enumerate(profile.blocks) for inst in (b.instances or (f"block {i}",))]
-    return names[:most] + ([f"{len(names) - most} more"] if len(names) > most else [])
-
-
-def _no_blocks(profile: ModelProfile) -> str:
-    """Why a profile without blocks cannot be planned, in the terms of the model the user traced."""
-    # the top-level modules holding the parameters: where the layers are, named as the user wrote them
-    owners = list(dict.fromkeys(m.split(".")[0] for m in profile.pre_modules + profile.post_modules))
-    where = (f"; its parameters sit in {', '.join(owners[:6])}{', ...' if len(owners) > 6 else ''}"
-             if owners else "")
-    return (f"cannot plan {profile.name}: its trace found no blocks, so it has no layers to split into pipeline "
-            f"stages or to shard over tensor / context / expert parallelism ({len(profile.pre_ops)} ops, all "
-            f"outside any block{where}). A block is one layer of the model: a child of an nn.ModuleList or "
-            "nn.ModuleDict whose children are all modules with parameters and sub-modules, or a run of repeated "
-            "such modules in an nn.Sequential; the tracer finds them in the module tree, not in forward(). "
-            "What would work: hold the layers in an nn.ModuleList (e.g. self.layers = nn.ModuleList(...), as "
-            "transformers' and meshplan's models do) and iterate over it in forward()")
-
-
-def _tp_indivisible(tp: int, vocab: int, *, heads: int, kv: int, ffns: list[int]) -> list[str]:
-    """The model widths tensor parallelism of degree `tp` would have to split but cannot, named."""
-    return [f"{what} {v}" for what, v in (("attention heads", heads), ("kv heads", kv), ("vocabulary", vocab))
-            if v % tp] + [f"FFN width {w}" for w in sorted(set(ffns)) if w % tp]
-
-
-_DIM_NAMES = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
-              "pp": "pipeline parallelism"}
-
+# Exposed ZeRO-3 traffic, as a share of the step, above which a mesh whose micro-batch memory caps
+# also tries heavier recompute for a larger micro-batch (judgement: below it the saving cannot pay
+# for the recomputed forward, and the search would cost twice the estimates for nothing)
+ZERO3_EXPOSED_SHARE = 0.05
 
 def _opts(key: str, fixed: Mapping[str, Any], values: Iterable) -> list:
     if key in fixed:
         return [fixed[key]]
     return list(values)
-
-
-def _check_fixed_values(f: Mapping[str, Any]) -> None:
-    """Each fixed value as Layout checks it (a known recompute policy, dtype, schedule, ...): a
-    misspelt one is refused here, in Layout's words, rather than leaving the search no candidate.
-    Choices Layout checks against another are checked beside a value that admits them."""
-    for k, v in f.items():
-        if k == "stage_layers":
-            continue        # its length is checked against each candidate's pp * vp
-        context = {"zero": 3} if k in ("fsdp_impl", "fsdp_shard", "reshard_after_forward") else \
-            {"vp": 2} if k == "schedule" and v == "interleaved" else {}
-        try:
-            Layout(**{**context, k: v})
-        except ConfigError as e:
-            raise ConfigError(f"fixed {k}: {e}") from None
 
 
 def _state_lower_bound_gb(profile: ModelProfile, tp: int, pp: int, ep: int, dp_shard: int, edp: int,
@@ -249,8 +140,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     stack = resolve_stack(stack)
     runtime = stack.runtime_checks
     n = cluster.num_gpus
-    f = _check_fixed(fixed or {}, n)
-    _check_fixed_values(f)
+    f = check_fixed(fixed or {}, n)
+    check_fixed_values(f)
     if Precision.FP8 in precisions:
         recipe = f.get("fp8_recipe", Layout().fp8_recipe)
         if recipe not in stack.fp8_recipes and "fp8_recipe" not in f and len(precisions) > 1:
@@ -260,11 +151,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                 stack.check_fp8_recipe(recipe)
             except ConfigError as e:
                 raise ConfigError(f"precision fp8: {e}") from None
-    for dim in PARALLEL_DIMS:
-        if dim not in stack.parallel_dims and f.get(dim, 1) != 1:
-            raise ConfigError(f"fixed {dim}={f[dim]}: the {stack.name} stack runs no {_DIM_NAMES[dim]} "
-                              f"(it runs {', '.join(stack.parallel_dims) or 'data parallelism / FSDP only'}); "
-                              f"leave {dim} unset or plan for a stack that runs it, e.g. 'megatron-core'")
+    check_fixed_dims(f, stack)
     runs = {d: d in stack.parallel_dims for d in PARALLEL_DIMS}
     if f.get("offload_activations") and not stack.activation_offload:
         raise ConfigError(f"fixed offload_activations=True: the {stack.name} stack does not offload activations "
@@ -275,7 +162,7 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
     blocks = profile.layer_blocks()
     L = profile.num_layers
     if not L:
-        raise LayoutError(_no_blocks(profile))
+        raise LayoutError(no_blocks(profile))
     attn = [b for b in blocks if b.heads]
     heads = min((b.heads for b in attn), default=1)
     kv = min((b.kv_heads for b in attn), default=1)
@@ -286,10 +173,10 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
 
     def tp_ok(t: int) -> bool:
         # a fixed degree is the user's leave to span domains, as a fixed ep is
-        return not _tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns) and (
+        return not tp_indivisible(t, profile.vocab, heads=heads, kv=kv, ffns=ffns) and (
             allow_cross_domain or t <= domain or "tp" in f)
 
-    _check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns, n=n)
+    check_fixed_against_model(f, profile, experts, heads=heads, kv=kv, ffns=ffns, n=n)
 
     stats = {"meshes": 0, "pruned_divisibility": 0, "pruned_memory": 0, "pruned_bound": 0, "estimates": 0,
              "runtime_excluded": 0}
@@ -447,7 +334,9 @@ def _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, preci
     rest are skipped once the bound exceeds the step of the PLANNER_WINDOW-th fastest fitting
     estimate found: none of them could enter the window the planner chooses and explains from
     (uncertainty.prefer_simpler's candidates, the runner-ups), nor be faster than the chosen
-    layout. The estimates kept are exactly those a full search ranks in that window."""
+    layout. The estimates kept are exactly those a full search ranks in that window, but for one
+    judgement: a ZeRO-3 mesh capped by memory tries full recompute for a larger micro-batch only where
+    its exposed traffic, the most that could save, would bring it into the window (_cost_mesh)."""
     results: list[tuple[list, list, list] | None] = [None] * len(todo)
     order = range(len(todo))
     if bound and todo:
@@ -473,8 +362,9 @@ def _cost_in_bound_order(todo, profile, cluster, f, seq_len, global_batch, preci
             _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, excluded, [], ustats,
                        fp8_modules, stack)
         else:
+            cutoff = -window[0] if bound and len(window) >= PLANNER_WINDOW else math.inf
             _cost_mesh(profile, cluster, cand, f, seq_len, global_batch, precisions, fit, over, stats,
-                       fp8_modules, stack)
+                       fp8_modules, stack, cutoff)
             for e in fit:
                 if len(window) < PLANNER_WINDOW:
                     heapq.heappush(window, -e.step_time_s)
@@ -493,16 +383,20 @@ def _mbs_options(base: Layout, per_dp: int, f: Mapping[str, Any], stack: Stack) 
     """The micro-batch sizes a mesh tries: divisors of its per-rank batch up to MAX_MBS (or the
     fixed one). torch.distributed.pipelining (meshplan's runtime, torchtitan) needs at least pp
     micro-batches per step; the cost model itself prices fewer (Megatron's 1F1B allows it), so a
-    user may still fix mbs, and a plan for a stack without that limit may choose it."""
-    mbss = [m for m in divisors(per_dp) if m <= MAX_MBS and
+    user may still fix mbs, and a plan for a stack without that limit may choose it. Sharded data
+    parallelism alone (ZeRO-3, no pipeline) goes to MAX_MBS_ZERO3: each micro-batch gathers and
+    reduce-scatters every weight, and large micro-batches amortise that (MosaicML's MPT runs: 10-16)."""
+    cap = MAX_MBS_ZERO3 if base.zero >= 3 and base.pp == 1 else MAX_MBS
+    mbss = [m for m in divisors(per_dp) if m <= cap and
             (base.pp == 1 or per_dp // m >= base.pp or not stack.pp_min_microbatches)]
     return _opts("mbs", f, mbss)
 
 
 def _cost_mesh(profile, cluster, base: Layout, f, seq_len, global_batch, precisions, ranked, rejected, stats,
-               fp8_modules: frozenset | None = None, stack: Stack | None = None) -> None:
+               fp8_modules: frozenset | None = None, stack: Stack | None = None, cutoff: float = math.inf) -> None:
     """Per mesh: recompute from cheapest, micro-batch grown while it fits and helps; where nothing
-    fits and the stack offloads activations, the same with the saved activations in host memory."""
+    fits and the stack offloads activations, the same with the saved activations in host memory.
+    cutoff: the step a layout must beat to enter the planner's window (the bound-ordered search's)."""
     stack = stack or resolve_stack(None)
     mbss = _mbs_options(base, global_batch // base.dp, f, stack)
     rcs = _recompute_options(profile, base.pp, seq_len, stack)
@@ -510,13 +404,25 @@ def _cost_mesh(profile, cluster, base: Layout, f, seq_len, global_batch, precisi
         rcs = _offload_recompute(rcs, stack, base.pp)
     for precision in precisions:
         fitting = len(ranked)
-        for rc in _opts("recompute", f, rcs):
+        from_mbs = 0                 # where memory capped the micro-batch under ZeRO-3 (below)
+        options = _opts("recompute", f, rcs)
+        for rc in options:
+            if from_mbs and rc != options[-1]:
+                continue             # capped: straight to the policy that frees the most memory
             start, refused = len(ranked), len(rejected)
-            best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc), mbss, seq_len, global_batch, precision,
-                                  ranked, rejected, stats, fp8_modules, stack)
+            best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc), [m for m in mbss if m >= from_mbs],
+                                  seq_len, global_batch, precision, ranked, rejected, stats, fp8_modules, stack)
             # ZeRO-3 gathers and reduce-scatters the weights for every micro-batch: where memory stopped
-            # the micro-batch growing, more recompute buys a larger one and fewer of those collectives
-            capped = base.zero >= 3 and len(rejected) > refused
+            # the micro-batch growing and those collectives show in the step, more recompute buys a
+            # larger micro-batch and fewer of them (a larger one saves at most their exposed time). The
+            # heaviest policy (full recomputation) is tried next, from the micro-batch that did not fit:
+            # below it, it only adds work.
+            # (and only where that saving could bring it into the planner's window: `cutoff`)
+            capped = base.zero >= 3 and len(rejected) > refused and best_here is not None and any(
+                e.time_s["dp"] >= ZERO3_EXPOSED_SHARE * e.step_time_s and e.step_time_s - e.time_s["dp"] < cutoff
+                for e in ranked[start:])
+            if capped:
+                from_mbs = rejected[refused].layout.mbs
             if best_here is not None and "recompute" not in f and rc not in ("norm_act", "norm_moe", "mla_up") \
                     and not all(memory_pressed(e) for e in ranked[start:]) and not capped:
                 break                          # cheapest recompute that fits found; more recompute only adds work

@@ -4,6 +4,8 @@ and returns the same plan."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import meshplan as mp
@@ -35,9 +37,10 @@ def test_bound_is_below_every_estimate_and_the_bounded_search_plans_as_the_full_
     real = S._cost_mesh
 
     def spy(profile, cluster, base, f, seq_len, global_batch, precs, ranked, rejected, stats, fp8_modules=None,
-            stack=None):
+            stack=None, cutoff=math.inf):
         n0, r0 = len(ranked), len(rejected)
-        real(profile, cluster, base, f, seq_len, global_batch, precs, ranked, rejected, stats, fp8_modules, stack)
+        real(profile, cluster, base, f, seq_len, global_batch, precs, ranked, rejected, stats, fp8_modules, stack,
+             cutoff)
         bound = bounds.get(base.pp)
         if bound is None:
             bound = bounds[base.pp] = MeshBound(
