@@ -362,8 +362,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # DeepSpeed's PipelineEngine (runtime/pipe/engine.py, schedule.py, p2p.py): blocking p2p with the
     # activations partitioned over TP, the gradient all-reduce after the last micro-batch, 1F1B only
     Stack(name="megatron-deepspeed", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
-          parallel_dims=("tp", "pp"), recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("deepspeed",), grad_accum_fusion=False,
-          pp_scatter_gather=True, pp_blocking_p2p=True, dp_overlap=False,
+          parallel_dims=("tp", "pp"), recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("deepspeed",),
+          grad_accum_fusion=False, pp_scatter_gather=True, pp_blocking_p2p=True, dp_overlap=False,
           sources="microsoft/DeepSpeed deepspeed/runtime/pipe/{engine,schedule,p2p}.py, runtime/config.py "
                   "(pipe_partitioned, grad_partitioned default True); bigscience-workshop/Megatron-DeepSpeed"),
     # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD; Composer's FSDP is

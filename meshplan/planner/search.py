@@ -8,7 +8,11 @@ size, recompute (none / norm_act / selective / full), ZeRO stage (distributed op
    (TP and EP stay inside it unless `allow_cross_domain` or the degree is fixed);
 2. a memory lower bound per mesh (weights + gradients + optimizer state, no activations);
 3. per mesh, recompute is tried from none to full and the micro-batch grows while it fits, so
-   a mesh costs a handful of estimates, not the full cross product.
+   a mesh costs a handful of estimates, not the full cross product (under ZeRO-3, where memory caps
+   the micro-batch, full recompute is tried for a larger one: _cost_mesh);
+4. meshes in the order of a lower bound on their step (planner/bound.py), skipped once it cannot
+   enter the planner's window.
+Only the parallel dimensions the stack runs are enumerated (Stack.parallel_dims).
 Every surviving candidate is scored with the same `estimate_profile` users call.
 """
 
