@@ -166,6 +166,9 @@ class Stack:
     # micro-batch's backward (first forward); False: it runs after the pipeline has drained, as
     # DeepSpeed's TrainSchedule issues ReduceTiedGrads / ReduceGrads / OptimizerStep after its last step
     dp_overlap: bool = True
+    # the highest ZeRO stage the stack runs together with pipeline parallelism (DeepSpeed's
+    # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism")
+    max_zero_with_pp: int = 3
     # FSDP2 copies each all-gather's output into the unsharded parameters and the gradients into the
     # reduce-scatter buffer on the compute stream (cost_models.estimate._fsdp2_copies); FSDP1's flat
     # parameters (llm-foundry's runs) gather into the parameters' own storage
@@ -363,7 +366,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # activations partitioned over TP, the gradient all-reduce after the last micro-batch, 1F1B only
     Stack(name="megatron-deepspeed", attention="eager", cp_impl="te", cp_kinds=(), fp8_recipes=(),
           parallel_dims=("tp", "pp"), recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("deepspeed",),
-          grad_accum_fusion=False, pp_scatter_gather=True, pp_blocking_p2p=True, dp_overlap=False,
+          grad_accum_fusion=False, pp_scatter_gather=True, pp_blocking_p2p=True, dp_overlap=False, max_zero_with_pp=1,
           sources="microsoft/DeepSpeed deepspeed/runtime/pipe/{engine,schedule,p2p}.py, runtime/config.py "
                   "(pipe_partitioned, grad_partitioned default True); bigscience-workshop/Megatron-DeepSpeed"),
     # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD; Composer's FSDP is

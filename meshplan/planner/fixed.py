@@ -136,7 +136,12 @@ def check_fixed_values(f: Mapping[str, Any]) -> None:
 
 
 def check_fixed_dims(f: Mapping[str, Any], stack: Stack) -> None:
-    """A fixed degree above 1 in a parallel dimension the stack does not run (Stack.parallel_dims)."""
+    """A fixed degree above 1 in a parallel dimension the stack does not run (Stack.parallel_dims), or
+    a fixed ZeRO stage it does not run beside a fixed pipeline (Stack.max_zero_with_pp)."""
+    if int(f.get("pp", 1)) > 1 and int(f.get("zero", 0)) > stack.max_zero_with_pp:
+        raise ConfigError(f"fixed zero={f['zero']} with pp={f['pp']}: the {stack.name} stack runs ZeRO up to stage "
+                          f"{stack.max_zero_with_pp} with pipeline parallelism; use zero<={stack.max_zero_with_pp} "
+                          "or pp=1")
     for dim in PARALLEL_DIMS:
         if dim not in stack.parallel_dims and f.get(dim, 1) != 1:
             raise ConfigError(f"fixed {dim}={f[dim]}: the {stack.name} stack runs no {_DIM_NAMES[dim]} "

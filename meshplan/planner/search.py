@@ -228,7 +228,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         eps = [e for e in divisors(experts) if fold % e == 0 and (allow_cross_domain or e <= domain)]
                     for ep, schedule, zero in itertools.product(
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
-                            _opts("zero", f, (0, 1, 3) if dp * cp > 1 else (1,))):
+                            _opts("zero", f, tuple(z for z in ((0, 1, 3) if dp * cp > 1 else (1,))
+                                                    if pp == 1 or z <= stack.max_zero_with_pp))):
                         etp = f.get("etp", 1)
                         if runtime and zero == 0 and "zero" not in f and \
                                 not runs_as_ddp(zero=0, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp):

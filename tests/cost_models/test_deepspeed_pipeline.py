@@ -12,6 +12,7 @@ from meshplan.cost_models.comm import group, p2p_time
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.tables import pipeline_p2p_s
 from meshplan.cost_models.validation import load_rows, stack_of
+from meshplan.errors import ConfigError
 from meshplan.ir.layout import Layout
 from meshplan.ir.stack import STACKS
 
@@ -68,3 +69,7 @@ def test_plans_for_the_stack_run_plain_1f1b(gpt):
     plan = mp.plan(gpt, A100, seq_len=2048, global_batch=256, stack="megatron-deepspeed", fixed=dict(pp=4))
     assert plan.layout.pp == 4 and plan.layout.vp == 1 and plan.layout.schedule == "1f1b"
     assert plan.stack == "megatron-deepspeed"
+    # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" (DeepSpeed's PipelineEngine)
+    assert all(e.layout.zero <= 1 for e in [plan.estimate, *plan.runner_ups])
+    with pytest.raises(ConfigError, match="ZeRO up to stage 1 with pipeline parallelism"):
+        mp.plan(gpt, A100, seq_len=2048, global_batch=256, stack="megatron-deepspeed", fixed=dict(pp=4, zero=3))
