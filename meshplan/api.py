@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from meshplan.cluster import Cluster
 from meshplan.cost_models.estimate import estimate_profile
+from meshplan.cost_models.context import for_stack
 from meshplan.errors import ConfigError, quiet_imports
 from meshplan.ir import plan as ir_plan
 from meshplan.ir.estimate import Estimate
@@ -150,9 +151,10 @@ def estimate(model: Any, cluster: Any, layout: Layout | Mapping[str, Any] | None
             if cl.num_gpus % rest == 0:
                 layout["dp"] = cl.num_gpus // rest
         layout = Layout.from_dict(layout)
-    prof = profile(model, seq_len=seq_len)
+    st = resolve_stack(stack, default="reference")
+    prof = for_stack(profile(model, seq_len=seq_len), st)
     return estimate_profile(prof, cl, layout, seq_len=seq_len, global_batch=global_batch, precision=precision,
-                            stack=resolve_stack(stack, default="reference"))
+                            stack=st)
 
 
 def plan(model: Any, cluster: Any, *, seq_len: int, global_batch: int, precision: Precision | str = Precision.BF16,

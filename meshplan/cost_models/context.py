@@ -3,14 +3,14 @@ stack); which of a layer's linears run in FP8; which per-layer fusions run eager
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.cost_models.comm import Group, group
 from meshplan.cost_models.constants import FITTED, Fitted
 from meshplan.ir.profile import BlockProfile
 from meshplan.ir.stack import STACKS, Stack
 
-__all__ = ["Context", "is_fp8_linear", "unfused_of", "LAYER_FUSIONS", "COL_ROLES", "ROW_ROLES"]
+__all__ = ["Context", "is_fp8_linear", "unfused_of", "for_stack", "LAYER_FUSIONS", "COL_ROLES", "ROW_ROLES"]
 
 # Fusions whose fused form the per-layer baseline already assumes (a norm is one read + one write,
 # silu*mul reads two and writes one, rotary reads and writes q and k once), as Megatron and
@@ -76,3 +76,13 @@ def unfused_of(profile) -> frozenset:
     """The per-layer fusions a traced model runs in eager form (see ModelProfile.fusions)."""
     return frozenset(name for name, fused in profile.fusions if not fused and name in LAYER_FUSIONS)
 
+
+
+def for_stack(profile, stack: Stack):
+    """The profile as `stack` runs it: the fused kernels the tracer matched (ModelProfile.fusions) are
+    swapped in by meshplan's runtime alone, so for another stack they are cleared and the cost model
+    assumes that stack's own kernels (Stack.fused_elementwise, compile; the output layer and loss
+    unfused, logits held), as the validation prices published runs."""
+    if stack.runtime_checks or not profile.fusions:
+        return profile
+    return replace(profile, fusions=())

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from meshplan.cost_models.context import for_stack
 from meshplan.errors import ConfigError, DoesNotFitError
 from meshplan.ir.plan import Plan
 from meshplan.ir.precision import AUTO, PLAN_CHOICES, Precision, parse_precision
@@ -84,6 +85,7 @@ def plan_profile(prof: ModelProfile, cluster, *, seq_len: int, global_batch: int
     the linears its FP8 backends cannot swap stay out of FP8. fused_kernels False prices every
     module eager. The other arguments are meshplan.api.plan's."""
     fixed = dict(fixed or {})
+    prof = for_stack(prof, stack)       # meshplan's fused kernels run in meshplan's runtime only
     if not fused_kernels:
         prof = dataclasses.replace(prof, fusions=tuple((name, False) for name, _ in prof.fusions))
     traits = model_traits(prof, module)

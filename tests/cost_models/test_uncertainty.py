@@ -114,13 +114,14 @@ def test_a_plan_near_the_usable_memory_says_the_allocator_may_retry():
     import meshplan as mp
     from meshplan.cost_models.uncertainty import MEMORY_PRESSURE_FRAC, memory_pressure
     kw = dict(seq_len=8192, global_batch=64, stack="megatron-core")
-    base = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {"dp": 8, "recompute": "full"}, **kw)
+    lay = {"tp": 2, "dp": 4, "recompute": "full"}      # the logits split over TP: room to tighten the GPU
+    base = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), lay, **kw)
     hbm = base.capacity_gb + mp.Cluster.preset("dgx-h100", nodes=1).memory_reserved_gb
     notes = {}
     for share in (0.97, 0.80):      # the same plan on GPUs whose usable memory puts its peak at that share
         reserved = hbm - base.peak_memory_gb / share
         est = mp.estimate("llama3-8b", mp.Cluster(gpu="h100", nodes=1, gpus_per_node=8, memory_reserved_gb=reserved),
-                          {"dp": 8, "recompute": "full"}, **kw)
+                          lay, **kw)
         assert est.fits and abs(est.peak_memory_gb - base.peak_memory_gb) < 1e-9
         notes[share] = [n for n in est.extrapolation if n.startswith("memory:")]
     assert len(notes[0.97]) == 1 and "97% of the" in notes[0.97][0] and "expandable_segments" in notes[0.97][0]
@@ -146,7 +147,8 @@ def test_the_planner_prefers_memory_headroom_inside_the_band():
     chosen, note = prefer_simpler([two, one])
     assert chosen is one and note.startswith("chose the roomier")
     # with room for both, the faster stays
-    roomy = [mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=1), {**lay, "mbs": mbs}, **kw) for mbs in (2, 1)]
+    roomy = [mp.estimate("llama3-8b", mp.Cluster(gpu="h200", nodes=1, gpus_per_node=8), {**lay, "mbs": mbs}, **kw)
+             for mbs in (2, 1)]
     assert prefer_simpler(roomy)[0] is roomy[0]
 
 

@@ -66,6 +66,19 @@ def test_plans_use_only_the_parallel_dims_the_stack_runs(moe_prof):
         STACKS["megatron-core"].replace(parallel_dims=("tp", "sp"))
 
 
+def test_meshplans_fused_kernels_price_only_meshplans_runtime():
+    # the traced model matches meshplan's fused linear + cross-entropy; torchtitan runs its own eager
+    # loss, which holds the logits (128k vocabulary at tp 1), so its estimate holds more memory
+    cl = mp.Cluster.preset("dgx-h100", nodes=1)
+    lay, kw = dict(tp=1, dp=8, zero=3, mbs=2, recompute="full"), dict(seq_len=8192, global_batch=64)
+    ours = mp.estimate("llama3-8b", cl, lay, stack="meshplan", **kw)
+    titan = mp.estimate("llama3-8b", cl, lay, stack="torchtitan", **kw)
+    logits = 2 * 8192 * 128256 * 4 / 2 ** 30          # fp32 logits of one micro-batch, GiB
+    assert titan.peak_memory_gb - ours.peak_memory_gb > logits
+    assert not mp.plan("llama3-8b", cl, stack="torchtitan", **kw).fused_kernels
+    assert mp.plan("llama3-8b", cl, stack="meshplan", **kw).fused_kernels
+
+
 def test_plan_records_its_stack_and_prices_like_estimate():
     cl = mp.Cluster.preset("dgx-h100", nodes=1)
     kw = dict(seq_len=8192, global_batch=64)
