@@ -53,15 +53,13 @@ def model_profile(cfg, *, traced: bool = True):
     real path), or the analytic builder (fast, for what-if sweeps).
 
     The published runs used their framework's fused kernels (Megatron/TE norm, SwiGLU, rotary; an
-    unfused loss), not meshplan's runtime swaps, so the traced profile's `fusions` are cleared: the
-    cost model then assumes that framework baseline, as for analytic profiles."""
+    unfused loss), not meshplan's runtime swaps: the validation prices each row's profile for its
+    stack (cost_models.context.for_stack), which clears the traced `fusions`."""
     if traced:
-        import dataclasses
-
         from meshplan import models
         from meshplan.api import profile
         kw = {k: v for k, v in cfg.items() if k != "family"}
-        return dataclasses.replace(profile(models.build(cfg["family"], device="meta", **kw)), fusions=())
+        return profile(models.build(cfg["family"], device="meta", **kw))
     from meshplan.profiling.analytic import profile_from_config
     return profile_from_config(cfg)
 

@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 from meshplan.cluster import Cluster
 from meshplan.cluster.constants import EDR100_BUSBW_GB_S
+from meshplan.cost_models.context import for_stack
 from meshplan.cost_models.estimate import estimate_profile
 from meshplan.cost_models.flops import model_flops_per_step
 from meshplan.errors import MeshplanError
@@ -576,7 +577,7 @@ def run_row(row: Row, profile_fn: Callable[[dict[str, Any]], Any], *, preset: Ca
     profiles = profiles if profiles is not None else {}
     if key not in profiles:
         profiles[key] = profile_fn(cfg)
-    prof = profiles[key]
+    prof = for_stack(profiles[key], stack)       # the stack's own kernels, not meshplan's fused ones
     cluster = row_cluster(row)
     lay = {**lay, **stack_options(row)}     # the software stack's conventions are layout fields
     candidates = [lay] if "recompute" in lay else [dict(lay, recompute=r) for r in ("none", "selective", "full")]
