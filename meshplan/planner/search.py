@@ -417,12 +417,10 @@ def _cost_mesh(profile, cluster, base: Layout, f, seq_len, global_batch, precisi
             start, refused = len(ranked), len(rejected)
             best_here = _grow_mbs(profile, cluster, base, dict(recompute=rc), [m for m in mbss if m >= from_mbs],
                                   seq_len, global_batch, precision, ranked, rejected, stats, fp8_modules, stack)
-            # ZeRO-3 gathers and reduce-scatters the weights for every micro-batch: where memory stopped
-            # the micro-batch growing and those collectives show in the step, more recompute buys a
-            # larger micro-batch and fewer of them (a larger one saves at most their exposed time). The
-            # heaviest policy (full recomputation) is tried next, from the micro-batch that did not fit:
-            # below it, it only adds work.
-            # (and only where that saving could bring it into the planner's window: `cutoff`)
+            # ZeRO-3 gathers and reduce-scatters the weights for every micro-batch. Where memory stopped
+            # the micro-batch growing, those collectives show in the step, and saving them (at most their
+            # exposed time) could bring the mesh into the planner's window (`cutoff`), the heaviest
+            # policy is tried next, from the micro-batch that did not fit: below it, it only adds work.
             capped = base.zero >= 3 and len(rejected) > refused and best_here is not None and any(
                 e.time_s["dp"] >= ZERO3_EXPOSED_SHARE * e.step_time_s and e.step_time_s - e.time_s["dp"] < cutoff
                 for e in ranked[start:])
