@@ -122,26 +122,54 @@ def _gather_bytes(w: RankWork) -> float:
     return K.PARAM_BYTES * (w.dparams - w.fp8_gathered) + K.FP8 * w.fp8_gathered
 
 
-def _fsdp2_copies(w: RankWork, L: Layout, cluster, gb: float, copies: bool) -> tuple[float, float]:
-    """(per all-gather, per reduce-scatter) seconds of FSDP2's copies on the compute stream
-    (torch/distributed/fsdp/_fully_shard: FSDPParamGroup.wait_for_unshard runs
-    foreach_all_gather_copy_out, split_with_sizes_copy from the gathered buffer into the unsharded
-    parameters, in the current stream; foreach_reduce runs foreach_reduce_scatter_copy_in, chunk_cat
-    of the unsharded gradients into the reduce-scatter buffer in the reduce dtype, before the
-    reduce-scatter stream waits on it): the gathered bytes read and written once, the gradients read
-    in the parameters' compute dtype and written in the reduce dtype. Megatron-FSDP's buffers are the
-    parameters themselves, FSDP1 gathers into its flat parameters' storage and DeepSpeed's ZeRO-3 is
-    not modelled in this detail: none where the stack has no such copies (Stack.fsdp_copies)."""
-    if not copies or L.fsdp_impl != "fsdp2":
+def fsdp_predivide_factor(world: int) -> int:
+    """The factor FSDP1 divides each unsharded gradient by before its reduce-scatter (by the rest of
+    the world size after it), grown as torch/distributed/fsdp/_init_utils.py
+    `_get_gradient_predivide_factor` grows it: doubled while the world size divides by it and the
+    quotient exceeds it (8 -> 4, 64 -> 8, 3 -> 2): above 1, a pass, for every group of two or more."""
+    f = 1
+    while world % f == 0 and world / f > f:
+        f *= 2
+    return f
+
+
+def fsdp_passes(w: RankWork, L: Layout, cluster, gb: float, passes: str, shard: int) -> tuple[float, float]:
+    """(per all-gather, per reduce-scatter) seconds of the element-wise passes PyTorch FSDP runs
+    around its collectives on the GPU (Stack.fsdp_passes), HBM-bound; counted as exposed, as the
+    passes hold the GPU whichever stream issues them. Megatron-FSDP's buffers are the parameters
+    themselves and DeepSpeed's ZeRO-3 is not modelled in this detail: none for "none".
+      - "fsdp2" (torch/distributed/fsdp/_fully_shard): FSDPParamGroup.wait_for_unshard runs
+        foreach_all_gather_copy_out, split_with_sizes_copy from the gathered buffer into the
+        unsharded parameters, on the compute stream; foreach_reduce runs
+        foreach_reduce_scatter_copy_in, chunk_cat of the unsharded gradients into the
+        reduce-scatter buffer in the reduce dtype: the gathered bytes read and written once, the
+        gradients read in the parameters' compute dtype and written in the reduce dtype. It divides
+        by the world size inside the collective (ReduceOp.AVG / premul-sum).
+      - "fsdp1" (torch/distributed/fsdp/_runtime_utils.py): the all-gather lands in the flat
+        parameter, whose views the forward uses (no copy). Backward: autograd builds the flat
+        parameter's gradient from its views' gradients (split_with_sizes' backward concatenates
+        them: bf16 read and written), `_post_backward_hook` casts it to the reduce dtype
+        (`flat_param.grad.to(handle._reduce_dtype)`) and `_reduce_grad` divides it in place by the
+        pre-divide factor (`_div_if_needed`) before reduce-scattering it. The post-divide and the
+        accumulation run on the 1/shard gradient shard and are left out."""
+    if passes == "none" or L.fsdp_impl != "fsdp2":
         return 0.0, 0.0
     dev = device_of(cluster)
+    n = w.dparams + w.eparams
+    if passes == "fsdp1":
+        grads = 2 * K.PARAM_BYTES * n                                     # the views' gradients concatenated
+        if gb != K.PARAM_BYTES:
+            grads += (K.PARAM_BYTES + gb) * n                             # cast to the reduce dtype
+        if fsdp_predivide_factor(shard) > 1:
+            grads += 2 * gb * n                                           # divided in place
+        return 0.0, dev.fsdp_copy_time(grads, cluster)
     gathered = _gather_bytes(w) + K.PARAM_BYTES * w.eparams
     return (dev.fsdp_copy_time(2 * gathered, cluster),
-            dev.fsdp_copy_time((K.PARAM_BYTES + gb) * (w.dparams + w.eparams), cluster))
+            dev.fsdp_copy_time((K.PARAM_BYTES + gb) * n, cluster))
 
 
 def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float,
-                       fitted: K.Fitted = K.FITTED, copies: bool = False) -> tuple[float, float]:
+                       fitted: K.Fitted = K.FITTED, passes: str = "none") -> tuple[float, float]:
     """FSDP2 under torch.distributed.pipelining (Stack.pp_fsdp_deferred): a micro-batch's backward
     neither reshards nor reduces, and one reduce-scatter follows the stage's last micro-batch.
     Weights kept gathered after forward (reshard_after_forward=False, torchtitan's default with PP)
@@ -157,12 +185,12 @@ def _zero3_pp_deferred(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m:
     n_layers = max(1, len(w.layers))
     exposed = gathers * (max(0.0, ag - eta * min(w.t_f, w.t_b)) + ag / n_layers) + rs
     rep = collective_time("all_reduce", gb * w.dparams / max(1, g.shard), g.rep, cluster)
-    copy_ag, copy_rs = _fsdp2_copies(w, L, cluster, gb, copies)
+    copy_ag, copy_rs = fsdp_passes(w, L, cluster, gb, passes, g.shard)
     return gathers * ag + rs + rep, min(exposed, gathers * ag + rs) + rep + gathers * copy_ag + copy_rs
 
 
 def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, gb: float,
-                fitted: K.Fitted = K.FITTED, copies: bool = False) -> tuple[float, float]:
+                fitted: K.Fitted = K.FITTED, passes: str = "none") -> tuple[float, float]:
     """FSDP: gather for forward (and again for backward when resharded), reduce-scatter, every
     micro-batch; HSDP adds one all-reduce of the gradient shards across replicas. ZeRO-3 issues one
     collective per gathering unit (a block, or a sub-module for DeepSpeed), so each pays its own
@@ -178,12 +206,12 @@ def _zero3_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int, g
     per_mb = max(0.0, ag - eta * w.t_f) + max(0.0, (n_ag - 1) * ag + rs - eta * w.t_b) + 2 * ag / n_layers
     per_mb = min(per_mb, n_ag * ag + rs)       # never more than all of it exposed
     rep = collective_time("all_reduce", gb * w.dparams / max(1, g.shard), g.rep, cluster)
-    copy_ag, copy_rs = _fsdp2_copies(w, L, cluster, gb, copies)
+    copy_ag, copy_rs = fsdp_passes(w, L, cluster, gb, passes, g.shard)
     return m * (n_ag * ag + rs) + rep, m * (per_mb + n_ag * copy_ag + copy_rs) + max(0.0, rep - eta * w.t_b)
 
 
 def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
-             pp_deferred: bool = False, fitted: K.Fitted = K.FITTED, copies: bool = False,
+             pp_deferred: bool = False, fitted: K.Fitted = K.FITTED, passes: str = "none",
              overlap: bool = True) -> tuple[float, float]:
     """(total, exposed) seconds of data-parallel communication per step on one pipeline rank; with
     `overlap` False (Stack.dp_overlap) the gradient reduction and ZeRO-1/2's gathers wait for the
@@ -202,8 +230,8 @@ def _dp_comm(w: RankWork, blocks, L: Layout, g: _DPGroups, cluster, m: int,
             units_e * collective_time("reduce_scatter", gb * w.eparams / max(1, units_e), g.edp, cluster)
         return ag + rs, max(0.0, rs - eta * w.t_b) + max(0.0, ag - eta * w.t_f)
     if pp_deferred and L.pp > 1:
-        return _zero3_pp_deferred(w, blocks, L, g, cluster, m, gb, fitted, copies)
-    return _zero3_comm(w, blocks, L, g, cluster, m, gb, fitted, copies)
+        return _zero3_pp_deferred(w, blocks, L, g, cluster, m, gb, fitted, passes)
+    return _zero3_comm(w, blocks, L, g, cluster, m, gb, fitted, passes)
 
 
 def _optimizer_time(w: RankWork, L: Layout, cluster) -> float:
@@ -396,7 +424,7 @@ def estimate_profile(profile: ModelProfile, cluster, layout: Layout | dict, *, s
     dp: list[tuple[float, float]] = []
     for w in ranks:     # a rank's data-parallel traffic follows its work: a twin's is the same
         dp.append(dp[w.twin] if w.twin is not None else _dp_comm(w, blocks, L, groups, cluster, m, deferred,
-                                                                  ctx.fitted, stack.fsdp_copies, stack.dp_overlap))
+                                                                  ctx.fitted, stack.fsdp_passes, stack.dp_overlap))
     opt_max = max(_optimizer_time(w, L, cluster) for w in ranks)
     if L.optimizer == "muon":       # the owner exchange (exposed DP traffic) and Newton-Schulz
         dp, opt_max = _with_muon(dp, ranks, profile, L, cluster, groups, opt_max)

@@ -33,7 +33,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.gpu_arch import orders_kernels_by_queue
 from meshplan.ir.layout import FP8_RECIPES
 
-__all__ = ["Stack", "STACKS", "PARALLEL_DIMS", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
+__all__ = ["Stack", "STACKS", "PARALLEL_DIMS", "FSDP_PASSES", "ATTENTION_IMPLS", "CP_IMPLS", "TP_OVERLAPS", "EP_OVERLAPS", "EXPERT_GEMMS", "RECOMPUTE_POLICIES",
            "MASTER_WEIGHTS", "FP8_IMPLS", "resolve_stack"]
 
 # Attention implementations: "fa2" FlashAttention-2 class on every GPU (PyTorch SDPA's flash
@@ -56,6 +56,8 @@ TP_OVERLAPS = ("none", "userbuffers", "async_tp")
 EP_OVERLAPS = ("none", "a2a_1f1b")
 # Stack.parallel_dims values: tensor, context, expert and pipeline parallelism
 PARALLEL_DIMS = ("tp", "cp", "ep", "pp")
+# Stack.fsdp_passes values: PyTorch FSDP2's copies, FSDP1's flat-gradient passes, none
+FSDP_PASSES = ("none", "fsdp2", "fsdp1")
 # Stack.expert_gemm values
 EXPERT_GEMMS = ("grouped", "per_expert")
 # How a stack's benchmarking "forced balance" routes (Stack.forced_balance, for a profile whose
@@ -169,10 +171,12 @@ class Stack:
     # the highest ZeRO stage the stack runs together with pipeline parallelism (DeepSpeed's
     # PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism")
     max_zero_with_pp: int = 3
-    # FSDP2 copies each all-gather's output into the unsharded parameters and the gradients into the
-    # reduce-scatter buffer on the compute stream (cost_models.estimate._fsdp2_copies); FSDP1's flat
-    # parameters (llm-foundry's runs) gather into the parameters' own storage
-    fsdp_copies: bool = False
+    # the element-wise passes PyTorch FSDP runs around its collectives (cost_models.estimate.
+    # fsdp_passes), by generation: "fsdp2" copies each all-gather's output into the unsharded
+    # parameters and the gradients into the reduce-scatter buffer; "fsdp1" gathers into its flat
+    # parameters' own storage but builds each unit's unsharded gradient (the views' gradients
+    # concatenated, cast to the reduce dtype, pre-divided) before reduce-scattering it; "none"
+    fsdp_passes: str = "none"
     # activations saved for backward offloaded to host memory per block (Layout.offload_activations):
     # meshplan's runtime/offload.py; Megatron-Core --cpu-offloading (Transformer Engine's
     # cpu_offload.py); not torchtitan's eager trainer (its activation offloading is an experimental
@@ -195,7 +199,7 @@ class Stack:
         for name, allowed in (("attention", ATTENTION_IMPLS), ("cp_impl", CP_IMPLS), ("tp_overlap", TP_OVERLAPS),
                               ("ep_overlap", EP_OVERLAPS), ("expert_gemm", EXPERT_GEMMS),
                               ("master_weights", MASTER_WEIGHTS), ("fp8_impl", FP8_IMPLS),
-                              ("forced_balance", FORCED_BALANCES)):
+                              ("forced_balance", FORCED_BALANCES), ("fsdp_passes", FSDP_PASSES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"stack {self.name!r}: {name}={getattr(self, name)!r}; use one of {allowed}")
         odd = [d for d in self.parallel_dims if d not in PARALLEL_DIMS]
@@ -312,7 +316,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           # tp_comm_overlap runs PyTorch's async TP on CUDA (runtime/tensor_parallel.enable_async_tp)
           tp_overlap="async_tp",
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
-          selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, fsdp_copies=True,
+          selective_sac=True, runtime_checks=True, pp_min_microbatches=True, pp_fsdp_deferred=True, fsdp_passes="fsdp2",
           activation_offload=True,
           # fp32 parameters updated by torch.optim, autocast where no FSDP2 casts (runtime/ddp.py),
           # SDPA's output kept once for the output projection (cost_models/memory.py)
@@ -334,7 +338,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           fp8_recipes=("tensorwise", "rowwise"), fp8_impl="torchao", recompute=("none", "op_sac", "full"),
           tp_overlap="async_tp", schedules=("1f1b", "interleaved", "gpipe", "zbv"), fsdp_impls=("fsdp2",),
           fused_elementwise=False, compile=True, grad_accum_fusion=False, grads_in_param_dtype=True,
-          pp_min_microbatches=True, pp_fsdp_deferred=True, fsdp_copies=True,
+          pp_min_microbatches=True, pp_fsdp_deferred=True, fsdp_passes="fsdp2",
           sources="torchtitan arXiv 2410.06511; torchtitan parallelize.py / activation_checkpoint.py"),
     # Megatron-Core + Transformer Engine (Megatron-LM, NeMo 2, Megatron-Bridge): TE attention (cuDNN
     # fused on Hopper+), CP p2p / all_gather / a2a (--cp-comm-type), TE FP8 (delayed / current
@@ -370,10 +374,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           sources="microsoft/DeepSpeed deepspeed/runtime/pipe/{engine,schedule,p2p}.py, runtime/config.py "
                   "(pipe_partitioned, grad_partitioned default True); bigscience-workshop/Megatron-DeepSpeed"),
     # MosaicML llm-foundry (the MPT benchmark yamls: attn_impl triton, FSDP FULL_SHARD; Composer's FSDP is
-    # its only model parallelism, the benchmark table's "FSDP-only (no TP/PP used)")
+    # its only model parallelism, the benchmark table's "FSDP-only (no TP/PP used)"). Composer wraps
+    # PyTorch's FullyShardedDataParallel (FSDP1, flat parameters), mixed precision "DEFAULT": bf16
+    # parameters gathered, gradients reduced in fp32 (composer v0.16 trainer/mosaic_fsdp_utils.py
+    # get_mixed_precision; llm-foundry's benchmark table lists MP Mode DEFAULT).
     Stack(name="llm-foundry", attention="triton", cp_impl="te", cp_kinds=(), fp8_recipes=(), parallel_dims=(),
-          recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("fsdp2",),
-          sources="mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml"),
+          recompute=("none", "full"), schedules=("1f1b",), fsdp_impls=("fsdp2",), fsdp_passes="fsdp1",
+          sources="mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml, scripts/train/benchmarking/"
+                  "README.md; mosaicml/composer v0.16 trainer/dist_strategy.py, mosaic_fsdp_utils.py"),
 )}
 
 

@@ -16,7 +16,7 @@ from meshplan.ir.profile import ModelProfile
 from meshplan.ir.support import block_placement_limits
 from meshplan.planner.explain import why_lost
 from meshplan.profiling.fusions import find_fusions
-from meshplan.planner.ilp.fp8 import choose_fp8, fp8_candidates, fp8_layer_modules
+from meshplan.planner.ilp.fp8 import choose_fp8, forced_sets, fp8_candidates, fp8_layer_modules
 from meshplan.planner.ilp.sharding import shard_profile
 from meshplan.profiling.tp_roles import role_placements
 from meshplan.profiling.traits import packing
@@ -201,7 +201,21 @@ def _fp8_modules(profile, cluster, lay: Layout, best: Estimate, seq_len: int, gl
     # (offloaded activations are in host memory: no GPU budget taken)
     budget = [base.capacity_gb - sum(v for k, v in s.items() if k not in ("fp8_cache", "host_offload"))
               for s in base.memory_by_stage]
-    choice = choose_fp8(cands, memory_budget_gb=budget, force_in=force_in, force_out=force_out)
+    try:
+        choice = choose_fp8(cands, memory_budget_gb=budget, force_in=force_in, force_out=force_out)
+    except DoesNotFitError:
+        # The ILP charges each module's weight cache and credits its FP8-stored saved inputs, one
+        # module at a time; under recompute the peak is the recomputed layer's working set, whose FP8
+        # inputs it does not credit (a MoE layer's routed expert inputs at micro-batch 8: ~1.9 GB). Where
+        # the estimate of exactly the forced set fits, that set is the placement.
+        forced = tuple(sorted(forced_sets([c.module for c in cands], force_in, force_out)[0]))
+        if not forced:
+            raise
+        exact = estimate_profile(profile, cluster, lay, seq_len=seq_len, global_batch=global_batch,
+                                 precision=Precision.FP8, fp8_modules=frozenset(forced), stack=stack)
+        if not exact.fits:
+            raise
+        return forced
     return tuple(sorted(choice.modules))
 
 

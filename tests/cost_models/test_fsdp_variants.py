@@ -37,8 +37,10 @@ def test_hsdp_shards_inside_the_node_and_all_reduces_across():
                                        global_batch=64) for kw in ({}, dict(fsdp_shard=8)))
     assert h_slow.time_s["dp"] < f_slow.time_s["dp"]
     # on 8 x 400G per node the NICs together match NVLink: sharding across nodes costs about what
-    # sharding inside one does, and HSDP's all-reduce across replicas is extra
-    assert full.time_s["dp"] <= hsdp.time_s["dp"]
+    # sharding inside one does, and HSDP's all-reduce across replicas is extra traffic (most of it
+    # hidden behind the last backward)
+    assert full.comm_s["dp"] < hsdp.comm_s["dp"]
+    assert hsdp.time_s["dp"] == pytest.approx(full.time_s["dp"], rel=0.15)
 
 
 def test_hsdp_validation():

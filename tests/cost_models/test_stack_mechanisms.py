@@ -16,6 +16,7 @@ from meshplan.cost_models.cp import torch_cp_merge
 from meshplan.cost_models.estimate import estimate_profile, layer_table
 from meshplan.cost_models.flops import recompute_flops_per_step
 from meshplan.ir.layout import Layout
+from meshplan.errors import ConfigError
 from meshplan.ir.stack import STACKS
 
 H100 = mp.Cluster.preset("dgx-h100", nodes=1)
@@ -151,24 +152,51 @@ def test_fsdp_under_torch_pipelining_reduces_once_a_step(llama):
 def test_fsdp2_copies_around_its_collectives_on_the_compute_stream(llama):
     """FSDP2 copies each all-gather's output into the parameters (read + write the gathered bytes) and
     the gradients into the reduce-scatter buffer (bf16 read, reduce dtype written) on the compute
-    stream: exposed time the overlap cannot hide. FSDP1's flat parameters (llm-foundry) have none, and
-    on CPU processes the measured per-unit host cost holds them already."""
+    stream: exposed time the overlap cannot hide. On CPU processes the measured per-unit host cost
+    holds them already."""
     from meshplan.cost_models.roofline import hbm_rate
     lay = dict(dp=8, zero=3, mbs=1, recompute="full", reshard_after_forward=True)
     kw = dict(seq_len=8192, global_batch=16)
     tt = STACKS["torchtitan"]
-    with_, without = (estimate_profile(llama, H100, lay, stack=tt.replace(fsdp_copies=c), **kw) for c in (True, False))
+    with_, without = (estimate_profile(llama, H100, lay, stack=tt.replace(fsdp_passes=c), **kw) for c in ("fsdp2", "none"))
     per_mb = (2 * 2 * 2 + (2 + 4)) * llama.total_params / hbm_rate(H100)   # two gathers (reshard), one reduce-scatter
     m = 16 // 8
     extra = with_.time_s["dp"] - without.time_s["dp"]
     assert extra == pytest.approx(m * per_mb, rel=0.02)
     assert with_.comm_s["dp"] == pytest.approx(without.comm_s["dp"])
-    assert not STACKS["llm-foundry"].fsdp_copies and STACKS["meshplan"].fsdp_copies
+    assert STACKS["meshplan"].fsdp_passes == "fsdp2"
     cpu = mp.Cluster.preset("local-cpu")
     tiny = mp.profile("tiny-llama", seq_len=128)
     a, b = (estimate_profile(tiny, cpu, dict(dp=4, zero=3), seq_len=128, global_batch=16,
-                             stack=STACKS["meshplan"].replace(fsdp_copies=c)) for c in (True, False))
+                             stack=STACKS["meshplan"].replace(fsdp_passes=c)) for c in ("fsdp2", "none"))
     assert a.step_time_s == pytest.approx(b.step_time_s)
+
+
+def test_fsdp1_builds_each_units_unsharded_gradient_before_reducing_it(llama):
+    """FSDP1 (llm-foundry's Composer) gathers into its flat parameters, so its all-gathers copy
+    nothing, but every micro-batch's backward concatenates the views' bf16 gradients into the flat
+    gradient, casts it to the fp32 reduce dtype and pre-divides it in place: 2 + 2, 2 + 4 and 4 + 4
+    bytes per parameter (torch/distributed/fsdp/_runtime_utils.py). Reduced in bf16 the cast goes
+    and the divide reads and writes bf16."""
+    from meshplan.cost_models.estimate import fsdp_predivide_factor
+    from meshplan.cost_models.roofline import hbm_rate
+    assert [fsdp_predivide_factor(n) for n in (1, 2, 3, 8, 16, 64, 512)] == [1, 2, 2, 4, 4, 8, 32]
+    kw = dict(seq_len=8192, global_batch=16)
+    lf = STACKS["llm-foundry"]
+    assert lf.fsdp_passes == "fsdp1"
+    m = 16 // 8
+
+    def extra(lay):
+        a, b = (estimate_profile(llama, H100, lay, stack=lf.replace(fsdp_passes=c), **kw) for c in ("fsdp1", "none"))
+        assert a.comm_s["dp"] == pytest.approx(b.comm_s["dp"])
+        return a.time_s["dp"] - b.time_s["dp"]
+
+    lay = dict(dp=8, zero=3, mbs=1, recompute="full", reshard_after_forward=True)
+    assert extra(lay) == pytest.approx(m * (4 + 6 + 8) * llama.total_params / hbm_rate(H100), rel=0.02)
+    assert extra({**lay, "grad_dtype": "bf16"}) == pytest.approx(m * (4 + 4) * llama.total_params / hbm_rate(H100),
+                                                                 rel=0.02)
+    with pytest.raises(ConfigError, match="fsdp_passes"):
+        lf.replace(fsdp_passes="fsdp3")
 
 
 def test_tp_overlap_needs_the_tp_group_inside_one_nvlink_domain():

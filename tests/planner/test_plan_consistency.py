@@ -101,3 +101,33 @@ def test_fp8_layer_modules_follows_forces():
     assert "layers.0.attention.wq" in first and not any(m.startswith("layers.43.") for m in first)
     out = fp8_layer_modules(GPT20B, force_out=("layers.5.*",))
     assert not any(m.startswith("layers.5.") for m in out) and any(m.startswith("layers.6.") for m in out)
+
+
+def test_forced_fp8_set_that_fits_by_the_estimate_is_placed():
+    """Under full recompute a layer's peak is its recomputed working set, where FP8-stored inputs
+    (a MoE layer's routed expert inputs: ~1.9 GB at micro-batch 8) shrink what the ILP's per-module
+    credits do not see: the ILP alone finds forcing every layer linear over budget while the estimate
+    of exactly that set fits. The plan places the forced set and prices it."""
+    from meshplan.errors import DoesNotFitError
+    from meshplan.ir.stack import STACKS
+    from meshplan.models.presets import PRESETS
+    from meshplan.planner.ilp.fp8 import choose_fp8, fp8_candidates
+    cfg = {k: v for k, v in PRESETS["qwen3-235b-a22b"].items() if k not in ("seq_len", "rope_theta", "norm_eps")}
+    prof = profile_from_config({**cfg, "name": "qwen3-235b-a22b"})
+    cl = mp.Cluster(gpu="h100-sxm", num_gpus=256, gpus_per_node=8)
+    lay = mp.Layout(tp=1, pp=1, dp=256, ep=8, zero=3, mbs=8, recompute="full", grad_dtype="bf16",
+                    ep_comm_overlap=True)
+    kw = dict(seq_len=4096, global_batch=8192)
+    forced = [f"{inst}.{li.name}" for b in prof.blocks for inst in b.instances for li in b.linears
+              if li.role != "router"]
+    base = estimate_profile(prof, cl, lay, precision="fp8", fp8_modules=frozenset(), stack="megatron-core", **kw)
+    budget = [base.capacity_gb - sum(v for k, v in s.items() if k not in ("fp8_cache", "host_offload"))
+              for s in base.memory_by_stage]
+    cands = fp8_candidates(prof, cl, lay, stack=STACKS["megatron-core"], **kw)
+    with pytest.raises(DoesNotFitError):
+        choose_fp8(cands, memory_budget_gb=budget, force_in=forced)
+    pl = plan(prof, cl, precision="fp8", fixed=lay.to_dict(), stack="megatron-core", fp8_force_in=forced, **kw)
+    assert set(pl.fp8_modules) == set(forced)
+    exact = estimate_profile(prof, cl, pl.layout, precision="fp8", fp8_modules=frozenset(forced),
+                             stack="megatron-core", **kw)
+    assert exact.fits and pl.estimate.step_time_s == pytest.approx(exact.step_time_s, rel=1e-9)

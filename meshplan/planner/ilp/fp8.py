@@ -62,7 +62,7 @@ from meshplan.errors import ConfigError, DoesNotFitError, LayoutError
 from meshplan.planner.ilp.solver import has_solution, proved_optimal, resolve_solver, solve
 from meshplan.profiling.traits import packing
 
-__all__ = ["Fp8Candidate", "Fp8Choice", "fp8_candidates", "choose_fp8", "DEFAULT_EXCLUSIONS", "fp8_layer_modules"]
+__all__ = ["Fp8Candidate", "Fp8Choice", "fp8_candidates", "choose_fp8", "forced_sets", "DEFAULT_EXCLUSIONS", "fp8_layer_modules"]
 
 DEFAULT_EXCLUSIONS = ("router", "output layer", "first block", "last block", "dims not multiples of 16",
                       "too small to gain", "packed projection under TP")
@@ -401,6 +401,22 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if abs(seconds) >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
+def forced_sets(names: list[str], force_in: Sequence[str] = (),
+                force_out: Sequence[str] = ()) -> tuple[set[str], set[str]]:
+    """(forced in, forced out): the candidate modules each list claims, by name or glob pattern;
+    where both claim a module an exact name beats a pattern ("layers.*.w2" out, "layers.7.w2" in),
+    and equal claims are refused."""
+    fin_m = _match(force_in, names, "force_in")
+    fout_m = _match(force_out, names, "force_out")
+    clash = sorted(n for n in set(fin_m) & set(fout_m) if fin_m[n] == fout_m[n])
+    if clash:
+        how = "name" if fin_m[clash[0]] else "pattern"
+        raise ConfigError(f"{clash[0]} is both forced in and forced out of FP8 (by {how} in both lists); keep it "
+                          "in one list or name it exactly in the one that should win")
+    fin = {n for n in fin_m if not (n in fout_m and fout_m[n])}
+    return fin, {n for n in fout_m if n not in fin}
+
+
 def choose_fp8(candidates: Sequence[Fp8Candidate], *, memory_budget_gb: float | Sequence[float] | None,
                force_in: Sequence[str] = (), force_out: Sequence[str] = (), min_gain_s: float = 0.0,
                time_limit_s: float = 5.0, solver: str = "auto") -> Fp8Choice:
@@ -420,16 +436,7 @@ def choose_fp8(candidates: Sequence[Fp8Candidate], *, memory_budget_gb: float | 
         raise ConfigError(f"FP8 candidates repeat module names: {dup[:5]}")
     if isinstance(min_gain_s, bool) or not isinstance(min_gain_s, (int, float)) or not math.isfinite(min_gain_s):
         raise ConfigError(f"min_gain_s={min_gain_s!r}: must be a finite number of seconds")
-    fin_m = _match(force_in, names, "force_in")
-    fout_m = _match(force_out, names, "force_out")
-    # an exact name beats a pattern ("layers.*.w2" out, "layers.7.w2" in); equal claims conflict
-    clash = sorted(n for n in set(fin_m) & set(fout_m) if fin_m[n] == fout_m[n])
-    if clash:
-        how = "name" if fin_m[clash[0]] else "pattern"
-        raise ConfigError(f"{clash[0]} is both forced in and forced out of FP8 (by {how} in both lists); keep it "
-                          "in one list or name it exactly in the one that should win")
-    fin = {n for n in fin_m if not (n in fout_m and fout_m[n])}
-    fout = {n for n in fout_m if n not in fin}
+    fin, fout = forced_sets(names, force_in, force_out)
     groups: dict[str, set[int]] = {}
     for c in cands:
         if c.input_group:
