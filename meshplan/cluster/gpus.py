@@ -4,7 +4,7 @@ this machine's CPU (`cpu_gpu_spec`), and name lookup (`gpu`, aliases).
 Each entry is a `GPUSpec` (spec.py): dense peaks, memory, measured GEMM efficiency, its scale-up
 fabric (NVSwitch, xGMI, PCIe, loopback) with a measured all-reduce bus bandwidth, its typical NIC,
 power and price. The figures' sources are in the comments next to them and in each entry's
-`sources` (constants in meshplan/cluster/constants.py); figures no source gives are marked
+`sources` (constants in meshplan/cluster/constants.py and gpu_figures.py); figures no source gives are marked
 "estimate" with the reasoning.
 """
 
@@ -17,135 +17,79 @@ from meshplan.cluster.constants import (
     CPU_NIC_BUSBW_GB_S, CPU_NIC_GBIT, EDR100_BUSBW_GB_S, FALLBACK_HOST_RAM_GB, HDR200_BUSBW_GB_S,
     NDR400_BUSBW_GB_S, PCIE_MAMF_PENALTY, XDR800_BUSBW_GB_S,
 )
+from meshplan.cluster.gpu_figures import (
+    ALPS, BLACKWELL_LINK_RATIO, C2C_PER_GPU_GB_S, CW, DGX_A100_HOST_GB, DGX_H100_HOST_GB,
+    GB300_BF16_MAMF, GB300_FP8_MAMF, GH200_MESH_BUSBW, GH200_PEER_GB_S, GRACE_LPDDR_GB, GRAND_TETON,
+    H100_500W_PEAK_RATIO, H100_NVLS_BUSBW, H100_NVL_BF16_DENSE, H100_PCIE_BUSBW, H100_RING_BUSBW,
+    H800_LINK_RATIO, LAMBDA, MAMF, MI300X_HOST_GB, ML_ENG_SPECS, PCIE4_HOST_GB_S, PCIE5_HOST_GB_S,
+)
 from meshplan.cluster.spec import SCALEUP_KINDS, GPUSpec, _check_int
 from meshplan.errors import ConfigError, UnknownNameError
 
 __all__ = ["GPUSpec", "GPUS", "SCALEUP_KINDS", "gpu", "cpu_gpu_spec"]
 
 # ---- the GPU table ------------------------------------------------------------------------------
-_ML_ENG_SPECS = "stas00/ml-engineering compute/accelerator/README.md (TFLOPS + memory tables)"
-_MAMF = "stas00/ml-engineering compute/accelerator/README.md (Maximum Achievable Matmul FLOPS table)"
-_CW = "coreweave.com/pricing read 2026-09-20 via api-evangelist/coreweave"
-_LAMBDA = "lambda.ai/instances read 2026-09-20 via api-evangelist/lambda-labs"
-
-# H100-class NVLink4 + NVSwitch all-reduce busbw on 8 GPUs (nccl #1455, nccl-tests #212).
-_H100_RING_BUSBW = 370.0
-_H100_NVLS_BUSBW = 480.0
-# H800 is an H100 SXM with NVLink cut to 400 GB/s bidirectional = 200 unidirectional per GPU
-# (H100: 900 / 450): "the NVLink bandwidth in H800 SXM nodes is reduced from 900 GB/s to 400 GB/s"
-# (DeepSeek, "Insights into DeepSeek-V3", arXiv 2505.09343 §4.1, which also gives eight 400G IB CX7
-# NICs per 8-GPU node and a reduced FP64 rate). Achieved busbw scales with line rate:
-# 370 x 200/450 = 164 GB/s ring, which matches the ~160 GB/s NVLink the DeepSeek-V3 report gives
-# for its H800s (arXiv 2412.19437 §3.2.2: "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times
-# that of IB (50 GB/s)"; §3.1: 2048 H800s, 8 per node on NVLink + NVSwitch, IB between nodes).
-_H800_LINK_RATIO = 200.0 / 450.0
-# H100 SXM 96GB HBM2e run at a 500 W power limit (Meta Grand Teton hosts; pytorch/torchtitan
-# benchmarks/llama3_h100_202412_torchtitan.md, the torchtitan paper's tables: "96GB HBM2e with
-# 2.4 TB/sec", "the default 500W power limit", 8 GPUs per host on NVLink, 400 Gb/s RDMA per GPU).
-# Its footnote: "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
-# value". No source measures its GEMM rate. Estimate: interpolate NVIDIA's rated dense BF16 peak
-# linearly in board power between the two GH100 parts NVIDIA rates: H100 NVL, 1,671 sparse = 835.5
-# dense TFLOPS at up to 400 W (nvidia.com/en-us/data-center/h100, quoted in KellerJordan/
-# modded-nanogpt #116; 350-400 W in ml-engineering's power table), and H100 SXM, 989 at 700 W:
-# 835.5 + (989 - 835.5) x (500 - 400)/(700 - 400) = 886.7 TFLOPS at 500 W, 0.897 of 989. (Power
-# rising as clock^3 from the NVL point instead gives 835.5 x (500/400)^(1/3) = 900, 0.910: the
-# two agree within 1.5 %.) The measured H100 SXM MAMF (794.5 BF16 / 1402.6 FP8) is scaled by that
-# ratio, i.e. the cap is taken to cost clock, not matmul efficiency at a given clock.
-_H100_NVL_BF16_DENSE = 1671.0 / 2
-_H100_500W_PEAK_RATIO = (_H100_NVL_BF16_DENSE + (989.0 - _H100_NVL_BF16_DENSE) * (500 - 400) / (700 - 400)) / 989.0
-_GRAND_TETON = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton hardware; the "
-                 "torchtitan paper arXiv 2410.06511's tables)")
-# GB300 (Grace + Blackwell Ultra, NVL72) has no MAMF entry. Estimate: the B300 MAMF times the uplift
-# the Grace-Blackwell packaging measured one generation earlier (GB200 / B200 MAMF: 1822.0 / 1745.0
-# BF16, 3615.6 / 3432.5 FP8), the same relation GB300 bears to B300 (higher rated peak, 1400 W).
-_GB300_BF16_MAMF = 1769.0 * 1822.0 / 1745.0      # = 1847.1 of 2500
-_GB300_FP8_MAMF = 3353.3 * 3615.6 / 3432.5       # = 3532.2 of 5000
-# B200/GB200 NVLink5 busbw is not measured in any stored source. The 8x B300 proxy (nccl #2140:
-# 695 ring / 845 NVLS) has the same 900 GB/s NVLink5 line rate, so the scale factor is 900/900 = 1.
-_BLACKWELL_LINK_RATIO = 900.0 / 900.0
-# 8x H100 PCIe (no NVSwitch) all-reduce: 35-45 GB/s busbw (hardware.csv, alayanew nccl-tests blog).
-_H100_PCIE_BUSBW = 40.0
-# Host side, for activation offloading (cost_models/offload.py). PCIe Gen5 x16 runs 64 GB/s per
-# direction raw (63 GB/s in ml-engineering network/README.md's intra-node table); pinned-memory
-# copies reach about 50-55 GB/s per direction on H100 SXM hosts: the low end is taken (judgement:
-# a DGX H100's GPUs share their PCIe switches with the NICs). Gen4 x16 (A100, L40S): 31.5 GB/s raw,
-# the same achieved fraction.
-_PCIE5_HOST_GB_S = 50.0
-_PCIE4_HOST_GB_S = 25.0
-# NVLink-C2C: 900 GB/s bidirectional, 450 per direction, per Grace superchip (NVIDIA GH200 and GB200
-# NVL72 datasheets). A GB200 / GB300 Grace serves two Blackwell GPUs: each is taken to get half when
-# both offload at once (estimate; GH200, one GPU per Grace, would get all 450).
-_C2C_PER_GPU_GB_S = 450.0 / 2
-# Host DRAM per server: DGX H100 datasheet "System Memory 2TB" (DGX H200, B200 and B300 datasheets:
-# 2 TB standard, up to 4 TB); DGX A100 datasheet: 1 TB (2 TB optional on the 640 GB model); GB200 NVL72
-# datasheet: up to 17 TB LPDDR5X over 36 Grace CPUs, 480 GB each; MI300X platforms: estimate 2 TB
-# (Azure ND MI300X v5 VMs expose 1.85 TB).
-_DGX_H100_HOST_GB = 2048.0
-_DGX_A100_HOST_GB = 1024.0
-_GRACE_LPDDR_GB = 480.0
-_MI300X_HOST_GB = 2048.0
-
 _GPU_LIST: tuple[GPUSpec, ...] = (
     GPUSpec(
         id="a100-40gb", name="NVIDIA A100 SXM4 40GB",
-        host_link_gb_s=_PCIE4_HOST_GB_S, host_mem_gb=_DGX_A100_HOST_GB,
+        host_link_gb_s=PCIE4_HOST_GB_S, host_mem_gb=DGX_A100_HOST_GB,
         bf16_tflops=312.0, fp8_tflops=None, hbm_gb=40.0, hbm_tb_s=1.555,
         gemm_efficiency=271.2 / 312.0, fp8_gemm_efficiency=None,   # MAMF 271.2 (A100 SXM)
         scaleup="nvswitch", scaleup_gb_s=300.0, scaleup_domain=8,
         scaleup_busbw_gb_s=240.0,         # "230-250 (8 GPUs)": midpoint
         nvls_busbw_gb_s=None,             # NVSwitch gen2 has no in-switch reduction
         per_peer_gb_s=None, nic_gbit=200.0, nic_busbw_gb_s=HDR200_BUSBW_GB_S,
-        tdp_w=400.0, price_usd_per_hour=1.99, price_source=f"Lambda 8x A100 SXM 40GB ({_LAMBDA})",
-        sources=f"{_ML_ENG_SPECS}; {_MAMF}; ml-engineering network/README.md; nccl-tests #29",
+        tdp_w=400.0, price_usd_per_hour=1.99, price_source=f"Lambda 8x A100 SXM 40GB ({LAMBDA})",
+        sources=f"{ML_ENG_SPECS}; {MAMF}; ml-engineering network/README.md; nccl-tests #29",
     ),
     GPUSpec(
         id="a100-80gb", name="NVIDIA A100 SXM4 80GB",
-        host_link_gb_s=_PCIE4_HOST_GB_S, host_mem_gb=_DGX_A100_HOST_GB,
+        host_link_gb_s=PCIE4_HOST_GB_S, host_mem_gb=DGX_A100_HOST_GB,
         bf16_tflops=312.0, fp8_tflops=None, hbm_gb=80.0, hbm_tb_s=2.039,
         gemm_efficiency=271.2 / 312.0, fp8_gemm_efficiency=None,
         scaleup="nvswitch", scaleup_gb_s=300.0, scaleup_domain=8,
         scaleup_busbw_gb_s=240.0, nvls_busbw_gb_s=None, per_peer_gb_s=None,
         nic_gbit=200.0, nic_busbw_gb_s=HDR200_BUSBW_GB_S,   # DGX A100: 8x 200Gb HDR per node
-        tdp_w=400.0, price_usd_per_hour=2.7, price_source=f"CoreWeave A100 $21.60/8 ({_CW})",
-        sources=f"{_ML_ENG_SPECS}; {_MAMF}; ml-engineering network/README.md; nccl-tests #29",
+        tdp_w=400.0, price_usd_per_hour=2.7, price_source=f"CoreWeave A100 $21.60/8 ({CW})",
+        sources=f"{ML_ENG_SPECS}; {MAMF}; ml-engineering network/README.md; nccl-tests #29",
     ),
     GPUSpec(
         id="h100-sxm", name="NVIDIA H100 SXM5 80GB",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=DGX_H100_HOST_GB,
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=80.0, hbm_tb_s=3.35,
         gemm_efficiency=794.5 / 989.0, fp8_gemm_efficiency=1402.6 / 1979.0,
         scaleup="nvswitch", scaleup_gb_s=450.0, scaleup_domain=8,
-        scaleup_busbw_gb_s=_H100_RING_BUSBW, nvls_busbw_gb_s=_H100_NVLS_BUSBW, per_peer_gb_s=None,
+        scaleup_busbw_gb_s=H100_RING_BUSBW, nvls_busbw_gb_s=H100_NVLS_BUSBW, per_peer_gb_s=None,
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
-        tdp_w=700.0, price_usd_per_hour=6.16, price_source=f"CoreWeave HGX H100 $49.24/8 ({_CW})",
-        sources=f"{_ML_ENG_SPECS}; {_MAMF}; nccl #1455, nccl-tests #212, nccl-tests #290",
+        tdp_w=700.0, price_usd_per_hour=6.16, price_source=f"CoreWeave HGX H100 $49.24/8 ({CW})",
+        sources=f"{ML_ENG_SPECS}; {MAMF}; nccl #1455, nccl-tests #212, nccl-tests #290",
     ),
     GPUSpec(
         id="h100-sxm-96gb-500w", name="NVIDIA H100 SXM 96GB HBM2e (500 W limit, Grand Teton)",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # estimate: Grand Teton not published
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=DGX_H100_HOST_GB,   # estimate: Grand Teton not published
         # The same GH100 silicon: nominal peaks stay the H100 SXM datasheet's, so MFU reads as
         # torchtitan reports it ("we use the peak number of SXM directly"). The 500 W cap is in the
-        # efficiencies (estimate, see _H100_500W_PEAK_RATIO): ~712 BF16 / ~1257 FP8 TFLOPS achieved.
+        # efficiencies (estimate, see H100_500W_PEAK_RATIO): ~712 BF16 / ~1257 FP8 TFLOPS achieved.
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=96.0, hbm_tb_s=2.4,   # HBM2e
-        gemm_efficiency=794.5 / 989.0 * _H100_500W_PEAK_RATIO,
-        fp8_gemm_efficiency=1402.6 / 1979.0 * _H100_500W_PEAK_RATIO,
+        gemm_efficiency=794.5 / 989.0 * H100_500W_PEAK_RATIO,
+        fp8_gemm_efficiency=1402.6 / 1979.0 * H100_500W_PEAK_RATIO,
         # 8 GPUs per host "fully connected with NVLink": NVLink4 + NVSwitch as on HGX H100
         scaleup="nvswitch", scaleup_gb_s=450.0, scaleup_domain=8,
-        scaleup_busbw_gb_s=_H100_RING_BUSBW,   # estimate: not measured at 500 W; H100 SXM's NVLink4
-        nvls_busbw_gb_s=_H100_NVLS_BUSBW,      # estimate, likewise
+        scaleup_busbw_gb_s=H100_RING_BUSBW,   # estimate: not measured at 500 W; H100 SXM's NVLink4
+        nvls_busbw_gb_s=H100_NVLS_BUSBW,      # estimate, likewise
         per_peer_gb_s=None,
         # "400 Gb/s per GPU" backend RDMA (RoCE on Meta's clusters); busbw estimate: NDR 400G's
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
         tdp_w=500.0,                           # the power limit the runs used, not the 700 W TDP
         price_usd_per_hour=None, price_source="not rented on demand (Meta in-house Grand Teton hosts)",
-        sources=f"{_GRAND_TETON}: 96GB HBM2e, 2.4 TB/s, 500 W, 8 GPUs/host on NVLink, 400 Gb/s RDMA "
+        sources=f"{GRAND_TETON}: 96GB HBM2e, 2.4 TB/s, 500 W, 8 GPUs/host on NVLink, 400 Gb/s RDMA "
                 "per GPU, footnote 2 (peak between SXM and NVL); arXiv 2604.11391 (H100 HBM2e: 2.41 TB/s); "
-                f"{_ML_ENG_SPECS}; {_MAMF} (H100 SXM); nvidia.com/en-us/data-center/h100 (H100 NVL "
+                f"{ML_ENG_SPECS}; {MAMF} (H100 SXM); nvidia.com/en-us/data-center/h100 (H100 NVL "
                 "1,671 sparse BF16 TFLOPS, 350-400 W; via KellerJordan/modded-nanogpt #116)",
     ),
     GPUSpec(
         id="h100-pcie", name="NVIDIA H100 PCIe 80GB",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=1024.0,   # estimate: a PCIe server, 1 TB
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=1024.0,   # estimate: a PCIe server, 1 TB
         bf16_tflops=756.0, fp8_tflops=1513.0, hbm_gb=80.0, hbm_tb_s=2.0,
         # estimate: no MAMF entry; H100 SXM efficiency x the PCIe penalty seen on A100
         gemm_efficiency=794.5 / 989.0 * PCIE_MAMF_PENALTY,
@@ -154,76 +98,95 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         # tree as the domain instead: GPUs of one 8-GPU box all-reduce at a measured 35-45 GB/s
         # without touching the NIC, which a domain of 1 would wrongly send over the network.
         scaleup="pcie", scaleup_gb_s=63.0, scaleup_domain=8,
-        scaleup_busbw_gb_s=_H100_PCIE_BUSBW, nvls_busbw_gb_s=None, per_peer_gb_s=None,
+        scaleup_busbw_gb_s=H100_PCIE_BUSBW, nvls_busbw_gb_s=None, per_peer_gb_s=None,
         # estimate: the CSV says "deployment-specific"; one 200G NIC per GPU, as on A100 HGX
         nic_gbit=200.0, nic_busbw_gb_s=HDR200_BUSBW_GB_S,
-        tdp_w=350.0, price_usd_per_hour=3.29, price_source=f"Lambda 1x H100 PCIe ({_LAMBDA})",
-        sources=f"{_ML_ENG_SPECS}; ml-engineering network/README.md (PCIe5 63 GB/s); NVIDIA "
+        tdp_w=350.0, price_usd_per_hour=3.29, price_source=f"Lambda 1x H100 PCIe ({LAMBDA})",
+        sources=f"{ML_ENG_SPECS}; ml-engineering network/README.md (PCIe5 63 GB/s); NVIDIA "
                 "PB-11133-001 (350 W); docs.alayanew.com nccl-tests blog (35-45 GB/s busbw)",
     ),
     GPUSpec(
         id="h800", name="NVIDIA H800 SXM5 80GB",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # estimate: an HGX H100 host
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=DGX_H100_HOST_GB,   # estimate: an HGX H100 host
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=80.0, hbm_tb_s=3.35,   # H100 SXM silicon
         gemm_efficiency=794.5 / 989.0, fp8_gemm_efficiency=1402.6 / 1979.0,
-        scaleup="nvswitch", scaleup_gb_s=450.0 * _H800_LINK_RATIO, scaleup_domain=8,
-        scaleup_busbw_gb_s=_H100_RING_BUSBW * _H800_LINK_RATIO,   # estimate, see _H800_LINK_RATIO
-        nvls_busbw_gb_s=_H100_NVLS_BUSBW * _H800_LINK_RATIO,      # estimate, same scaling
+        scaleup="nvswitch", scaleup_gb_s=450.0 * H800_LINK_RATIO, scaleup_domain=8,
+        scaleup_busbw_gb_s=H100_RING_BUSBW * H800_LINK_RATIO,   # estimate, see H800_LINK_RATIO
+        nvls_busbw_gb_s=H100_NVLS_BUSBW * H800_LINK_RATIO,      # estimate, same scaling
         per_peer_gb_s=None,
         # DeepSeek-V3's H800 cluster: one 400G IB NIC per GPU, ~50 GB/s achieved (§3.2.2)
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
         tdp_w=700.0, price_usd_per_hour=None, price_source="no on-demand list price (export-market part)",
-        sources=f"{_ML_ENG_SPECS} (H100 SXM); DeepSeek arXiv 2505.09343 §4.1 (H800 SXM NVLink 900 -> "
+        sources=f"{ML_ENG_SPECS} (H100 SXM); DeepSeek arXiv 2505.09343 §4.1 (H800 SXM NVLink 900 -> "
                 "400 GB/s, 8x 400G IB CX7 per node); DeepSeek-V3 report arXiv 2412.19437 §3.1 (2048 H800, "
                 "8 per node, NVLink + NVSwitch, IB) and §3.2.2 (NVLink 160 GB/s, IB 50 GB/s achieved); "
                 "deepseek-ai/DeepEP README (EP8 dispatch/combine 153/158 GB/s over NVLink on H800)",
     ),
     GPUSpec(
         id="h200", name="NVIDIA H200 SXM 141GB",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # DGX H200: 2 TB
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=DGX_H100_HOST_GB,   # DGX H200: 2 TB
         bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=141.0, hbm_tb_s=4.8,
         gemm_efficiency=794.5 / 989.0,    # MAMF table: "H200 is the same" as H100
         fp8_gemm_efficiency=1453.4 / 1979.0,
         scaleup="nvswitch", scaleup_gb_s=450.0, scaleup_domain=8,
-        scaleup_busbw_gb_s=_H100_RING_BUSBW,   # no ring figure stored; same NVLink4 as H100
+        scaleup_busbw_gb_s=H100_RING_BUSBW,   # no ring figure stored; same NVLink4 as H100
         nvls_busbw_gb_s=475.0,                 # nccl-tests #272
         per_peer_gb_s=None, nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
-        tdp_w=700.0, price_usd_per_hour=6.31, price_source=f"CoreWeave HGX H200 $50.44/8 ({_CW})",
-        sources=f"{_ML_ENG_SPECS}; {_MAMF}; nccl-tests #272, nccl-tests #290",
+        tdp_w=700.0, price_usd_per_hour=6.31, price_source=f"CoreWeave HGX H200 $50.44/8 ({CW})",
+        sources=f"{ML_ENG_SPECS}; {MAMF}; nccl-tests #272, nccl-tests #290",
+    ),
+    GPUSpec(
+        id="gh200", name="NVIDIA GH200 Grace Hopper 96GB (4 per node)",
+        host_link_gb_s=450.0, host_mem_gb=4 * 120.0,     # NVLink-C2C to its own Grace; 4 Grace per node
+        bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gb=96.0, hbm_tb_s=4.0,   # H100 silicon, HBM3 at 4 TB/s
+        # estimate: no MAMF is stored for GH200; the H100 SXM's (its module's power limit, up to
+        # 1000 W for CPU + GPU + memory, is not shown to raise the matmul clock)
+        gemm_efficiency=794.5 / 989.0, fp8_gemm_efficiency=1402.6 / 1979.0,
+        scaleup="nvlink-mesh", scaleup_gb_s=3 * GH200_PEER_GB_S, scaleup_domain=4, node_gpus=4,
+        scaleup_busbw_gb_s=GH200_MESH_BUSBW,   # estimate, see GH200_MESH_BUSBW
+        nvls_busbw_gb_s=None,                   # no NVSwitch: no in-switch reduction
+        per_peer_gb_s=GH200_PEER_GB_S,
+        # one 200 Gb/s Slingshot-11 NIC per GPU (Alps); busbw estimate: HDR 200's, the same line rate
+        nic_gbit=200.0, nic_busbw_gb_s=HDR200_BUSBW_GB_S,
+        tdp_w=1000.0,                           # the module's configurable limit (CPU + GPU + memory)
+        price_usd_per_hour=2.29, price_source=f"Lambda 1x GH200 ({LAMBDA})",
+        sources=f"{ALPS}; NVIDIA GH200 announcement Aug 2023 (96GB HBM3 @4TB/s, HBM3e variant; via "
+                f"nishikiout.net 2023-08-09); spheron.network blog nvidia-gh200-guide (96 GB HBM3, 480 GB "
+                f"LPDDR5X, NVLink-C2C 900 GB/s bidirectional); {MAMF} (H100 SXM, for the estimate)",
     ),
     GPUSpec(
         id="b200", name="NVIDIA B200 (HGX/DGX, 1000 W)",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # DGX B200: 2 TB (to 4 TB)
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=DGX_H100_HOST_GB,   # DGX B200: 2 TB (to 4 TB)
         bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_gb=180.0, hbm_tb_s=8.0,   # 180 usable of 192
         gemm_efficiency=1745.0 / 2250.0, fp8_gemm_efficiency=3432.5 / 4500.0,
         scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=8,
-        scaleup_busbw_gb_s=695.0 * _BLACKWELL_LINK_RATIO,   # estimate from the B300 proxy
-        nvls_busbw_gb_s=845.0 * _BLACKWELL_LINK_RATIO,      # estimate from the B300 proxy
+        scaleup_busbw_gb_s=695.0 * BLACKWELL_LINK_RATIO,   # estimate from the B300 proxy
+        nvls_busbw_gb_s=845.0 * BLACKWELL_LINK_RATIO,      # estimate from the B300 proxy
         per_peer_gb_s=None, nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
-        tdp_w=1000.0, price_usd_per_hour=8.6, price_source=f"CoreWeave HGX B200 $68.80/8 ({_CW})",
-        sources=f"{_ML_ENG_SPECS} (DGX B200 datasheet); glennklockwood.com B200; {_MAMF}; "
+        tdp_w=1000.0, price_usd_per_hour=8.6, price_source=f"CoreWeave HGX B200 $68.80/8 ({CW})",
+        sources=f"{ML_ENG_SPECS} (DGX B200 datasheet); glennklockwood.com B200; {MAMF}; "
                 "nccl #2140 (B300 busbw proxy)",
     ),
     GPUSpec(
         id="gb200", name="NVIDIA GB200 (NVL72, per GPU)",
-        host_link_gb_s=_C2C_PER_GPU_GB_S, host_mem_gb=2 * _GRACE_LPDDR_GB,   # 4 GPUs, 2 Grace per tray
+        host_link_gb_s=C2C_PER_GPU_GB_S, host_mem_gb=2 * GRACE_LPDDR_GB,   # 4 GPUs, 2 Grace per tray
         bf16_tflops=2500.0, fp8_tflops=5000.0, hbm_gb=186.0, hbm_tb_s=8.0,
         gemm_efficiency=1822.0 / 2500.0, fp8_gemm_efficiency=3615.6 / 5000.0,
         scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=72, node_gpus=4,
         # estimate: nothing measured on NVL72. A switched ring's busbw does not fall with the
         # number of GPUs, so the 8-GPU B300 proxy stands in for the 72-GPU domain.
-        scaleup_busbw_gb_s=695.0 * _BLACKWELL_LINK_RATIO,
-        nvls_busbw_gb_s=845.0 * _BLACKWELL_LINK_RATIO,
+        scaleup_busbw_gb_s=695.0 * BLACKWELL_LINK_RATIO,
+        nvls_busbw_gb_s=845.0 * BLACKWELL_LINK_RATIO,
         per_peer_gb_s=None,
         # estimate: CSV "deployment-specific"; one 400G ConnectX-7 per GPU (4 per tray)
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
         tdp_w=1200.0,                     # "~1200 (GPU config)"
-        price_usd_per_hour=10.5, price_source=f"CoreWeave GB200 NVL72 $42.00 per 4-GPU tray ({_CW})",
-        sources=f"{_ML_ENG_SPECS} (GB200 NVL72 spec); glennklockwood.com B200 (1200 W); {_MAMF}",
+        price_usd_per_hour=10.5, price_source=f"CoreWeave GB200 NVL72 $42.00 per 4-GPU tray ({CW})",
+        sources=f"{ML_ENG_SPECS} (GB200 NVL72 spec); glennklockwood.com B200 (1200 W); {MAMF}",
     ),
     GPUSpec(
         id="b300", name="NVIDIA B300 (HGX/DGX B300, Blackwell Ultra)",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_DGX_H100_HOST_GB,   # DGX B300: 2 TB, Gen5 hosts
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=DGX_H100_HOST_GB,   # DGX B300: 2 TB, Gen5 hosts
         # Dense BF16/FP8 as B200's (DGX B300 datasheet); Blackwell Ultra raised dense FP4 (B200 9 PF
         # -> 12.6-14 PF, by source) and cut FP64 (37 -> 1.25 TF, glennklockwood.com B300), neither
         # of which the cost model prices. 288 GB per the datasheet (DGX B300: 2.3 TB per 8 GPUs);
@@ -238,39 +201,39 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         nic_gbit=800.0, nic_busbw_gb_s=XDR800_BUSBW_GB_S,
         tdp_w=1000.0,   # DGX B300 power-capping guide: 1000 W max TGP (ml-engineering; verda.com: 1.1 kW)
         price_usd_per_hour=None,
-        price_source=f"CoreWeave HGX B300 on-demand: 'Contact sales' (spot $35.84 per 8 GPUs) ({_CW})",
-        sources=f"{_ML_ENG_SPECS} (DGX B300 datasheet; 288 GB HBM3e, 8 TB/s; power table); {_MAMF} "
+        price_source=f"CoreWeave HGX B300 on-demand: 'Contact sales' (spot $35.84 per 8 GPUs) ({CW})",
+        sources=f"{ML_ENG_SPECS} (DGX B300 datasheet; 288 GB HBM3e, 8 TB/s; power table); {MAMF} "
                 "(B300 1769.0 BF16, 3353.3 FP8); NVIDIA/nccl #2140 (8x B300 busbw 695 ring / 845 NVLS); "
                 "ml-engineering network/README.md (NVLink 5 900 GB/s per direction; DGX B300 8x CX8 "
                 "800 Gb/s); glennklockwood.com garden/processors/B300 (FP4 up, FP64 down)",
     ),
     GPUSpec(
         id="gb300", name="NVIDIA GB300 (NVL72, per GPU)",
-        host_link_gb_s=_C2C_PER_GPU_GB_S, host_mem_gb=2 * _GRACE_LPDDR_GB,   # estimate: GB200's Grace
+        host_link_gb_s=C2C_PER_GPU_GB_S, host_mem_gb=2 * GRACE_LPDDR_GB,   # estimate: GB200's Grace
         # Per GPU of the NVL72 rack: 180 PF BF16 / 360 PF FP8 dense, 20 TB HBM3e at 576 TB/s, 130 TB/s
         # NVLink over 72 GPUs. Dense BF16/FP8 as GB200's; FP4 raised (10 -> 15 PF).
         bf16_tflops=2500.0, fp8_tflops=5000.0, hbm_gb=288.0, hbm_tb_s=8.0,
-        gemm_efficiency=_GB300_BF16_MAMF / 2500.0,      # estimate, see _GB300_BF16_MAMF
-        fp8_gemm_efficiency=_GB300_FP8_MAMF / 5000.0,   # estimate, likewise
+        gemm_efficiency=GB300_BF16_MAMF / 2500.0,      # estimate, see GB300_BF16_MAMF
+        fp8_gemm_efficiency=GB300_FP8_MAMF / 5000.0,   # estimate, likewise
         scaleup="nvswitch", scaleup_gb_s=900.0, scaleup_domain=72, node_gpus=4,
         # estimate: the 8x B300 measurement (same NVLink5 line rate, a switched ring's busbw does not
         # fall with the number of GPUs), as for gb200. NVIDIA's NVLink SHARP slide for NVL72 shows
         # 680 ring / 850 NVLS (ml-engineering network/README.md): within 2 %.
-        scaleup_busbw_gb_s=695.0 * _BLACKWELL_LINK_RATIO,
-        nvls_busbw_gb_s=845.0 * _BLACKWELL_LINK_RATIO,
+        scaleup_busbw_gb_s=695.0 * BLACKWELL_LINK_RATIO,
+        nvls_busbw_gb_s=845.0 * BLACKWELL_LINK_RATIO,
         per_peer_gb_s=None,
         # 72 ConnectX-8 per rack, one 800 Gb/s SuperNIC per GPU; busbw estimate (constants.py)
         nic_gbit=800.0, nic_busbw_gb_s=XDR800_BUSBW_GB_S,
         tdp_w=1400.0,   # per-GPU maximum power (NVIDIA Mission Control FAQ via ml-engineering)
-        price_usd_per_hour=None, price_source=f"CoreWeave GB300 NVL72 on-demand: 'Contact sales' ({_CW})",
-        sources=f"{_ML_ENG_SPECS} (GB300 NVL72 spec: 2500 BF16 / 5000 FP8 dense; power table 1400 W); "
+        price_usd_per_hour=None, price_source=f"CoreWeave GB300 NVL72 on-demand: 'Contact sales' ({CW})",
+        sources=f"{ML_ENG_SPECS} (GB300 NVL72 spec: 2500 BF16 / 5000 FP8 dense; power table 1400 W); "
                 "glennklockwood.com garden/processors/B300 (GB300 NVL72: 360 PF FP8, 20 TB HBM at "
                 "576 TB/s, 130 TB/s NVLink, 72 ConnectX-8; B300 288 GB HBM3e); verda.com blog "
-                f"gb300-nvl72-architecture (per-GPU table); {_MAMF} (B300, GB200, B200, for the estimate)",
+                f"gb300-nvl72-architecture (per-GPU table); {MAMF} (B300, GB200, B200, for the estimate)",
     ),
     GPUSpec(
         id="mi300x", name="AMD Instinct MI300X",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_MI300X_HOST_GB,
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=MI300X_HOST_GB,
         bf16_tflops=1307.4, fp8_tflops=2614.9, hbm_gb=192.0, hbm_tb_s=5.3,
         gemm_efficiency=668.4 / 1307.4,   # community MAMF (AMD's own MAF: 708, i.e. 0.54)
         fp8_gemm_efficiency=1273.0 / 2614.9,   # AMD MAF table; no community FP8 figure
@@ -281,12 +244,12 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,
         tdp_w=750.0, price_usd_per_hour=2.59,
         price_source="DigitalOcean 1x MI300X list price (HF dataset tokenwatt/gpu-cloud-prices, 2026-10-07)",
-        sources=f"{_ML_ENG_SPECS}; {_MAMF}; ROCm/rocm-blogs measuring-max-achievable-flops-part2 "
+        sources=f"{ML_ENG_SPECS}; {MAMF}; ROCm/rocm-blogs measuring-max-achievable-flops-part2 "
                 "(AMD MAF); ml-engineering network/README.md (all_reduce_bench busbw)",
     ),
     GPUSpec(
         id="mi325x", name="AMD Instinct MI325X",
-        host_link_gb_s=_PCIE5_HOST_GB_S, host_mem_gb=_MI300X_HOST_GB,   # estimate: as MI300X platforms
+        host_link_gb_s=PCIE5_HOST_GB_S, host_mem_gb=MI300X_HOST_GB,   # estimate: as MI300X platforms
         bf16_tflops=1307.4, fp8_tflops=2614.9, hbm_gb=256.0, hbm_tb_s=6.0,
         gemm_efficiency=784.9 / 1307.4, fp8_gemm_efficiency=1519.0 / 2614.9,
         scaleup="xgmi", scaleup_gb_s=448.0, scaleup_domain=8,
@@ -294,11 +257,11 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         nvls_busbw_gb_s=None, per_peer_gb_s=64.0,
         nic_gbit=400.0, nic_busbw_gb_s=NDR400_BUSBW_GB_S,   # CSV "400 typical"; busbw estimate
         tdp_w=1000.0, price_usd_per_hour=None, price_source="no reputable stored on-demand price found",
-        sources=f"{_ML_ENG_SPECS}; {_MAMF}; ROCm/rocm-blogs measuring-max-achievable-flops-part2",
+        sources=f"{ML_ENG_SPECS}; {MAMF}; ROCm/rocm-blogs measuring-max-achievable-flops-part2",
     ),
     GPUSpec(
         id="l40s", name="NVIDIA L40S",
-        host_link_gb_s=_PCIE4_HOST_GB_S, host_mem_gb=1024.0,   # estimate: inference servers, 1 TB
+        host_link_gb_s=PCIE4_HOST_GB_S, host_mem_gb=1024.0,   # estimate: inference servers, 1 TB
         bf16_tflops=362.0, fp8_tflops=733.0, hbm_gb=48.0, hbm_tb_s=0.864,   # GDDR6
         # estimate: no MAMF entry; H100 SXM efficiency x the PCIe penalty seen on A100
         gemm_efficiency=794.5 / 989.0 * PCIE_MAMF_PENALTY,
@@ -306,11 +269,11 @@ _GPU_LIST: tuple[GPUSpec, ...] = (
         # PCIe tree of the 8-GPU server as the domain (see h100-pcie); busbw estimate: the H100
         # PCIe figure scaled by line rate, Gen4 31 / Gen5 63 GB/s
         scaleup="pcie", scaleup_gb_s=31.0, scaleup_domain=8,
-        scaleup_busbw_gb_s=_H100_PCIE_BUSBW * 31.0 / 63.0, nvls_busbw_gb_s=None, per_peer_gb_s=None,
+        scaleup_busbw_gb_s=H100_PCIE_BUSBW * 31.0 / 63.0, nvls_busbw_gb_s=None, per_peer_gb_s=None,
         # estimate: CSV "deployment-specific"; L40S servers are built for inference, 100G per GPU
         nic_gbit=100.0, nic_busbw_gb_s=EDR100_BUSBW_GB_S,
-        tdp_w=350.0, price_usd_per_hour=2.25, price_source=f"CoreWeave L40S $18.00/8 ({_CW})",
-        sources=f"{_ML_ENG_SPECS} (NVIDIA L40S spec); ml-engineering network/README.md (PCIe4 31 GB/s)",
+        tdp_w=350.0, price_usd_per_hour=2.25, price_source=f"CoreWeave L40S $18.00/8 ({CW})",
+        sources=f"{ML_ENG_SPECS} (NVIDIA L40S spec); ml-engineering network/README.md (PCIe4 31 GB/s)",
     ),
 )
 
@@ -358,6 +321,7 @@ _GPU_ALIASES = {
     "mi300": "mi300x", "mi325": "mi325x", "h800-sxm": "h800", "h100pcie": "h100-pcie",
     "h800-sxm5": "h800", "h800-80gb": "h800", "b300-sxm": "b300", "hgx-b300": "b300", "dgx-b300": "b300",
     "gb300-nvl72": "gb300", "blackwell-ultra": "b300",
+    "gh200-96gb": "gh200", "grace-hopper": "gh200", "gh200-superchip": "gh200",
     # the H100 SXM 96GB HBM2e at 500 W of the torchtitan paper (Meta Grand Teton), as published runs name it
     "h100-sxm-96gb-hbm2e-@500w": "h100-sxm-96gb-500w", "h100-sxm-96gb-hbm2e-@500w-(grand-teton)": "h100-sxm-96gb-500w",
     "h100-sxm-96gb-hbm2e-500w": "h100-sxm-96gb-500w", "h100-96gb-500w": "h100-sxm-96gb-500w",

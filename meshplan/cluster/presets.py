@@ -55,6 +55,9 @@ PRESETS: dict[str, Callable[..., Cluster]] = {
     "dgx-h800": _server_preset("dgx-h800", "h800", 8, 1,
                                "DGX/HGX H800 (DeepSeek-V3's nodes): 8x H800 (NVLink cut to 400 GB/s), 8x 400G IB."),
     "hgx-h200": _server_preset("hgx-h200", "h200", 8, 1, "HGX H200: 8x H200, NVSwitch, 8x 400G NDR."),
+    "gh200-4": _server_preset("gh200-4", "gh200", 4, 1,
+                              "4x GH200 Grace Hopper per node, NVLink all-to-all (no NVSwitch), one 200 Gb/s "
+                              "Slingshot-11 NIC per GPU (HPE Cray EX254n: CSCS Alps)."),
     "dgx-b200": _server_preset("dgx-b200", "b200", 8, 1, "DGX/HGX B200: 8x B200, NVLink5 NVSwitch."),
     "dgx-b300": _server_preset("dgx-b300", "b300", 8, 1,
                                "DGX/HGX B300: 8x B300 (Blackwell Ultra), NVLink5 NVSwitch, 8x 800G ConnectX-8."),

@@ -15,7 +15,7 @@ from meshplan.errors import ConfigError
 
 __all__ = ["GPUSpec", "SCALEUP_KINDS"]
 
-SCALEUP_KINDS = ("nvswitch", "xgmi", "pcie", "nvlink-bridge", "loopback")
+SCALEUP_KINDS = ("nvswitch", "xgmi", "nvlink-mesh", "pcie", "nvlink-bridge", "loopback")
 
 
 @dataclass(frozen=True, kw_only=True)

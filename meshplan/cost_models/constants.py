@@ -442,10 +442,10 @@ ATTN_LPT_KERNELS = ("fa3",)                                                     
 ATTN_KERNEL_FIXED_S = 5e-6                                                          # estimate
 ATTN_BWD_KERNELS = 3                                                                # derived
 # Streaming multiprocessors per GPU (AMD: compute units): NVIDIA A100 / H100 architecture whitepapers
-# (A100 SXM4 108; H100 SXM5 132, PCIe 114; H800 and H200 are H100 dies, 132), Blackwell B200 148,
+# (A100 SXM4 108; H100 SXM5 132, PCIe 114; H800, H200 and GH200 are H100 dies, 132), Blackwell B200 148,
 # L40S 142 (datasheet); AMD CDNA 3 whitepaper (MI300X / MI325X: 304 CUs).
 GPU_SM_COUNT = {"a100-40gb": 108, "a100-80gb": 108, "h100-sxm": 132, "h100-pcie": 114, "h800": 132,
-                "h200": 132, "b200": 148, "gb200": 148, "mi300x": 304, "mi325x": 304, "l40s": 142}  # measured (spec)
+                "h200": 132, "gh200": 132, "b200": 148, "gb200": 148, "mi300x": 304, "mi325x": 304, "l40s": 142}  # measured (spec)
 GPU_SM_COUNT_DEFAULT = 132                                                          # estimate (H100-class)
 
 

@@ -496,8 +496,10 @@ def _assemble(profile: ModelProfile, cluster, L: Layout, *, step: float, time_s:
     moe = any(b.is_moe for b in profile.blocks)
     notes: tuple[str, ...] = ()
     if device_of(cluster).validated_by_published_runs:
+        fabric = cluster.gpu.scaleup if cluster.scaleup_domain > 1 and n > 1 else ""
         floor, notes = extrapolation(plan_regimes(stack=stack.name, gpu_id=cluster.gpu.id, precision=precision,
-                                                  fp8_recipe=recipe, ep_cross=ep_cross, seq_len=seq_len, moe=moe))
+                                                  fp8_recipe=recipe, ep_cross=ep_cross, seq_len=seq_len, moe=moe,
+                                                  fabric=fabric))
         band = max(band, floor)
         notes += memory_pressure(peak, capacity)
         host_x, host_notes = moe_host_risk(moe_host_s, step)

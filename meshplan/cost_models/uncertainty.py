@@ -63,7 +63,7 @@ X_DP = 0.3                                                                   # e
 # ZeRO-3 / FSDP per-micro-batch gathers (MosaicML rows, Megatron-FSDP ModelZoo row): LOSO MAPE
 # 7.0% vs dense 5.8% at 4% of the step in 'dp' (2026-11-28): an excess of 1.2 points on a 4%
 # share is inside X_DP; the DeepSpeed ZeRO-3 rows
-# (not modelled, 68% LOSO) show how wrong a different ZeRO-3 stack can be, so kept at X_DP.
+# (not modelled, 94% LOSO) show how wrong a different ZeRO-3 stack can be, so kept at X_DP.
 X_FSDP = 0.3                                                                 # estimate
 # Context parallelism, ring over NVLink at <= 8k tokens (NeMo Llama 3 8B/70B cp2 rows): LOSO MAPE
 # 4.5%, below dense; the ring's exposed share is ~0 there, so the component error is not resolved.
@@ -143,10 +143,14 @@ def regime_generation(gpu_id: str) -> str:
 
 
 def plan_regimes(*, stack: str, gpu_id: str, precision: str, fp8_recipe: str, ep_cross: bool, seq_len: int,
-                 moe: bool) -> list[str]:
+                 moe: bool, fabric: str = "nvswitch") -> list[str]:
     """The REGIME_LORO regimes an estimate falls in (names as benchmarks/validate_published.py's
-    REGIMES)."""
+    REGIMES). `fabric`: the scale-up fabric its groups inside a node run on where it has one (every
+    published run ran on NVSwitch nodes, so another fabric, an xGMI or NVLink mesh or PCIe, is a
+    regime without rows: its collectives' bandwidths are the GPU table's estimates)."""
     out = [f"stack {stack}", f"gpu {regime_generation(gpu_id)}"]
+    if fabric and fabric != "nvswitch":
+        out.append(f"fabric {fabric}")
     if precision == Precision.FP8:
         out.append("fp8 per-tensor scales" if fp8_recipe in PER_TENSOR_FP8_RECIPES else "fp8 block/row/mx recipes")
     if ep_cross:
@@ -181,7 +185,7 @@ def extrapolation(regimes: list[str]) -> tuple[float, tuple[str, ...]]:
 # free its cached blocks and retry a cudaMalloc (`num_alloc_retries` in torch.cuda.memory_stats), each
 # retry a device synchronisation the cost model does not price. The two published rows with the highest
 # predicted peak are its two worst over-predictions outside context parallelism (MPT-30B at 8k on 8
-# H100s, 99% of usable memory, +34%; Megatron-Bridge 25.11 Qwen3-30B-A3B, 97%, +79%), while four other
+# H100s, 99% of usable memory, +31%; Megatron-Bridge 25.11 Qwen3-30B-A3B, 97%, +79%), while four other
 # rows at 95-96% are within 11%: too few to price, enough to say.
 MEMORY_PRESSURE_FRAC = 0.95
 _MEMORY_NOTE = "memory: "          # how the note starts: memory_pressed finds it by this

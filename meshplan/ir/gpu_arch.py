@@ -8,11 +8,11 @@ __all__ = ["gpu_generation", "orders_kernels_by_queue"]
 
 def gpu_generation(gpu_id: str) -> str:
     """The tensor-core generation: "ampere" (A100, and Ada's L40S, which runs the same mma.sync
-    kernels), "hopper" (H100, H800, H200), "blackwell" (B200, GB200, B300, GB300), "other" (AMD, CPU
+    kernels), "hopper" (H100, H800, H200, GH200), "blackwell" (B200, GB200, B300, GB300), "other" (AMD, CPU
     processes)."""
     if gpu_id.startswith(("a100", "l40s")):
         return "ampere"
-    if gpu_id.startswith(("h100", "h800", "h200")):
+    if gpu_id.startswith(("h100", "h800", "h200", "gh200")):
         return "hopper"
     if gpu_id.startswith(("b200", "gb200", "b300", "gb300")):
         return "blackwell"

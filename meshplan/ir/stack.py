@@ -286,6 +286,8 @@ class Stack:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Stack":
         d = dict(d)
+        if "fsdp_copies" in d and "fsdp_passes" not in d:     # the field's name and type before 2026-11-28
+            d["fsdp_passes"] = "fsdp2" if d.pop("fsdp_copies") else "none"
         for k in ("cp_kinds", "fp8_recipes", "fp8_param_gather", "parallel_dims", "recompute", "moe_dispatchers",
                   "schedules", "fsdp_impls"):
             if k in d:

@@ -1,5 +1,6 @@
 """The GPU variants published training runs were measured on: the torchtitan paper's power-capped
-H100 96GB HBM2e (Meta Grand Teton), DeepSeek-V3's H800, and Blackwell Ultra (B300, GB300 NVL72).
+H100 96GB HBM2e (Meta Grand Teton), DeepSeek-V3's H800, and Blackwell Ultra (B300, GB300 NVL72);
+and GH200 Grace Hopper, four to a node without an NVSwitch (CSCS Alps).
 Each resolves by the names runs use, carries its sources, relates to its base part as the sources
 say, agrees with its row in hardware.csv, and builds its preset."""
 
@@ -21,12 +22,14 @@ ALIASES = {
     "h800": ("H800", "h800-sxm", "H800 SXM5", "h800_80gb"),
     "b300": ("B300", "b300-sxm", "HGX B300", "DGX_B300"),
     "gb300": ("GB300", "gb300-nvl72", "GB300 NVL72"),
+    "gh200": ("GH200", "gh200-96gb", "Grace Hopper", "GH200 superchip"),
 }
 CSV_ROWS = {
     "h100-sxm-96gb-500w": "NVIDIA H100 SXM 96GB HBM2e (500 W limit, Grand Teton)",
     "h800": "NVIDIA H800 SXM5 80GB",
     "b300": "NVIDIA B300 (HGX/DGX B300, Blackwell Ultra)",
     "gb300": "NVIDIA GB300 (NVL72, per GPU)",
+    "gh200": "NVIDIA GH200 Grace Hopper 96GB (4 per node)",
 }
 from test_cluster import CSV_COLUMNS  # noqa: E402 - the CSV column -> spec map the GPU table tests share
 
@@ -105,6 +108,28 @@ def test_gb300_is_gb200_compute_with_more_memory_and_faster_nics():
     assert _achieved(gb300) == pytest.approx(1769.0 * 1822.0 / 1745.0)
 
 
+def test_gh200_is_h100_compute_on_a_four_gpu_nvlink_mesh():
+    """CSCS's Alps node: H100 compute with 96 GB of HBM3 at 4 TB/s, four GPUs all-to-all on NVLink
+    (150 GB/s per direction to each peer, no NVSwitch, so no NVLS), one 200 Gb/s NIC each. A pair of
+    GPUs has one peer link; four use all three, and a collective over two nodes leaves the node on
+    the NICs."""
+    from meshplan.cost_models.comm import intra_busbw, p2p_time
+    gh, h100 = GPUS["gh200"], GPUS["h100-sxm"]
+    for name in ("bf16_tflops", "fp8_tflops", "gemm_efficiency", "fp8_gemm_efficiency"):
+        assert getattr(gh, name) == getattr(h100, name), name
+    assert (gh.hbm_gb, gh.hbm_tb_s) == (96.0, 4.0) and gh.hbm_tb_s > h100.hbm_tb_s
+    assert (gh.scaleup, gh.scaleup_domain, gh.node_gpus, gh.per_peer_gb_s) == ("nvlink-mesh", 4, 4, 150.0)
+    assert gh.scaleup_gb_s == 3 * gh.per_peer_gb_s and gh.nvls_busbw_gb_s is None
+    assert gh.nic_gbit == 200.0 and gh.nic_busbw_gb_s * 8 < 200.0
+    node = Cluster.preset("gh200-4", nodes=2)
+    assert intra_busbw(node, 2, "all_gather") == pytest.approx(intra_busbw(node, 4, "all_gather") / 3)
+    assert intra_busbw(node, 4, "all_reduce") == pytest.approx(gh.scaleup_busbw_gb_s)   # no NVLS
+    # one peer link for a point-to-point transfer inside the node, the NIC across nodes
+    inside, across = (p2p_time(1e9, node, cross_domain=c) for c in (False, True))
+    assert inside < across and across == pytest.approx(1e9 / (gh.nic_busbw_gb_s * 1e9), rel=0.01)
+    assert "cscs-docs" in gh.sources
+
+
 @pytest.mark.parametrize("gpu_id", sorted(CSV_ROWS))
 def test_variant_agrees_with_its_hardware_csv_row(gpu_id):
     rows = {r["gpu"]: r for r in csv.DictReader(HARDWARE_CSV.open(newline=""))}
@@ -137,6 +162,7 @@ def read_achieved(spec, column: str) -> float:
     ("dgx-h800", "h800", 8, 1, 8),
     ("dgx-b300", "b300", 8, 1, 8),
     ("gb300-nvl72", "gb300", 4, 18, 72),
+    ("gh200-4", "gh200", 4, 1, 4),
 ])
 def test_variant_presets(name, gpu_id, gpn, nodes, domain):
     c = Cluster.preset(name)

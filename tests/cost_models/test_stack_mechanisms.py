@@ -197,6 +197,9 @@ def test_fsdp1_builds_each_units_unsharded_gradient_before_reducing_it(llama):
                                                                  rel=0.02)
     with pytest.raises(ConfigError, match="fsdp_passes"):
         lf.replace(fsdp_passes="fsdp3")
+    # a stack saved with the boolean field this one replaced still loads
+    old = {k: v for k, v in STACKS["torchtitan"].to_dict().items() if k != "fsdp_passes"}
+    assert type(lf).from_dict({**old, "fsdp_copies": True}) == STACKS["torchtitan"]
 
 
 def test_tp_overlap_needs_the_tp_group_inside_one_nvlink_domain():
