@@ -110,6 +110,23 @@ def test_a_plan_in_a_thinly_validated_regime_says_so_and_widens_its_band():
     assert cpu.extrapolation == ()
 
 
+def test_a_plan_on_a_fabric_no_published_run_used_says_so():
+    """Every published run ran on NVSwitch nodes: a plan whose groups run on an NVLink mesh (GH200
+    nodes), an xGMI mesh or PCIe extrapolates in its fabric; on one GPU no collective runs on it."""
+    import meshplan as mp
+    from meshplan.cost_models.uncertainty import REGIME_UNSEEN
+    kw = dict(seq_len=8192, global_batch=64, stack="megatron-core")
+    for preset, fabric in (("gh200-4", "nvlink-mesh"), ("mi300x-8", "xgmi"), ("h100-pcie-8", "pcie")):
+        e = mp.estimate("llama3-8b", mp.Cluster.preset(preset, nodes=2), {"dp": 16 if preset != "gh200-4" else 8},
+                        **kw)
+        assert any(n.startswith(f"fabric {fabric}: no published run") for n in e.extrapolation), preset
+        assert e.uncertainty >= REGIME_UNSEEN
+    h100 = mp.estimate("llama3-8b", mp.Cluster.preset("dgx-h100", nodes=2), {"dp": 16}, **kw)
+    assert not any(n.startswith("fabric") for n in h100.extrapolation)
+    one = mp.estimate("llama3-8b", mp.Cluster(gpu="gh200", num_gpus=1, gpus_per_node=1), {}, **kw)
+    assert not any(n.startswith("fabric") for n in one.extrapolation)
+
+
 def test_a_plan_near_the_usable_memory_says_the_allocator_may_retry():
     import meshplan as mp
     from meshplan.cost_models.uncertainty import MEMORY_PRESSURE_FRAC, memory_pressure
