@@ -128,6 +128,14 @@ def _solve_dp(d: StageInputs, cap: float, nmin: int, tie_break: bool) -> tuple[i
     return best
 
 
+# The share of the time limit the interleaved tie-break may take. It refines among splits that are
+# equally fast by their slowest rank, and HiGHS finds its best such split early, then spends the rest
+# proving it: on the splits a what-if sweep of Llama 3 70B refines (80 layers over 16-40 virtual
+# stages), the slowest stage after 0.1 s equalled the one after 1 s in every case, where five of 21
+# calls ran the full second to the limit.
+TIE_BREAK_SHARE = 0.1
+
+
 def _solve_ilp(d: StageInputs, cap: float, nmin: int, tie_break: bool, time_limit_s: float, name: str, *,
                with_incumbent: bool) -> tuple[tuple[int, ...], str]:
     t0 = time.perf_counter()
@@ -139,8 +147,8 @@ def _solve_ilp(d: StageInputs, cap: float, nmin: int, tie_break: bool, time_limi
     if start is not None:
         model.add_incumbent(T, max(d.rank_costs(start)[0]))
         model.start_from(start)
-    # a quarter of the time limit is kept for the tie-break: it refines, it must not double the cost
-    first_limit = time_limit_s * (0.75 if tie_break and d.S > 1 else 1.0)
+    # the tie-break's share of the time limit is kept for it: it refines, it must not double the cost
+    first_limit = time_limit_s * (1.0 - TIE_BREAK_SHARE if tie_break and d.S > 1 else 1.0)
     status = solve(model.prob, time_limit_s=first_limit, solver=name, warm_start=start is not None)
     found = [start] if start is not None else []
     if has_solution(model.prob):
@@ -151,7 +159,7 @@ def _solve_ilp(d: StageInputs, cap: float, nmin: int, tie_break: bool, time_limi
         _raise_does_not_fit(d, cap, _least_memory_ilp(d, nmin, name, time_limit_s), status)
     best = min(found, key=lambda sl: (max(d.rank_costs(sl)[0]), max(d.rank_costs(sl)[1])))
     label = name if proved_optimal(model.prob) else f"{name} (time limit)"
-    left = time_limit_s - (time.perf_counter() - t0)
+    left = min(time_limit_s - (time.perf_counter() - t0), TIE_BREAK_SHARE * time_limit_s)
     if tie_break and d.S > 1 and left > 0:
         best = _tie_break(d, cap, nmin, name, left, best)
     return best, label
