@@ -439,7 +439,8 @@ def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW)
     win on its point estimate. For the same reason a layout of the same complexity carrying less of
     that risk (less expert parallelism) may replace it too. Neither changes anything when no
     estimate carries such a risk. Likewise a layout as simple with memory headroom may replace a
-    fastest whose GPU peak is within MEMORY_PRESSURE_FRAC of the usable memory."""
+    fastest whose GPU peak is within MEMORY_PRESSURE_FRAC of the usable memory, and a layout within it
+    never replaces a fastest outside it."""
     if not ranked:
         return None, ""
     best = ranked[0]
@@ -451,6 +452,8 @@ def prefer_simpler(ranked: list, *, max_candidates: int = PREFER_SIMPLER_WINDOW)
     for e in ranked[1:max_candidates] + beyond:
         if not e.fits or e.precision != best.precision:
             continue
+        if memory_pressed(e) and not memory_pressed(best):
+            continue      # simplicity bought with the fastest's memory headroom is a bet, not a saving
         ce, he = complexity(e.layout, e.regime), upper_risk(e)
         # only a simpler (or as simple with a lower bound on the busiest rank's load: ep2 against
         # ep8 when nothing balances, not a recompute variant of the same EP degree) AND no less

@@ -169,6 +169,23 @@ def test_the_planner_prefers_memory_headroom_inside_the_band():
     assert prefer_simpler(roomy)[0] is roomy[0]
 
 
+def test_a_simpler_layout_does_not_buy_its_simplicity_with_the_memory_headroom():
+    """ZeRO-1 is simpler than ZeRO-3, but a ZeRO-1 layout within 95% of the usable memory does not
+    replace a faster ZeRO-3 one with headroom, however close their step times (Llama 3 8B on 256
+    H100s chose dp256 ZeRO-1 at 100% of the usable memory over ZeRO-3 micro-batch 2 at 93%)."""
+    import meshplan as mp
+    from meshplan.cost_models.uncertainty import complexity, memory_pressed, prefer_simpler
+    cl = mp.Cluster.preset("dgx-h100", nodes=32)
+    kw = dict(seq_len=8192, global_batch=1024, stack="meshplan")
+    z3 = mp.estimate("llama3-8b", cl, {"dp": 256, "zero": 3, "mbs": 2}, **kw)
+    z1 = mp.estimate("llama3-8b", cl, {"dp": 256, "zero": 1, "mbs": 1, "recompute": "norm_act"}, **kw)
+    assert z3.fits and z1.fits and z3.step_time_s < z1.step_time_s
+    assert complexity(z1.layout, z1.regime) < complexity(z3.layout, z3.regime)
+    assert memory_pressed(z1) and not memory_pressed(z3)
+    assert prefer_simpler([z3, z1])[0] is z3
+    assert mp.plan("llama3-8b", cl, **kw).estimate.peak_memory_gb < 0.95 * z3.capacity_gb
+
+
 def test_a_hidden_collective_adds_its_own_error():
     # 0.05 s of DP comm shows out of 0.4 s: the 0.35 s hidden carry X_HIDDEN beside X_DP on what shows
     t = {"compute": 1.0, "dp": 0.05}
