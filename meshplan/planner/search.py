@@ -230,6 +230,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             _opts("ep", f, eps), _opts("schedule", f, scheds),
                             _opts("zero", f, tuple(z for z in ((0, 1, 3) if dp * cp > 1 else (1,))
                                                     if pp == 1 or z <= stack.max_zero_with_pp))):
+                        if pp > 1 and zero > stack.max_zero_with_pp:
+                            continue    # a fixed ZeRO stage the stack does not run beside a pipeline
                         etp = f.get("etp", 1)
                         if runtime and zero == 0 and "zero" not in f and \
                                 not runs_as_ddp(zero=0, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp):
@@ -253,7 +255,8 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                             # micro-batches (the cost model also drops it under full recompute)
                             choices["ep_comm_overlap"] = True
                         choices.update({k: f[k] for k in PASSED_THROUGH if k in f})
-                        for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f):
+                        for variant in _fsdp_variants(zero, dp * cp, cluster.gpus_per_node // (tp * cp), f,
+                                                      stack.fsdp_impls):
                             try:
                                 cand = Layout(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, ep=ep, etp=etp, zero=zero,
                                               schedule=schedule, stage_layers=stage_layers, **{**choices, **variant})
@@ -296,16 +299,24 @@ def search(profile: ModelProfile, cluster, *, seq_len: int, global_batch: int, p
                         rejected_fast=fastest, stats=stats, unsupported=excluded)
 
 
-def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any],
+                   impls: tuple[str, ...] = ("fsdp2",)) -> list[dict[str, Any]]:
     """ZeRO-3 flavours: FSDP (shard over all of dp*cp, reshard after forward), keep the gathered
-    weights until backward (ZeRO-2-like), and HSDP (shard inside a node, replicate across)."""
+    weights until backward (ZeRO-2-like), and HSDP (shard inside a node, replicate across), in the
+    stack's ZeRO-3 (Stack.fsdp_impls: PyTorch FSDP where it has it). DeepSpeed's (Megatron-LM 2021,
+    Megatron-DeepSpeed) shards over all of dp*cp and regathers for backward: the other two are not its."""
     if zero != 3:
         return [{}]
+    impl = f.get("fsdp_impl") or ("fsdp2" if "fsdp2" in impls else impls[0])
+    if impl == "deepspeed":
+        return [{"fsdp_impl": impl, **{k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}}]
+    out_impl = {} if impl == "fsdp2" or "fsdp_impl" in f else {"fsdp_impl": impl}
     out = [dict(fsdp_shard=0, reshard_after_forward=True), dict(fsdp_shard=0, reshard_after_forward=False)]
     if 1 < node_ranks < dpcp and dpcp % node_ranks == 0:
         out.append(dict(fsdp_shard=node_ranks, reshard_after_forward=True))
     keep = [v for v in out if all(f[k] == v[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f)]
-    return keep or [{k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}]
+    return [{**v, **out_impl} for v in keep] or [{**{k: f[k] for k in ("fsdp_shard", "reshard_after_forward")
+                                                    if k in f}, **out_impl}]
 
 
 def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0, stack: Stack | None = None) -> list:

@@ -73,3 +73,20 @@ def test_plans_for_the_stack_run_plain_1f1b(gpt):
     assert all(e.layout.zero <= 1 for e in [plan.estimate, *plan.runner_ups])
     with pytest.raises(ConfigError, match="ZeRO up to stage 1 with pipeline parallelism"):
         mp.plan(gpt, A100, seq_len=2048, global_batch=256, stack="megatron-deepspeed", fixed=dict(pp=4, zero=3))
+
+
+def test_plans_use_the_stacks_own_zero3(gpt):
+    """Megatron-LM 2021 and Megatron-DeepSpeed ran DeepSpeed's ZeRO-3, not PyTorch FSDP's: their ZeRO-3
+    plans say so and take none of FSDP's options (keep-gathered, HSDP); a fixed ZeRO-3 on
+    Megatron-DeepSpeed keeps the pipeline at 1 stage (its engine refuses ZeRO-3 beside a pipeline)."""
+    for stack in (DS, M21):
+        assert "fsdp2" not in stack.fsdp_impls
+        plan = mp.plan(gpt, A100, seq_len=2048, global_batch=256, stack=stack.name, fixed=dict(zero=3))
+        lays = [plan.layout, *(r.layout for r in plan.runner_ups)]
+        assert all(x.fsdp_impl == "deepspeed" and x.fsdp_shard == 0 and x.reshard_after_forward
+                   for x in lays if x.zero == 3), stack.name
+        if stack is DS:
+            assert all(x.pp == 1 for x in lays if x.zero == 3)
+    # PyTorch-native stacks keep FSDP's flavours
+    tt = mp.plan(gpt, A100, seq_len=2048, global_batch=256, stack="torchtitan", fixed=dict(zero=3))
+    assert tt.layout.fsdp_impl == "fsdp2"
