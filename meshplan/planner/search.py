@@ -308,15 +308,15 @@ def _fsdp_variants(zero: int, dpcp: int, node_ranks: int, f: Mapping[str, Any],
     if zero != 3:
         return [{}]
     impl = f.get("fsdp_impl") or ("fsdp2" if "fsdp2" in impls else impls[0])
+    fixed = {k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}
     if impl == "deepspeed":
-        return [{"fsdp_impl": impl, **{k: f[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f}}]
-    out_impl = {} if impl == "fsdp2" or "fsdp_impl" in f else {"fsdp_impl": impl}
+        return [{"fsdp_impl": impl, **fixed}]
+    named = {} if impl == "fsdp2" or "fsdp_impl" in f else {"fsdp_impl": impl}   # a fixed one is passed through
     out = [dict(fsdp_shard=0, reshard_after_forward=True), dict(fsdp_shard=0, reshard_after_forward=False)]
     if 1 < node_ranks < dpcp and dpcp % node_ranks == 0:
         out.append(dict(fsdp_shard=node_ranks, reshard_after_forward=True))
-    keep = [v for v in out if all(f[k] == v[k] for k in ("fsdp_shard", "reshard_after_forward") if k in f)]
-    return [{**v, **out_impl} for v in keep] or [{**{k: f[k] for k in ("fsdp_shard", "reshard_after_forward")
-                                                    if k in f}, **out_impl}]
+    keep = [v for v in out if all(v[k] == x for k, x in fixed.items())]
+    return [{**v, **named} for v in keep or [fixed]]
 
 
 def _recompute_options(profile: ModelProfile, pp: int, seq_len: int = 0, stack: Stack | None = None) -> list:
